@@ -1,0 +1,9 @@
+"""gradpack: gradient compression for distributed training, with MXNet's API.
+
+``gradpack.nd.contrib`` holds the 2-bit operators on numpy arrays;
+``import gradpack.mxnet`` registers them into a real MXNet."""
+from .base import Error, kernel_name, version
+from . import nd
+
+__version__ = version()
+__all__ = ["Error", "nd", "kernel_name", "__version__"]

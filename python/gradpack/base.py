@@ -1,0 +1,58 @@
+"""Loading the native library and converting its errors: the one place where
+gradpack's C ABI meets Python."""
+import ctypes
+import glob
+import os
+
+import numpy as np
+
+__all__ = ["Error", "check_call", "lib_path", "LIB"]
+
+
+class Error(ValueError):
+    """Bad input to gradpack: the message names what is wrong. Outputs are untouched."""
+
+
+def _find_library():
+    explicit = os.environ.get("GRADPACK_LIBRARY")
+    if explicit:
+        return os.path.abspath(explicit)
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_native*.so")))
+    if not found:
+        raise ImportError(
+            "gradpack's native library is missing from %s: install the package with "
+            "`pip install .` from the repository root, or set GRADPACK_LIBRARY to a built "
+            "libgradpack.so" % here)
+    return found[0]
+
+
+lib_path = _find_library()
+LIB = ctypes.CDLL(lib_path, mode=ctypes.RTLD_GLOBAL)
+
+_u64 = ctypes.c_uint64
+_f32p = ctypes.POINTER(ctypes.c_float)
+LIB.gp_error_last.restype = ctypes.c_char_p
+LIB.gp_version.restype = ctypes.c_char_p
+LIB.gp_kernel_name.restype = ctypes.c_char_p
+LIB.gp_2bit_compressed_len.restype = _u64
+LIB.gp_2bit_compressed_len.argtypes = [_u64]
+LIB.gp_2bit_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, _u64, ctypes.c_void_p, _u64,
+                                 ctypes.c_void_p, _u64, ctypes.c_float, ctypes.c_float]
+LIB.gp_2bit_dequantize.argtypes = [ctypes.c_void_p, _u64, ctypes.c_void_p, _u64]
+LIB.gp_2bit_dequantize_add.argtypes = [ctypes.c_void_p, _u64, ctypes.c_void_p, _u64]
+
+
+def check_call(status):
+    """Raise Error with the library's message when a C call failed."""
+    if status != 0:
+        raise Error(LIB.gp_error_last().decode("utf-8", "replace"))
+
+
+def version():
+    return LIB.gp_version().decode()
+
+
+def kernel_name():
+    """The codec kernel chosen for this CPU: 'avx2' or 'portable'."""
+    return LIB.gp_kernel_name().decode()

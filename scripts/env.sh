@@ -1,0 +1,21 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: makes sure .venv exists with
+# what gradpack needs (MXNet 1.9.1 wants numpy<1.24), then installs gradpack
+# itself into it from this checkout (cargo keeps target/ between runs).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv="$root/.venv"
+stamp="$venv/.gradpack-deps-1"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if [ ! -f "$stamp" ]; then
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q 'numpy<1.24' 'mxnet==1.9.1' ml_dtypes pytest 'setuptools>=64' \
+    'setuptools-rust>=1.7' wheel scikit-learn
+  touch "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+export PYTHON="$venv/bin/python"
+# gradpack with its MXNet operator library (mxnet is importable in the venv).
+GRADPACK_MXNET=1 "$venv/bin/pip" install -q --no-build-isolation --no-deps "$root"

@@ -1,0 +1,45 @@
+//! Element types a gradient may have. The trait is sealed: kernels rely on
+//! `DTYPE` telling the true memory layout of `Self`.
+
+use crate::error::Dtype;
+use half::{bf16, f16};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A gradient element: f32, f16 or bf16. Widening to f32 is exact for all three.
+pub trait Gradient: sealed::Sealed + Copy + Send + Sync + 'static {
+    /// The layout of `Self`; kernels reinterpret pointers according to it.
+    const DTYPE: Dtype;
+    fn to_f32(self) -> f32;
+}
+
+impl Gradient for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Gradient for f16 {
+    const DTYPE: Dtype = Dtype::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl Gradient for bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        // bf16 is the upper half of an f32: widening is a shift, exact for every
+        // bit pattern (NaN payloads included), which the AVX2 path reproduces.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}

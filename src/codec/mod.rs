@@ -1,0 +1,142 @@
+//! The 2-bit codec of SPEC §1: header `[neg_threshold, pos_threshold, n]`, then
+//! 16 two-bit codes per float, with error feedback into an f32 residual.
+//!
+//! This module owns validation and the public API; `reference` is the oracle,
+//! `portable` and `avx2` the fast kernels, `platform` picks one, `join` spreads
+//! chunks over threads. Compressed blocks are only ever touched as `u32` bits.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod gradient;
+mod join;
+mod platform;
+mod portable;
+pub mod reference;
+#[cfg(test)]
+mod test;
+
+pub use gradient::Gradient;
+pub use join::CHUNK;
+pub use platform::Platform;
+
+use crate::error::{Error, Result};
+
+/// Number of header floats before the blocks.
+pub const HEADER_LEN: usize = 3;
+
+/// A validated pair of thresholds: both finite, `neg < 0 < pos`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Thresholds {
+    pub(crate) neg: f32,
+    pub(crate) pos: f32,
+}
+
+impl Thresholds {
+    pub fn new(neg: f32, pos: f32) -> Result<Thresholds> {
+        let reason = if !neg.is_finite() || !pos.is_finite() {
+            "both must be finite"
+        } else if !(neg < 0.0) {
+            "neg_threshold must be < 0"
+        } else if !(pos > 0.0) {
+            "pos_threshold must be > 0"
+        } else {
+            return Ok(Thresholds { neg, pos });
+        };
+        Err(Error::InvalidThreshold { neg, pos, reason })
+    }
+
+    /// MXNet 1.x's single `threshold`: `pos = t`, `neg = -t`.
+    pub fn symmetric(threshold: f32) -> Result<Thresholds> {
+        Thresholds::new(-threshold, threshold)
+    }
+
+    pub fn neg(self) -> f32 {
+        self.neg
+    }
+
+    pub fn pos(self) -> f32 {
+        self.pos
+    }
+}
+
+/// Length of the compressed array for `n` gradient elements: `3 + ceil(n / 16)`.
+pub fn compressed_len(n: usize) -> usize {
+    HEADER_LEN + n.div_ceil(16)
+}
+
+/// A zero-filled compressed array for a gradient of `n` elements.
+pub fn create_2bit(n: usize) -> Vec<f32> {
+    vec![0.0; compressed_len(n)]
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::SizeMismatch { what, expected, got })
+    }
+}
+
+/// The blocks of a compressed array as raw bits.
+pub fn blocks(compr: &[f32]) -> &[u32] {
+    // SAFETY: f32 and u32 have the same size and alignment; every bit pattern is valid for both.
+    unsafe { std::slice::from_raw_parts(compr.as_ptr().cast::<u32>(), compr.len()) }.get(HEADER_LEN..).unwrap_or(&[])
+}
+
+fn blocks_mut(compr: &mut [f32]) -> &mut [u32] {
+    // SAFETY: as in `blocks`; the mutable borrow of `compr` is moved into the result.
+    let all = unsafe { std::slice::from_raw_parts_mut(compr.as_mut_ptr().cast::<u32>(), compr.len()) };
+    &mut all[HEADER_LEN..]
+}
+
+/// Quantizes `grad` with error feedback: updates `residual` and writes `compr`
+/// (header and blocks). On error nothing is written.
+pub fn quantize_2bit<G: Gradient>(grad: &[G], residual: &mut [f32], compr: &mut [f32], th: Thresholds) -> Result<()> {
+    let n = grad.len();
+    check_len("residual", n, residual.len())?;
+    check_len("compressed array", compressed_len(n), compr.len())?;
+    compr[0] = th.neg;
+    compr[1] = th.pos;
+    compr[2] = n as f32; // round to nearest, as SPEC §1 says
+    join::quantize(Platform::detect(), grad, residual, blocks_mut(compr), th);
+    Ok(())
+}
+
+/// Checks a compressed array against an output of `n` elements: length, header
+/// size, thresholds, and that no block holds code 0b11 or non-zero padding.
+/// Returns the thresholds it carries.
+pub fn check_compressed(compr: &[f32], n: usize) -> Result<Thresholds> {
+    check_len("compressed array", compressed_len(n), compr.len())?;
+    if compr[2] != n as f32 {
+        return Err(Error::HeaderSizeMismatch { header: compr[2], expected: n });
+    }
+    let th = Thresholds::new(compr[0], compr[1])?;
+    let bl = blocks(compr);
+    if join::any_code_11(bl) {
+        let (block, w) = bl.iter().enumerate().find(|(_, w)| *w & (*w >> 1) & 0x5555_5555 != 0).expect("scan found one");
+        let first = 31 - (w & (w >> 1) & 0x5555_5555).leading_zeros() as usize; // bit 30-2j
+        return Err(Error::CorruptCode { block, element: block * 16 + (30 - first) / 2 });
+    }
+    let rem = n % 16;
+    if rem != 0 {
+        let padding_mask = (1u32 << (2 * (16 - rem))) - 1;
+        if bl[bl.len() - 1] & padding_mask != 0 {
+            return Err(Error::CorruptPadding { block: bl.len() - 1, n });
+        }
+    }
+    Ok(th)
+}
+
+/// Decodes `compr` into `out` (its size gives `n`). On error nothing is written.
+pub fn dequantize_2bit(compr: &[f32], out: &mut [f32]) -> Result<()> {
+    let th = check_compressed(compr, out.len())?;
+    join::dequantize::<false>(Platform::detect(), blocks(compr), th, out);
+    Ok(())
+}
+
+/// Decodes `compr` and adds it into `sum` (the reduce step). On error nothing is written.
+pub fn dequantize_2bit_add(compr: &[f32], sum: &mut [f32]) -> Result<()> {
+    let th = check_compressed(compr, sum.len())?;
+    join::dequantize::<true>(Platform::detect(), blocks(compr), th, sum);
+    Ok(())
+}

@@ -1,0 +1,77 @@
+//! Which kernel runs: detected once, cached in one enum.
+
+use std::sync::OnceLock;
+
+use super::gradient::Gradient;
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
+use super::{portable, Thresholds};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Platform {
+    /// Runs everywhere.
+    Portable,
+    /// x86-64 with AVX2 and F16C.
+    Avx2,
+}
+
+impl Platform {
+    /// The fastest kernel this CPU supports; detected on first use, then cached.
+    /// `GRADPACK_KERNEL=portable` forces the portable kernel (for benchmarks).
+    pub fn detect() -> Platform {
+        static CHOICE: OnceLock<Platform> = OnceLock::new();
+        *CHOICE.get_or_init(|| {
+            let forced_portable = std::env::var("GRADPACK_KERNEL").map(|v| v == "portable").unwrap_or(false);
+            if !forced_portable && Self::Avx2.is_supported() {
+                Platform::Avx2
+            } else {
+                Platform::Portable
+            }
+        })
+    }
+
+    /// Every kernel that can run on this CPU (tests compare them all).
+    pub fn available() -> Vec<Platform> {
+        [Platform::Portable, Platform::Avx2].into_iter().filter(|p| p.is_supported()).collect()
+    }
+
+    pub fn is_supported(self) -> bool {
+        match self {
+            Platform::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Platform::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"),
+            #[cfg(not(target_arch = "x86_64"))]
+            Platform::Avx2 => false,
+        }
+    }
+
+    /// Quantizes one chunk. Slice lengths as for `reference::quantize`.
+    pub fn quantize<G: Gradient>(self, grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) {
+        match self {
+            Platform::Portable => portable::quantize(grad, residual, blocks, th),
+            #[cfg(target_arch = "x86_64")]
+            Platform::Avx2 => {
+                assert!(self.is_supported(), "AVX2 kernel requested on a CPU without AVX2/F16C");
+                // SAFETY: the assert above checked AVX2 and F16C at run time.
+                unsafe { avx2::quantize(grad, residual, blocks, th) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Platform::Avx2 => unreachable!("AVX2 kernel requested on a non-x86-64 CPU"),
+        }
+    }
+
+    /// Dequantizes one chunk of validated blocks, overwriting or adding into `out`.
+    pub fn dequantize<const ADD: bool>(self, blocks: &[u32], th: Thresholds, out: &mut [f32]) {
+        match self {
+            Platform::Portable => portable::dequantize::<ADD>(blocks, th, out),
+            #[cfg(target_arch = "x86_64")]
+            Platform::Avx2 => {
+                assert!(self.is_supported(), "AVX2 kernel requested on a CPU without AVX2/F16C");
+                // SAFETY: the assert above checked AVX2 and F16C at run time.
+                unsafe { avx2::dequantize::<ADD>(blocks, th, out) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Platform::Avx2 => unreachable!("AVX2 kernel requested on a non-x86-64 CPU"),
+        }
+    }
+}

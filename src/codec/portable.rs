@@ -1,0 +1,57 @@
+//! Portable chunked kernels: whole 16-element blocks in straight-line code the
+//! compiler can vectorise on any target. Runs everywhere; the fallback.
+
+use super::gradient::Gradient;
+use super::reference;
+use super::Thresholds;
+
+pub fn quantize<G: Gradient>(grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) {
+    let full = grad.len() / 16;
+    let (g_full, g_tail) = grad.split_at(full * 16);
+    let (r_full, r_tail) = residual.split_at_mut(full * 16);
+    for ((g, r), w) in g_full.chunks_exact(16).zip(r_full.chunks_exact_mut(16)).zip(blocks.iter_mut()) {
+        let mut word = 0u32;
+        for j in 0..16 {
+            let x = r[j] + g[j].to_f32();
+            let ge = x >= th.pos;
+            let le = x <= th.neg;
+            r[j] = if ge {
+                x - th.pos
+            } else if le {
+                x - th.neg
+            } else {
+                x
+            };
+            word |= ((ge as u32) << (30 - 2 * j)) | ((le as u32) << (31 - 2 * j));
+        }
+        *w = word;
+    }
+    if !g_tail.is_empty() {
+        blocks[full] = reference::quantize_block(g_tail, r_tail, th);
+    }
+}
+
+pub fn dequantize<const ADD: bool>(blocks: &[u32], th: Thresholds, out: &mut [f32]) {
+    let full = out.len() / 16;
+    let (o_full, o_tail) = out.split_at_mut(full * 16);
+    for (o, &word) in o_full.chunks_exact_mut(16).zip(blocks.iter()) {
+        for j in 0..16 {
+            let code = (word >> (30 - 2 * j)) & 0b11;
+            let v = if code == 0b01 {
+                th.pos
+            } else if code == 0b10 {
+                th.neg
+            } else {
+                0.0
+            };
+            if ADD {
+                o[j] += v;
+            } else {
+                o[j] = v;
+            }
+        }
+    }
+    if !o_tail.is_empty() {
+        reference::dequantize_block::<ADD>(blocks[full], th, o_tail);
+    }
+}

@@ -1,0 +1,61 @@
+//! The crate's one error type. Variants are grouped by area; each carries what a
+//! caller needs to fix the call. Bindings convert it once, at their edge.
+
+use std::fmt;
+
+/// Element types a gradient may have. The residual is always f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dtype::F32 => "float32",
+            Dtype::F16 => "float16",
+            Dtype::Bf16 => "bfloat16",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum Error {
+    // --- codec: parameters -------------------------------------------------
+    #[error("invalid thresholds neg_threshold={neg} pos_threshold={pos}: {reason}")]
+    InvalidThreshold { neg: f32, pos: f32, reason: &'static str },
+
+    // --- codec: buffer shapes ----------------------------------------------
+    #[error("{what} has {got} elements, expected {expected}")]
+    SizeMismatch { what: &'static str, expected: usize, got: usize },
+
+    #[error("compressed header says size {header} but the output has {expected} elements")]
+    HeaderSizeMismatch { header: f32, expected: usize },
+
+    #[error("gradient of {n} elements is too large for the 2-bit header (at most 2^24 = 16777216 elements are exact in float32)")]
+    TooLarge { n: usize },
+
+    // --- codec: corrupt data -----------------------------------------------
+    #[error("corrupt compressed block {block}: element {element} has code 0b11, which quantize never produces")]
+    CorruptCode { block: usize, element: usize },
+
+    #[error("corrupt compressed block {block}: padding past size {n} must be code 0b00")]
+    CorruptPadding { block: usize, n: usize },
+
+    // --- bindings ------------------------------------------------------------
+    #[error("{what} must not be a null pointer")]
+    NullPointer { what: &'static str },
+
+    #[error("{a} and {b} overlap in memory; they must be distinct buffers")]
+    OverlappingBuffers { a: &'static str, b: &'static str },
+
+    #[error("unknown dtype code {0} (0 = float32, 1 = float16, 2 = bfloat16)")]
+    UnknownDtype(i32),
+
+    #[error("internal error (a bug in gradpack): {0}")]
+    Internal(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

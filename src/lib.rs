@@ -1,0 +1,12 @@
+//! gradpack: gradient compression for distributed training.
+//!
+//! The Rust core does all the work; `capi` (C ABI) and `bridge` (cxx, for the
+//! MXNet operator library) are thin edges that convert errors once.
+
+mod bridge;
+pub mod capi;
+pub mod codec;
+pub mod error;
+
+pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, Thresholds};
+pub use error::{Dtype, Error, Result};
