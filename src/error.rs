@@ -44,6 +44,23 @@ pub enum Error {
     #[error("corrupt compressed block {block}: padding past size {n} must be code 0b00")]
     CorruptPadding { block: usize, n: usize },
 
+    // --- parameters (compress_params, optimizers) ---------------------------
+    #[error("invalid parameter '{key}': {problem}")]
+    InvalidParam { key: String, problem: String },
+
+    // --- kvstore -------------------------------------------------------------
+    #[error("key {key}: {problem}")]
+    Key { key: String, problem: String },
+
+    #[error("{0}")]
+    Store(String),
+
+    #[error("updater failed for key {key}: {message}")]
+    Updater { key: String, message: String },
+
+    #[error("optimizer states: {0}")]
+    OptimizerStates(String),
+
     // --- bindings ------------------------------------------------------------
     #[error("{what} must not be a null pointer")]
     NullPointer { what: &'static str },

@@ -6,7 +6,10 @@
 mod bridge;
 pub mod capi;
 pub mod codec;
+pub mod compression;
 pub mod error;
+pub mod kvstore;
+pub mod optimizer;
 
 pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, Thresholds};
 pub use error::{Dtype, Error, Result};

@@ -1,0 +1,404 @@
+//! The `local` and `device` KVStores (SPEC §3): init / push / pull / pushpull /
+//! broadcast with MXNet's semantics, optional 2-bit compression on `device`,
+//! and an updater (a Rust optimizer or a caller's function).
+//!
+//! Thread safety: a `KVStore` is `Send + Sync`. Each key has its own lock, held
+//! for the whole of a push (reduce, then update) or pull of that key, so pushes
+//! of different keys run at the same time and a slow key never blocks the
+//! others; within one push, large arrays are reduced and quantized in parallel
+//! chunks. The key map is locked only to look a key up or insert it. An updater
+//! callback runs with its key's lock held and must not push or pull that key.
+//! Changing compression or the updater waits for no push: pushes already
+//! running finish with the setting they started with.
+
+mod key;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+pub use key::Key;
+
+use crate::codec::{self, CHUNK};
+use crate::compression::Compression;
+use crate::error::{Dtype, Error, Result};
+use crate::optimizer::Optimizer;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreType {
+    /// Reduces on the CPU; compression is refused (as in MXNet).
+    Local,
+    /// Reduces on a merge device; with compression every pushed array is
+    /// quantized with its own residual, then dequantized and summed.
+    Device,
+}
+
+impl StoreType {
+    pub fn parse(name: &str) -> Result<StoreType> {
+        match name {
+            "local" => Ok(StoreType::Local),
+            "device" => Ok(StoreType::Device),
+            other => Err(Error::Store(format!("unknown KVStore type '{other}' (this store supports 'local' and 'device')"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreType::Local => "local",
+            StoreType::Device => "device",
+        }
+    }
+}
+
+/// A gradient pushed from one device.
+#[derive(Clone, Copy, Debug)]
+pub enum Grad<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl Grad<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Grad::F32(g) => g.len(),
+            Grad::F16(g) => g.len(),
+            Grad::Bf16(g) => g.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            Grad::F32(_) => Dtype::F32,
+            Grad::F16(_) => Dtype::F16,
+            Grad::Bf16(_) => Dtype::Bf16,
+        }
+    }
+}
+
+/// One array handed to the store, with its shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Array<'a> {
+    pub shape: &'a [usize],
+    pub data: Grad<'a>,
+}
+
+/// One output array the store writes into.
+#[derive(Debug)]
+pub struct ArrayMut<'a> {
+    pub shape: &'a [usize],
+    pub data: &'a mut [f32],
+}
+
+/// What a push does with the merged gradient.
+pub enum Updater {
+    /// gradpack's own optimizer.
+    Optimizer(Optimizer),
+    /// A caller's function `(key, merged, stored)`, `stored` updated in place.
+    Custom(Box<dyn Fn(&Key, &[f32], &mut [f32]) -> Result<()> + Send + Sync>),
+}
+
+/// Invariant: `value.len() == shape.iter().product()`; every non-empty residual
+/// has that length too; `compr_buf` is empty or `compressed_len(value.len())`.
+struct Entry {
+    shape: Vec<usize>,
+    value: Vec<f32>,
+    /// One per device index, allocated on the device's first compressed push.
+    residuals: Vec<Vec<f32>>,
+    merge_buf: Vec<f32>,
+    compr_buf: Vec<f32>,
+}
+
+#[derive(Default)]
+struct Keys {
+    map: HashMap<Key, Arc<Mutex<Entry>>>,
+    /// Fixed by the first key: ints or strings, never both.
+    str_keys: Option<bool>,
+}
+
+/// Bytes that pushes moved between devices: as float32, and as sent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub raw_bytes: u64,
+    pub wire_bytes: u64,
+}
+
+pub struct KVStore {
+    kind: StoreType,
+    keys: RwLock<Keys>,
+    compression: RwLock<Compression>,
+    updater: RwLock<Option<Arc<Updater>>>,
+    raw_bytes: AtomicU64,
+    wire_bytes: AtomicU64,
+}
+
+fn key_error(key: &Key, problem: impl Into<String>) -> Error {
+    Error::Key { key: key.to_string(), problem: problem.into() }
+}
+
+fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
+    if shape.iter().product::<usize>() != len {
+        return Err(key_error(key, format!("{what} has shape {shape:?} but {len} elements")));
+    }
+    if shape != want {
+        return Err(key_error(key, format!("{what} has shape {shape:?}, expected {want:?}")));
+    }
+    Ok(())
+}
+
+/// `dst = srcs[0] + srcs[1] + ...`, left to right per element, in parallel chunks.
+fn sum_into(dst: &mut [f32], srcs: &[&[f32]]) {
+    let chunk = |offset: usize, d: &mut [f32]| {
+        let range = offset..offset + d.len();
+        d.copy_from_slice(&srcs[0][range.clone()]);
+        for s in &srcs[1..] {
+            for (x, y) in d.iter_mut().zip(&s[range.clone()]) {
+                *x += *y;
+            }
+        }
+    };
+    if dst.len() > CHUNK {
+        dst.par_chunks_mut(CHUNK).enumerate().for_each(|(i, d)| chunk(i * CHUNK, d));
+    } else {
+        chunk(0, dst);
+    }
+}
+
+impl KVStore {
+    pub fn new(type_name: &str) -> Result<KVStore> {
+        Ok(KVStore {
+            kind: StoreType::parse(type_name)?,
+            keys: RwLock::default(),
+            compression: RwLock::default(),
+            updater: RwLock::default(),
+            raw_bytes: AtomicU64::new(0),
+            wire_bytes: AtomicU64::new(0),
+        })
+    }
+
+    pub fn store_type(&self) -> StoreType {
+        self.kind
+    }
+
+    pub fn rank(&self) -> usize {
+        0
+    }
+
+    pub fn num_workers(&self) -> usize {
+        1
+    }
+
+    /// A no-op: a single process has nobody to wait for.
+    pub fn barrier(&self) {}
+
+    pub fn stats(&self) -> Stats {
+        Stats { raw_bytes: self.raw_bytes.load(Ordering::Relaxed), wire_bytes: self.wire_bytes.load(Ordering::Relaxed) }
+    }
+
+    pub fn compression(&self) -> Compression {
+        *self.compression.read().unwrap()
+    }
+
+    /// Sets compression (SPEC §2). A `local` store refuses anything but `None`.
+    /// Changing it forgets every residual.
+    pub fn set_compress(&self, compression: Compression) -> Result<()> {
+        if self.kind == StoreType::Local && !compression.is_none() {
+            return Err(Error::Store(
+                "gradient compression is not supported on a 'local' KVStore (it reduces on the CPU without a transfer to save); \
+                 create a 'device' store, e.g. kv.create('device'), to compress gradients"
+                    .into(),
+            ));
+        }
+        let mut current = self.compression.write().unwrap();
+        if *current != compression {
+            for entry in self.keys.read().unwrap().map.values() {
+                entry.lock().unwrap().residuals.clear();
+            }
+        }
+        *current = compression;
+        Ok(())
+    }
+
+    pub fn set_updater(&self, updater: Updater) {
+        *self.updater.write().unwrap() = Some(Arc::new(updater));
+    }
+
+    pub fn set_optimizer(&self, optimizer: Optimizer) {
+        self.set_updater(Updater::Optimizer(optimizer));
+    }
+
+    fn optimizer(&self) -> Result<Arc<Updater>> {
+        match self.updater.read().unwrap().clone() {
+            Some(u) if matches!(*u, Updater::Optimizer(_)) => Ok(u),
+            _ => Err(Error::Store("this store has no gradpack optimizer (set one with set_optimizer)".into())),
+        }
+    }
+
+    pub fn save_optimizer_states(&self) -> Result<Vec<u8>> {
+        match &*self.optimizer()? {
+            Updater::Optimizer(o) => Ok(o.save_states()),
+            Updater::Custom(_) => unreachable!(),
+        }
+    }
+
+    pub fn load_optimizer_states(&self, blob: &[u8]) -> Result<()> {
+        match &*self.optimizer()? {
+            Updater::Optimizer(o) => o.load_states(blob),
+            Updater::Custom(_) => unreachable!(),
+        }
+    }
+
+    fn entry(&self, key: &Key) -> Result<Arc<Mutex<Entry>>> {
+        let keys = self.keys.read().unwrap();
+        if let Some(e) = keys.map.get(key) {
+            return Ok(e.clone());
+        }
+        Err(match keys.str_keys {
+            Some(s) if s != key.is_str() => key_error(key, format!("this store uses {} keys", if s { "string" } else { "int" })),
+            _ => key_error(key, "not initialized (call init first)"),
+        })
+    }
+
+    /// Stores `value` under a new key; init is never lossy.
+    pub fn init(&self, key: &Key, value: Array) -> Result<()> {
+        let Grad::F32(data) = value.data else {
+            return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
+        };
+        check_shape(key, "init value", value.shape, data.len(), value.shape)?;
+        let mut keys = self.keys.write().unwrap();
+        if let Some(s) = keys.str_keys {
+            if s != key.is_str() {
+                return Err(key_error(key, format!("this store uses {} keys; int and string keys cannot be mixed", if s { "string" } else { "int" })));
+            }
+        }
+        if keys.map.contains_key(key) {
+            return Err(key_error(key, "already initialized"));
+        }
+        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_buf: Vec::new() };
+        keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
+        keys.str_keys = Some(key.is_str());
+        Ok(())
+    }
+
+    /// Sums `values` (one per device) and applies the updater, or stores the sum.
+    pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        let entry = self.entry(key)?;
+        let compression = self.compression();
+        let updater = self.updater.read().unwrap().clone();
+        let mut guard = entry.lock().unwrap();
+        let e = &mut *guard;
+        // Every check before anything is written.
+        if values.is_empty() {
+            return Err(key_error(key, "push of an empty list of values"));
+        }
+        for (i, v) in values.iter().enumerate() {
+            check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), &e.shape)?;
+            if compression.is_none() && v.data.dtype() != Dtype::F32 {
+                return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must be float32", v.data.dtype())));
+            }
+        }
+        let n = e.value.len();
+        e.merge_buf.resize(n, 0.0);
+        match compression {
+            Compression::None => {
+                let srcs: Vec<&[f32]> = values.iter().map(|v| if let Grad::F32(d) = v.data { d } else { unreachable!() }).collect();
+                sum_into(&mut e.merge_buf, &srcs);
+            }
+            Compression::TwoBit(th) => {
+                e.compr_buf.resize(codec::compressed_len(n), 0.0);
+                if e.residuals.len() < values.len() {
+                    e.residuals.resize_with(values.len(), Vec::new);
+                }
+                for (i, v) in values.iter().enumerate() {
+                    let residual = &mut e.residuals[i];
+                    if residual.is_empty() {
+                        residual.resize(n, 0.0);
+                    }
+                    match v.data {
+                        Grad::F32(g) => codec::quantize_2bit(g, residual, &mut e.compr_buf, th)?,
+                        Grad::F16(g) => codec::quantize_2bit(g, residual, &mut e.compr_buf, th)?,
+                        Grad::Bf16(g) => codec::quantize_2bit(g, residual, &mut e.compr_buf, th)?,
+                    }
+                    if i == 0 {
+                        codec::dequantize_2bit(&e.compr_buf, &mut e.merge_buf)?;
+                    } else {
+                        codec::dequantize_2bit_add(&e.compr_buf, &mut e.merge_buf)?;
+                    }
+                }
+            }
+        }
+        let devices = values.len() as u64;
+        self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
+        self.wire_bytes.fetch_add(devices * compression.wire_bytes(n) as u64, Ordering::Relaxed);
+        match updater.as_deref() {
+            None => e.value.copy_from_slice(&e.merge_buf),
+            Some(Updater::Optimizer(o)) => o.update(key, &e.merge_buf, &mut e.value)?,
+            Some(Updater::Custom(f)) => f(key, &e.merge_buf, &mut e.value).map_err(|err| match err {
+                Error::Updater { .. } => err,
+                other => Error::Updater { key: key.to_string(), message: other.to_string() },
+            })?,
+        }
+        Ok(())
+    }
+
+    /// Copies the stored value into every output.
+    pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
+        let entry = self.entry(key)?;
+        let e = entry.lock().unwrap();
+        if outs.is_empty() {
+            return Err(key_error(key, "pull into an empty list of outputs"));
+        }
+        for (i, o) in outs.iter().enumerate() {
+            check_shape(key, &format!("pull output {i}"), o.shape, o.data.len(), &e.shape)?;
+        }
+        for o in outs.iter_mut() {
+            o.data.copy_from_slice(&e.value);
+        }
+        Ok(())
+    }
+
+    /// push, then pull into `outs`.
+    pub fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
+        let entry = self.entry(key)?;
+        {
+            let e = entry.lock().unwrap();
+            for (i, o) in outs.iter().enumerate() {
+                check_shape(key, &format!("pushpull output {i}"), o.shape, o.data.len(), &e.shape)?;
+            }
+        }
+        if outs.is_empty() {
+            return Err(key_error(key, "pushpull into an empty list of outputs"));
+        }
+        self.push(key, values)?;
+        self.pull(key, outs)
+    }
+
+    /// init, then pull into `outs`.
+    pub fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
+        for (i, o) in outs.iter().enumerate() {
+            check_shape(key, &format!("broadcast output {i}"), o.shape, o.data.len(), value.shape)?;
+        }
+        self.init(key, value)?;
+        self.pull(key, outs)
+    }
+
+    /// The stored value of a key (a copy), for tests and inspection.
+    pub fn value(&self, key: &Key) -> Result<Vec<f32>> {
+        Ok(self.entry(key)?.lock().unwrap().value.clone())
+    }
+
+    /// The residual of a key on one device (a copy; empty if never compressed).
+    pub fn residual(&self, key: &Key, device: usize) -> Result<Vec<f32>> {
+        Ok(self.entry(key)?.lock().unwrap().residuals.get(device).cloned().unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,218 @@
+//! KVStore semantics with exact values: MXNet's own compression test cases at
+//! the proposal's thresholds, updaters, bad input leaving state untouched.
+
+use super::*;
+use crate::codec::Thresholds;
+
+const SHAPE: &[usize] = &[4, 4];
+const N: usize = 16;
+
+fn f32s<'a>(v: &'a [f32]) -> Array<'a> {
+    Array { shape: SHAPE, data: Grad::F32(v) }
+}
+
+fn two_bit(neg: f32, pos: f32) -> Compression {
+    Compression::TwoBit(Thresholds::new(neg, pos).unwrap())
+}
+
+fn push_all(kv: &KVStore, key: &Key, value: f32, devices: usize) {
+    let v = vec![value; N];
+    let arrays: Vec<Array> = (0..devices).map(|_| f32s(&v)).collect();
+    kv.push(key, &arrays).unwrap();
+}
+
+fn pulled(kv: &KVStore, key: &Key) -> Vec<f32> {
+    let mut out = vec![f32::NAN; N];
+    kv.pull(key, &mut [ArrayMut { shape: SHAPE, data: &mut out }]).unwrap();
+    out
+}
+
+#[test]
+fn push_sums_devices_and_pull_copies_to_every_output() {
+    let kv = KVStore::new("local").unwrap();
+    let k = Key::Int(3);
+    kv.init(&k, f32s(&[1.0; N])).unwrap();
+    let vals: Vec<Vec<f32>> = (0..4).map(|d| (0..N).map(|i| (d * 100 + i) as f32).collect()).collect();
+    kv.push(&k, &vals.iter().map(|v| f32s(v)).collect::<Vec<_>>()).unwrap();
+    let (mut a, mut b) = (vec![0f32; N], vec![0f32; N]);
+    kv.pull(&k, &mut [ArrayMut { shape: SHAPE, data: &mut a }, ArrayMut { shape: SHAPE, data: &mut b }]).unwrap();
+    let want: Vec<f32> = (0..N).map(|i| (600 + 4 * i) as f32).collect();
+    assert_eq!(a, want);
+    assert_eq!(b, want);
+}
+
+#[test]
+fn custom_updater_runs_once_per_push() {
+    let kv = KVStore::new("device").unwrap();
+    let k = Key::from("w");
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
+    kv.set_updater(Updater::Custom(Box::new(|_, merged, stored| {
+        for (s, m) in stored.iter_mut().zip(merged) {
+            *s += 2.0 * m;
+        }
+        Ok(())
+    })));
+    for _ in 0..4 {
+        push_all(&kv, &k, 1.0, 4);
+    }
+    assert_eq!(pulled(&kv, &k), vec![32.0; N]);
+}
+
+#[test]
+fn two_bit_device_store_follows_mxnet_test_cases() {
+    // MXNet's test_kvstore compression cases with the proposal's thresholds.
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    let k = Key::Int(9);
+    kv.init(&k, f32s(&[0.7; N])).unwrap();
+    assert_eq!(pulled(&kv, &k), vec![0.7; N], "init is lossless");
+    let d = 4;
+    push_all(&kv, &k, 0.0, d);
+    assert_eq!(pulled(&kv, &k), vec![0.0; N]);
+    push_all(&kv, &k, 0.4, d);
+    assert_eq!(pulled(&kv, &k), vec![0.0; N]);
+    push_all(&kv, &k, 0.2, d); // residual 0.6 -> sends 0.5, keeps 0.1
+    assert_eq!(pulled(&kv, &k), vec![0.5 * d as f32; N]);
+    assert!(kv.residual(&k, 3).unwrap().iter().all(|&r| (r - 0.1).abs() < 1e-6));
+    push_all(&kv, &k, 0.2, d); // 0.3
+    assert_eq!(pulled(&kv, &k), vec![0.0; N]);
+    push_all(&kv, &k, 0.2, d); // 0.5 -> sends 0.5
+    assert_eq!(pulled(&kv, &k), vec![0.5 * d as f32; N]);
+}
+
+#[test]
+fn two_bit_with_updater_accumulates_and_negative_pushes_lower() {
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    kv.set_updater(Updater::Custom(Box::new(|_, merged, stored| {
+        stored.iter_mut().zip(merged).for_each(|(s, m)| *s += 2.0 * m);
+        Ok(())
+    })));
+    let k = Key::Int(0);
+    kv.init(&k, f32s(&[1.0; N])).unwrap();
+    push_all(&kv, &k, 0.4, 4);
+    assert_eq!(pulled(&kv, &k), vec![1.0; N]);
+    push_all(&kv, &k, 0.2, 4);
+    assert_eq!(pulled(&kv, &k), vec![1.0 + 2.0 * 2.0; N]);
+    // A fresh key (zero residuals): each device sends -0.5 every time, merged
+    // is -2, and the updater lowers the stored value by 4 per push.
+    let k = Key::Int(1);
+    kv.init(&k, f32s(&[10.0; N])).unwrap();
+    for i in 1..=3 {
+        push_all(&kv, &k, -0.5, 4);
+        assert_eq!(pulled(&kv, &k), vec![10.0 - 4.0 * i as f32; N]);
+    }
+}
+
+#[test]
+fn asymmetric_thresholds() {
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(two_bit(-0.25, 1.0)).unwrap();
+    let k = Key::Int(1);
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
+    push_all(&kv, &k, -0.3, 2);
+    assert_eq!(pulled(&kv, &k), vec![-0.5; N]);
+    push_all(&kv, &k, 0.9, 2); // residual -0.05 + 0.9 = 0.85 < 1
+    assert_eq!(pulled(&kv, &k), vec![0.0; N]);
+    push_all(&kv, &k, 0.2, 2); // 1.05 -> 1.0 each
+    assert_eq!(pulled(&kv, &k), vec![2.0; N]);
+}
+
+#[test]
+fn local_store_refuses_compression_pointing_to_device() {
+    let kv = KVStore::new("local").unwrap();
+    let err = kv.set_compress(two_bit(-0.5, 0.5)).unwrap_err().to_string();
+    assert!(err.contains("'device'"), "{err}");
+    assert_eq!(kv.compression(), Compression::None);
+    kv.set_compress(Compression::None).unwrap();
+}
+
+#[test]
+fn bad_input_names_key_and_leaves_state() {
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    let k = Key::Int(5);
+    let mut out = vec![0f32; N];
+    let err = kv.push(&k, &[f32s(&[1.0; N])]).unwrap_err().to_string();
+    assert_eq!(err, "key 5: not initialized (call init first)");
+    assert!(kv.pull(&k, &mut [ArrayMut { shape: SHAPE, data: &mut out }]).is_err());
+    kv.init(&k, f32s(&[1.0; N])).unwrap();
+    push_all(&kv, &k, 0.3, 2);
+    let (value, residual) = (kv.value(&k).unwrap(), kv.residual(&k, 0).unwrap());
+    let cases: Vec<(Vec<Array>, &str)> = vec![
+        (vec![f32s(&[1.0; N]), Array { shape: &[16], data: Grad::F32(&[1.0; N]) }], "pushed value 1 has shape [16], expected [4, 4]"),
+        (vec![Array { shape: SHAPE, data: Grad::F32(&[1.0; 15]) }], "pushed value 0 has shape [4, 4] but 15 elements"),
+        (vec![], "empty list"),
+    ];
+    for (values, want) in cases {
+        let err = kv.push(&k, &values).unwrap_err().to_string();
+        assert!(err.starts_with("key 5: ") && err.contains(want), "{err}");
+    }
+    assert!(kv.init(&k, f32s(&[0.0; N])).unwrap_err().to_string().contains("already initialized"));
+    assert!(kv.init(&Key::from("x"), f32s(&[0.0; N])).unwrap_err().to_string().contains("cannot be mixed"));
+    let mut short = vec![0f32; 8];
+    let err = kv.pull(&k, &mut [ArrayMut { shape: SHAPE, data: &mut out }, ArrayMut { shape: &[8], data: &mut short }]).unwrap_err().to_string();
+    assert!(err.contains("pull output 1 has shape [8], expected [4, 4]"), "{err}");
+    assert_eq!(out, vec![0.0; N], "no output written when one is wrong");
+    assert_eq!(kv.value(&k).unwrap(), value);
+    assert_eq!(kv.residual(&k, 0).unwrap(), residual);
+}
+
+#[test]
+fn half_precision_gradients_need_compression() {
+    let kv = KVStore::new("device").unwrap();
+    let k = Key::Int(0);
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
+    let g16 = vec![f16::from_f32(0.75); N];
+    let err = kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&g16) }]).unwrap_err().to_string();
+    assert!(err.contains("float16; without compression values must be float32"), "{err}");
+    kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    let gbf = vec![bf16::from_f32(0.75); N];
+    kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&g16) }, Array { shape: SHAPE, data: Grad::Bf16(&gbf) }]).unwrap();
+    assert_eq!(pulled(&kv, &k), vec![1.0; N]);
+}
+
+#[test]
+fn pushes_of_different_keys_run_concurrently() {
+    // A slow updater on one key must not block pushes of another.
+    use std::sync::mpsc;
+    let kv = Arc::new(KVStore::new("device").unwrap());
+    let (slow, fast) = (Key::Int(1), Key::Int(2));
+    kv.init(&slow, f32s(&[0.0; N])).unwrap();
+    kv.init(&fast, f32s(&[0.0; N])).unwrap();
+    let (entered_tx, entered_rx) = mpsc::channel::<()>();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let release_rx = Mutex::new(release_rx);
+    let entered_tx = Mutex::new(entered_tx);
+    kv.set_updater(Updater::Custom(Box::new(move |key, merged, stored| {
+        if *key == Key::Int(1) {
+            entered_tx.lock().unwrap().send(()).unwrap();
+            release_rx.lock().unwrap().recv().unwrap();
+        }
+        stored.copy_from_slice(merged);
+        Ok(())
+    })));
+    let kv2 = kv.clone();
+    let t = std::thread::spawn(move || push_all(&kv2, &Key::Int(1), 1.0, 1));
+    entered_rx.recv().unwrap(); // the slow push holds key 1 now
+    push_all(&kv, &fast, 2.0, 2); // would deadlock if keys were serialized
+    assert_eq!(pulled(&kv, &fast), vec![4.0; N]);
+    release_tx.send(()).unwrap();
+    t.join().unwrap();
+    assert_eq!(pulled(&kv, &slow), vec![1.0; N]);
+}
+
+#[test]
+fn large_keys_reduce_exactly() {
+    let n = 3 * CHUNK + 7;
+    let shape = [n];
+    let kv = KVStore::new("device").unwrap();
+    let k = Key::Int(0);
+    kv.init(&k, Array { shape: &shape, data: Grad::F32(&vec![0.0; n]) }).unwrap();
+    let vals: Vec<Vec<f32>> = (0..3).map(|d| (0..n).map(|i| ((i * 7 + d * 13) % 101) as f32 * 0.01).collect()).collect();
+    kv.push(&k, &vals.iter().map(|v| Array { shape: &shape, data: Grad::F32(v) }).collect::<Vec<_>>()).unwrap();
+    let got = kv.value(&k).unwrap();
+    for i in (0..n).step_by(997) {
+        assert_eq!(got[i], vals[0][i] + vals[1][i] + vals[2][i]);
+    }
+}
