@@ -94,6 +94,11 @@ pub(crate) fn parse_f32(key: &str, value: &str) -> Result<f32> {
     value.trim().parse::<f32>().map_err(|_| param_error(key, &format!("must be a number, got '{value}'")))
 }
 
+/// As `parse_f32`, keeping a Python float's full precision.
+pub(crate) fn parse_f64(key: &str, value: &str) -> Result<f64> {
+    value.trim().parse::<f64>().map_err(|_| param_error(key, &format!("must be a number, got '{value}'")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

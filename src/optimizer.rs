@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::compression::parse_f32;
+use crate::compression::parse_f64;
 use crate::error::{Error, Result};
 use crate::kvstore::Key;
 
@@ -14,7 +14,8 @@ use crate::kvstore::Key;
 pub enum Rule {
     Sgd { momentum: f32 },
     Nag { momentum: f32 },
-    Adam { beta1: f32, beta2: f32, epsilon: f32 },
+    /// beta1/beta2 stay f64: MXNet's Python side computes bias correction in double.
+    Adam { beta1: f64, beta2: f64, epsilon: f32 },
 }
 
 impl Rule {
@@ -35,11 +36,13 @@ impl Rule {
     }
 }
 
-/// Hyper-parameters shared by every rule, with MXNet's names.
+/// Hyper-parameters shared by every rule, with MXNet's names. learning_rate
+/// and wd are f64 because MXNet multiplies them by lr_mult / wd_mult (and
+/// Adam's bias correction) in Python doubles before the kernel sees float32.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Hyper {
-    pub learning_rate: f32,
-    pub wd: f32,
+    pub learning_rate: f64,
+    pub wd: f64,
     pub rescale_grad: f32,
     /// Negative: no clipping (MXNet's -1 default).
     pub clip_gradient: f32,
@@ -60,7 +63,7 @@ pub struct Optimizer {
     hyper: Hyper,
     states: Mutex<HashMap<Key, Arc<Mutex<State>>>>,
     /// MXNet's lr_mult / wd_mult per key (default 1, 1).
-    mults: Mutex<HashMap<Key, (f32, f32)>>,
+    mults: Mutex<HashMap<Key, (f64, f64)>>,
 }
 
 #[inline(always)]
@@ -84,7 +87,7 @@ impl Optimizer {
     /// `rescale_grad`, `clip_gradient`, `beta1`, `beta2`, `epsilon`).
     pub fn from_params<'a>(name: &str, params: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Optimizer> {
         let mut hyper = Hyper { learning_rate: 0.01, wd: 0.0, rescale_grad: 1.0, clip_gradient: -1.0 };
-        let (mut momentum, mut beta1, mut beta2, mut epsilon) = (0.0f32, 0.9f32, 0.999f32, 1e-8f32);
+        let (mut momentum, mut beta1, mut beta2, mut epsilon) = (0.0f32, 0.9f64, 0.999f64, 1e-8f32);
         let name = name.to_ascii_lowercase();
         let allowed: &[&str] = match name.as_str() {
             "sgd" | "nag" => &["momentum"],
@@ -95,18 +98,19 @@ impl Optimizer {
         };
         for (k, v) in params {
             let bad = |problem: &str| Error::InvalidParam { key: k.to_string(), problem: problem.to_string() };
-            let x = if v.trim().eq_ignore_ascii_case("none") && k == "clip_gradient" { -1.0 } else { parse_f32(k, v)? };
-            if !x.is_finite() {
+            let wide = if v.trim().eq_ignore_ascii_case("none") && k == "clip_gradient" { -1.0 } else { parse_f64(k, v)? };
+            let x = wide as f32;
+            if !wide.is_finite() || !x.is_finite() {
                 return Err(bad("must be finite"));
             }
             match k {
-                "learning_rate" | "lr" => hyper.learning_rate = x,
-                "wd" => hyper.wd = x,
+                "learning_rate" | "lr" => hyper.learning_rate = wide,
+                "wd" => hyper.wd = wide,
                 "rescale_grad" => hyper.rescale_grad = x,
                 "clip_gradient" => hyper.clip_gradient = x,
                 "momentum" if allowed.contains(&k) => momentum = x,
-                "beta1" if allowed.contains(&k) => beta1 = x,
-                "beta2" if allowed.contains(&k) => beta2 = x,
+                "beta1" if allowed.contains(&k) => beta1 = wide,
+                "beta2" if allowed.contains(&k) => beta2 = wide,
                 "epsilon" if allowed.contains(&k) => epsilon = x,
                 _ => return Err(bad(&format!("unknown parameter for optimizer '{name}'"))),
             }
@@ -124,7 +128,7 @@ impl Optimizer {
     }
 
     /// MXNet's per-parameter `lr_mult` and `wd_mult` for one key.
-    pub fn set_multipliers(&self, key: &Key, lr_mult: f32, wd_mult: f32) {
+    pub fn set_multipliers(&self, key: &Key, lr_mult: f64, wd_mult: f64) {
         self.mults.lock().unwrap().insert(key.clone(), (lr_mult, wd_mult));
     }
 
@@ -148,8 +152,9 @@ impl Optimizer {
         }
         state.step += 1;
         let (lr_mult, wd_mult) = self.mults.lock().unwrap().get(key).copied().unwrap_or((1.0, 1.0));
-        let lr = self.hyper.learning_rate * lr_mult;
-        let wd = self.hyper.wd * wd_mult;
+        let lr_wide = self.hyper.learning_rate * lr_mult;
+        let lr = lr_wide as f32;
+        let wd = (self.hyper.wd * wd_mult) as f32;
         let (rescale, bound) = (self.hyper.rescale_grad, self.hyper.clip_gradient);
         let clipping = bound >= 0.0;
         let step = state.step;
@@ -176,16 +181,19 @@ impl Optimizer {
                 // nag_mom_update
                 for ((w, &g), m) in weight.iter_mut().zip(grad).zip(mom.iter_mut()) {
                     let g = if clipping { clip(rescale * g, bound) } else { rescale * g };
-                    *m = momentum * *m + g + wd * *w;
-                    *w -= lr * (momentum * *m + g + wd * *w);
+                    *m *= momentum;
+                    *w = *w - *m + (momentum + 1.0) * (*m - lr * (g + wd * *w));
+                    // MXNet updates with out=weight, so its kernel reads the new weight here.
+                    *m -= lr * (g + wd * *w);
                 }
             }
             (Rule::Adam { beta1, beta2, epsilon }, [mean, var]) => {
                 // The Python side of MXNet's Adam folds bias correction into lr, in double.
-                let t = step as f64;
-                let coef1 = 1.0 - (beta1 as f64).powf(t);
-                let coef2 = 1.0 - (beta2 as f64).powf(t);
-                let lr = (lr as f64 * coef2.sqrt() / coef1) as f32;
+                let t = step as i32;
+                let coef1 = 1.0 - beta1.powi(t);
+                let coef2 = 1.0 - beta2.powi(t);
+                let lr = (lr_wide * (coef2.sqrt() / coef1)) as f32;
+                let (beta1, beta2) = (beta1 as f32, beta2 as f32);
                 for (((w, &g), m), v) in weight.iter_mut().zip(grad).zip(mean.iter_mut()).zip(var.iter_mut()) {
                     let mut g = g * rescale + *w * wd;
                     if clipping {

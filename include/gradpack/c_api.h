@@ -54,6 +54,82 @@ int gp_2bit_dequantize(const float* compr, uint64_t compr_len, float* out, uint6
 /* As gp_2bit_dequantize, but adds the decoded values into `sum`. */
 int gp_2bit_dequantize_add(const float* compr, uint64_t compr_len, float* sum, uint64_t n);
 
+/* ------------------------------------------------------------- KVStore --
+ * A local/device store with MXNet's semantics. The caller owns every array it
+ * passes (the store copies what it keeps); the store owns its handle until
+ * gp_kvstore_free. A store may be used from several threads at once: pushes
+ * of different keys run concurrently. */
+
+typedef struct gp_kvstore_t gp_kvstore_t;
+
+/* A key: str_key (UTF-8, NUL-terminated) when not NULL, else int_key. A store
+ * uses int keys or string keys, never both. */
+typedef struct {
+  int64_t int_key;
+  const char* str_key;
+} gp_key_t;
+
+/* A read-only array of `dtype` (gp_dtype_t) and shape[0..ndim). */
+typedef struct {
+  const void* data;
+  int dtype;
+  int ndim;
+  const uint64_t* shape;
+} gp_array_t;
+
+/* A writable float32 array. */
+typedef struct {
+  float* data;
+  int ndim;
+  const uint64_t* shape;
+} gp_array_mut_t;
+
+/* Updater: update `stored` (n floats) in place from `merged`; return 0 on
+ * success. Called on the pushing thread; must not push or pull the same key. */
+typedef int (*gp_updater_fn)(gp_key_t key, const float* merged, float* stored,
+                             uint64_t n, void* user);
+
+/* type: "local" or "device". *out receives a handle owned by the caller. */
+int gp_kvstore_new(const char* type, gp_kvstore_t** out);
+void gp_kvstore_free(gp_kvstore_t* store);
+/* "local" or "device" (static string). */
+const char* gp_kvstore_type(const gp_kvstore_t* store);
+
+/* Stores a float32 value under a new key (lossless). */
+int gp_kvstore_init(gp_kvstore_t* store, gp_key_t key, gp_array_t value);
+/* Sums `num` arrays (one per device; compressed on a `device` store with
+ * compression set), then applies the updater or stores the sum. */
+int gp_kvstore_push(gp_kvstore_t* store, gp_key_t key, const gp_array_t* values, int num);
+/* Copies the stored value into `num` disjoint float32 outputs. */
+int gp_kvstore_pull(gp_kvstore_t* store, gp_key_t key, const gp_array_mut_t* outs, int num);
+int gp_kvstore_pushpull(gp_kvstore_t* store, gp_key_t key, const gp_array_t* values,
+                        int num_values, const gp_array_mut_t* outs, int num_outs);
+int gp_kvstore_broadcast(gp_kvstore_t* store, gp_key_t key, gp_array_t value,
+                         const gp_array_mut_t* outs, int num_outs);
+
+/* compress_params as `num` key/value strings, e.g. {"compress","2bit"},
+ * {"pos_threshold","0.5"}, {"neg_threshold","-0.5"}. A "local" store
+ * refuses compression. Changing compression forgets every residual. */
+int gp_kvstore_set_compress(gp_kvstore_t* store, const char* const* keys,
+                            const char* const* vals, int num);
+/* gradpack's optimizer `name` ("sgd", "nag", "adam") with MXNet's parameter
+ * names (learning_rate, momentum, wd, rescale_grad, clip_gradient, beta1,
+ * beta2, epsilon) as strings. */
+int gp_kvstore_set_optimizer(gp_kvstore_t* store, const char* name, const char* const* keys,
+                             const char* const* vals, int num);
+/* MXNet's lr_mult / wd_mult for one key of the current optimizer. */
+int gp_kvstore_set_multipliers(gp_kvstore_t* store, gp_key_t key, double lr_mult, double wd_mult);
+/* A caller's updater; `user` stays owned by the caller and must outlive the store. */
+int gp_kvstore_set_updater(gp_kvstore_t* store, gp_updater_fn fn, void* user);
+
+/* *data receives a new buffer of *len bytes; release it with gp_buffer_free. */
+int gp_kvstore_save_optimizer_states(gp_kvstore_t* store, uint8_t** data, uint64_t* len);
+int gp_kvstore_load_optimizer_states(gp_kvstore_t* store, const uint8_t* data, uint64_t len);
+void gp_buffer_free(uint8_t* data, uint64_t len);
+
+/* Bytes pushes moved between devices: as float32 (raw) and as sent (wire). */
+int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* raw, uint64_t* wire);
+
 #ifdef __cplusplus
 }
 #endif

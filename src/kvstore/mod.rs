@@ -234,25 +234,20 @@ impl KVStore {
         self.set_updater(Updater::Optimizer(optimizer));
     }
 
-    fn optimizer(&self) -> Result<Arc<Updater>> {
-        match self.updater.read().unwrap().clone() {
-            Some(u) if matches!(*u, Updater::Optimizer(_)) => Ok(u),
+    /// Runs `f` on the store's gradpack optimizer; an error if it has none.
+    pub fn with_optimizer<T>(&self, f: impl FnOnce(&Optimizer) -> Result<T>) -> Result<T> {
+        match self.updater.read().unwrap().as_deref() {
+            Some(Updater::Optimizer(o)) => f(o),
             _ => Err(Error::Store("this store has no gradpack optimizer (set one with set_optimizer)".into())),
         }
     }
 
     pub fn save_optimizer_states(&self) -> Result<Vec<u8>> {
-        match &*self.optimizer()? {
-            Updater::Optimizer(o) => Ok(o.save_states()),
-            Updater::Custom(_) => unreachable!(),
-        }
+        self.with_optimizer(|o| Ok(o.save_states()))
     }
 
     pub fn load_optimizer_states(&self, blob: &[u8]) -> Result<()> {
-        match &*self.optimizer()? {
-            Updater::Optimizer(o) => o.load_states(blob),
-            Updater::Custom(_) => unreachable!(),
-        }
+        self.with_optimizer(|o| o.load_states(blob))
     }
 
     fn entry(&self, key: &Key) -> Result<Arc<Mutex<Entry>>> {

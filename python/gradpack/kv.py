@@ -1,0 +1,306 @@
+"""gradpack.kv: KVStores with MXNet's API over numpy arrays.
+
+``gradpack.kv.create('device')`` returns a store whose ``init``, ``push``,
+``pull``, ``pushpull``, ``broadcast`` take the same arguments as MXNet's
+``mx.kv.KVStore``: keys are ints or strings (or lists of them), values are
+arrays or lists of arrays (one per device). float32 values; float16 and
+bfloat16 gradients are accepted when compressing. Arrays are passed to the
+Rust core without copies; outputs are written in place.
+"""
+import ctypes
+from collections import OrderedDict
+
+import numpy as np
+
+from .base import LIB, Error, check_call
+
+__all__ = ["create", "KVStore"]
+
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+
+
+class _Key(ctypes.Structure):
+    _fields_ = [("int_key", ctypes.c_int64), ("str_key", ctypes.c_char_p)]
+
+
+class _Array(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("shape", _u64p)]
+
+
+class _ArrayMut(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("ndim", ctypes.c_int), ("shape", _u64p)]
+
+
+_UPDATER = ctypes.CFUNCTYPE(ctypes.c_int, _Key, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
+                            ctypes.c_void_p)
+_p = ctypes.c_void_p
+_int = ctypes.c_int
+LIB.gp_kvstore_new.argtypes = [ctypes.c_char_p, ctypes.POINTER(_p)]
+LIB.gp_kvstore_free.argtypes = [_p]
+LIB.gp_kvstore_free.restype = None
+LIB.gp_kvstore_type.argtypes = [_p]
+LIB.gp_kvstore_type.restype = ctypes.c_char_p
+LIB.gp_kvstore_init.argtypes = [_p, _Key, _Array]
+LIB.gp_kvstore_push.argtypes = [_p, _Key, ctypes.POINTER(_Array), _int]
+LIB.gp_kvstore_pull.argtypes = [_p, _Key, ctypes.POINTER(_ArrayMut), _int]
+LIB.gp_kvstore_pushpull.argtypes = [_p, _Key, ctypes.POINTER(_Array), _int,
+                                    ctypes.POINTER(_ArrayMut), _int]
+LIB.gp_kvstore_broadcast.argtypes = [_p, _Key, _Array, ctypes.POINTER(_ArrayMut), _int]
+_strs = ctypes.POINTER(ctypes.c_char_p)
+LIB.gp_kvstore_set_compress.argtypes = [_p, _strs, _strs, _int]
+LIB.gp_kvstore_set_optimizer.argtypes = [_p, ctypes.c_char_p, _strs, _strs, _int]
+LIB.gp_kvstore_set_multipliers.argtypes = [_p, _Key, ctypes.c_double, ctypes.c_double]
+LIB.gp_kvstore_set_updater.argtypes = [_p, _UPDATER, _p]
+LIB.gp_kvstore_save_optimizer_states.argtypes = [_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint8)),
+                                                 ctypes.POINTER(ctypes.c_uint64)]
+LIB.gp_kvstore_load_optimizer_states.argtypes = [_p, ctypes.c_char_p, ctypes.c_uint64]
+LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), ctypes.c_uint64]
+LIB.gp_buffer_free.restype = None
+LIB.gp_kvstore_stats.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+
+_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def create(name="local"):
+    """Create a KVStore: 'local' or 'device'."""
+    return KVStore(name)
+
+
+def _key(k):
+    if isinstance(k, (bool, np.bool_)):
+        raise Error("key %r: keys must be int or str" % (k,))
+    if isinstance(k, (int, np.integer)):
+        return _Key(int(k), None)
+    if isinstance(k, str):
+        return _Key(0, k.encode("utf-8"))
+    raise Error("key %r: keys must be int or str, got %s" % (k, type(k).__name__))
+
+
+def _shape(a):
+    return (ctypes.c_uint64 * max(a.ndim, 1))(*a.shape)
+
+
+def _array_in(key, a, what):
+    if not isinstance(a, np.ndarray):
+        raise Error("key %r: %s must be a numpy.ndarray, got %s" % (key, what, type(a).__name__))
+    if a.dtype.name not in _DTYPES:
+        raise Error("key %r: %s has dtype %s, expected float32 (float16 or bfloat16 gradients "
+                    "when compressing)" % (key, what, a.dtype.name))
+    a = np.ascontiguousarray(a)  # a copy only for non-contiguous inputs, which are read-only here
+    shape = _shape(a)
+    return _Array(a.ctypes.data, _DTYPES[a.dtype.name], a.ndim, shape), (a, shape)
+
+
+def _array_out(key, a, what):
+    if not isinstance(a, np.ndarray):
+        raise Error("key %r: %s must be a numpy.ndarray, got %s" % (key, what, type(a).__name__))
+    if a.dtype != np.float32:
+        raise Error("key %r: %s has dtype %s, expected float32" % (key, what, a.dtype.name))
+    if not a.flags.c_contiguous:
+        raise Error("key %r: %s must be C-contiguous (it is written in place)" % (key, what))
+    if not a.flags.writeable:
+        raise Error("key %r: %s is read-only" % (key, what))
+    shape = _shape(a)
+    return _ArrayMut(a.ctypes.data, a.ndim, shape), shape
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _grouped(key, value, what):
+    """MXNet's pairing: one key with an array or a list (devices), or a list of
+    keys with a list of such values; repeated keys are grouped in order."""
+    if isinstance(key, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise Error("%d keys need a list of %d %s, got %s" % (
+                len(key), len(key), what,
+                "%d" % len(value) if isinstance(value, (list, tuple)) else type(value).__name__))
+        groups = OrderedDict()
+        for k, v in zip(key, value):
+            groups.setdefault(k if not isinstance(k, np.integer) else int(k), []).extend(_as_list(v))
+        return list(groups.items())
+    return [(key, _as_list(value))]
+
+
+class KVStore(object):
+    """A local or device store (see the module doc)."""
+
+    def __init__(self, name="local"):
+        if not isinstance(name, str):
+            raise Error("store type must be a string, got %r" % (name,))
+        handle = ctypes.c_void_p()
+        check_call(LIB.gp_kvstore_new(name.encode(), ctypes.byref(handle)))
+        self.handle = handle
+        self._updater = None
+        self._updater_error = None
+        self._shapes = {}
+
+    def __del__(self):
+        if getattr(self, "handle", None):
+            LIB.gp_kvstore_free(self.handle)
+            self.handle = None
+
+    @property
+    def type(self):
+        return LIB.gp_kvstore_type(self.handle).decode()
+
+    @property
+    def rank(self):
+        return 0
+
+    @property
+    def num_workers(self):
+        return 1
+
+    def barrier(self):
+        """A no-op in a single process."""
+
+    def _call(self, status):
+        err, self._updater_error = self._updater_error, None
+        if status != 0 and err is not None:
+            raise err
+        check_call(status)
+
+    def init(self, key, value):
+        """Initialise one key (or a list) with float32 values; lossless."""
+        for k, vals in _grouped(key, value, "values"):
+            if len(vals) != 1:
+                raise Error("key %r: init takes one value, got %d" % (k, len(vals)))
+            arr, keep = _array_in(k, vals[0], "init value")
+            self._call(LIB.gp_kvstore_init(self.handle, _key(k), arr))
+            self._shapes[k] = np.shape(vals[0])
+
+    def push(self, key, value, priority=0):
+        """Push values (one per device) for one key or a list of keys."""
+        for k, vals in _grouped(key, value, "values"):
+            arrs, keep = self._arrays_in(k, vals, "pushed value")
+            self._call(LIB.gp_kvstore_push(self.handle, _key(k), arrs, len(vals)))
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Copy the stored value(s) into ``out`` (an array or a list per key)."""
+        if out is None:
+            raise Error("pull needs out= (an array or a list of arrays)")
+        for k, outs in _grouped(key, out, "outputs"):
+            arrs, keep = self._arrays_out(k, outs, "pull output")
+            self._call(LIB.gp_kvstore_pull(self.handle, _key(k), arrs, len(outs)))
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Push, then pull into ``out`` (into ``value`` itself when out is None)."""
+        out = value if out is None else out
+        pairs_in = _grouped(key, value, "values")
+        pairs_out = dict(_grouped(key, out, "outputs"))
+        for k, vals in pairs_in:
+            arrs, keep_in = self._arrays_in(k, vals, "pushed value")
+            outs, keep_out = self._arrays_out(k, pairs_out[k], "pushpull output")
+            self._call(LIB.gp_kvstore_pushpull(self.handle, _key(k), arrs, len(vals), outs,
+                                               len(pairs_out[k])))
+
+    def broadcast(self, key, value, out, priority=0):
+        """Initialise with ``value``, then pull into ``out``."""
+        pairs_out = dict(_grouped(key, out, "outputs"))
+        for k, vals in _grouped(key, value, "values"):
+            if len(vals) != 1:
+                raise Error("key %r: broadcast takes one value, got %d" % (k, len(vals)))
+            arr, keep = _array_in(k, vals[0], "broadcast value")
+            outs, keep_out = self._arrays_out(k, pairs_out[k], "broadcast output")
+            self._call(LIB.gp_kvstore_broadcast(self.handle, _key(k), arr, outs, len(pairs_out[k])))
+            self._shapes[k] = np.shape(vals[0])
+
+    def _arrays_in(self, k, vals, what):
+        made = [_array_in(k, v, "%s %d" % (what, i)) for i, v in enumerate(vals)]
+        arrs = (_Array * max(len(made), 1))(*[m[0] for m in made])
+        return arrs, made
+
+    def _arrays_out(self, k, outs, what):
+        made = [_array_out(k, o, "%s %d" % (what, i)) for i, o in enumerate(outs)]
+        arrs = (_ArrayMut * max(len(made), 1))(*[m[0] for m in made])
+        return arrs, made
+
+    # ----------------------------------------------------------- configuration
+
+    def set_compress(self, compress_params):
+        """Gradient compression (SPEC section 2), e.g. {'compress': '2bit',
+        'pos_threshold': 0.5, 'neg_threshold': -0.5}. A 'local' store refuses it."""
+        if not isinstance(compress_params, dict):
+            raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
+        keys = [str(k).encode() for k in compress_params]
+        vals = [str(v).encode() for v in compress_params.values()]
+        n = len(keys)
+        self._call(LIB.gp_kvstore_set_compress(self.handle, (ctypes.c_char_p * max(n, 1))(*keys),
+                                               (ctypes.c_char_p * max(n, 1))(*vals), n))
+
+    def set_gradient_compression(self, compression_params):
+        """MXNet 1.x's spelling of set_compress."""
+        self.set_compress(compression_params)
+
+    def set_optimizer(self, optimizer, **params):
+        """Run gradpack's optimizer on every push: ``set_optimizer('sgd',
+        learning_rate=0.1, momentum=0.9)`` or a dict with a 'name' key.
+        Known: 'sgd', 'nag', 'adam' with MXNet's parameter names."""
+        if isinstance(optimizer, dict):
+            params = dict(optimizer, **params)
+            optimizer = params.pop("name", None)
+        if not isinstance(optimizer, str):
+            raise Error("set_optimizer takes an optimizer name ('sgd', 'nag', 'adam') or a dict "
+                        "with 'name', got %s" % type(optimizer).__name__)
+        keys = [k.encode() for k in params]
+        vals = [("none" if v is None else repr(float(v)) if not isinstance(v, str) else v).encode()
+                for v in params.values()]
+        n = len(keys)
+        self._call(LIB.gp_kvstore_set_optimizer(self.handle, optimizer.encode(),
+                                                (ctypes.c_char_p * max(n, 1))(*keys),
+                                                (ctypes.c_char_p * max(n, 1))(*vals), n))
+
+    def set_multipliers(self, key, lr_mult=1.0, wd_mult=1.0):
+        """MXNet's per-parameter lr_mult / wd_mult for the optimizer set here."""
+        self._call(LIB.gp_kvstore_set_multipliers(self.handle, _key(key), lr_mult, wd_mult))
+
+    def set_updater(self, updater):
+        """Call ``updater(key, merged, stored)`` on every push (numpy arrays,
+        ``stored`` updated in place) instead of storing the merged sum."""
+        if not callable(updater):
+            raise Error("updater must be callable")
+
+        def trampoline(ckey, merged_ptr, stored_ptr, n, _user):
+            try:
+                key = ckey.str_key.decode("utf-8") if ckey.str_key is not None else ckey.int_key
+                shape = self._shapes.get(key, (n,))
+                merged = np.ctypeslib.as_array((ctypes.c_float * n).from_address(merged_ptr)).reshape(shape)
+                stored = np.ctypeslib.as_array((ctypes.c_float * n).from_address(stored_ptr)).reshape(shape)
+                merged.flags.writeable = False
+                updater(key, merged, stored)
+                return 0
+            except BaseException as e:  # re-raised on the pushing thread after the call
+                self._updater_error = e
+                return -1
+
+        self._updater = _UPDATER(trampoline)  # kept alive as long as the store
+        self._call(LIB.gp_kvstore_set_updater(self.handle, self._updater, None))
+
+    _set_updater = set_updater
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Write the optimizer states to ``fname``."""
+        data = ctypes.POINTER(ctypes.c_uint8)()
+        n = ctypes.c_uint64()
+        self._call(LIB.gp_kvstore_save_optimizer_states(self.handle, ctypes.byref(data), ctypes.byref(n)))
+        try:
+            blob = ctypes.string_at(data, n.value)
+        finally:
+            LIB.gp_buffer_free(data, n)
+        with open(fname, "wb") as f:
+            f.write(blob)
+
+    def load_optimizer_states(self, fname):
+        """Replace the optimizer states with those saved in ``fname``."""
+        with open(fname, "rb") as f:
+            blob = f.read()
+        self._call(LIB.gp_kvstore_load_optimizer_states(self.handle, blob, len(blob)))
+
+    def stats(self):
+        """Bytes pushes moved between devices: as float32 and as sent."""
+        raw, wire = ctypes.c_uint64(), ctypes.c_uint64()
+        self._call(LIB.gp_kvstore_stats(self.handle, ctypes.byref(raw), ctypes.byref(wire)))
+        return {"raw_bytes": raw.value, "wire_bytes": wire.value}

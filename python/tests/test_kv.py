@@ -1,0 +1,317 @@
+"""gradpack.kv: MXNet's KVStore semantics with exact values, 2-bit compression
+against a numpy model of per-device residuals, optimizers against MXNet's own
+update operators, and bad input leaving state untouched."""
+import math
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import gradpack
+import numpy_2bit
+
+SHAPE = (4, 4)
+TWO_BIT = {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5}
+
+
+def full(v, shape=SHAPE, dtype=np.float32):
+    return np.full(shape, v, dtype)
+
+
+def pulled(kv, key, shape=SHAPE):
+    out = np.full(shape, np.nan, np.float32)
+    kv.pull(key, out=out)
+    return out
+
+
+@pytest.mark.parametrize("name", ["local", "device"])
+def test_sum_over_devices_and_updater(name):
+    kv = gradpack.kv.create(name)
+    assert kv.type == name and kv.rank == 0 and kv.num_workers == 1
+    kv.init(3, full(1))
+    kv.push(3, [full(d + 1) for d in range(4)])
+    outs = [np.zeros(SHAPE, np.float32) for _ in range(3)]
+    kv.pull(3, out=outs)
+    for o in outs:
+        assert (o == 10).all()
+    calls = []
+
+    def updater(key, merged, stored):
+        calls.append(key)
+        stored += 2 * merged
+    kv.set_updater(updater)
+    for _ in range(4):
+        kv.push(3, [full(1)] * 4)
+    assert calls == [3] * 4
+    assert (pulled(kv, 3) == 10 + 4 * 8).all()
+
+
+def test_lists_of_keys_and_str_keys():
+    kv = gradpack.kv.create("device")
+    keys = ["w0", "w1", "w2"]
+    kv.init(keys, [full(i) for i in range(3)])
+    kv.push(keys, [[full(1), full(2)], full(5), [full(i) for i in range(4)]])
+    outs = [np.zeros(SHAPE, np.float32) for _ in keys]
+    kv.pull(keys, out=outs)
+    assert [o[0, 0] for o in outs] == [3, 5, 6]
+    # a repeated key in one call groups its values, as MXNet does
+    kv.push(["w0", "w0"], [full(1), full(2)])
+    assert (pulled(kv, "w0") == 3).all()
+    ints = gradpack.kv.create("local")
+    ints.init([0, np.int64(1)], [full(0), full(0)])
+    with pytest.raises(gradpack.Error, match="cannot be mixed"):
+        ints.init("x", full(0))
+    with pytest.raises(gradpack.Error, match="key 7: this store uses string keys"):
+        kv.pull(7, out=full(0))
+
+
+def test_pushpull_in_place_and_with_out_and_broadcast():
+    kv = gradpack.kv.create("device")
+    kv.init(0, full(0))
+    a, b = full(1), full(2)
+    kv.pushpull(0, [a, b])
+    assert (a == 3).all() and (b == 3).all()
+    out = [np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)]
+    kv.pushpull(0, [full(4), full(4)], out=out)
+    assert (out[0] == 8).all() and (out[1] == 8).all()
+    outs = [np.zeros((2, 3), np.float32) for _ in range(2)]
+    kv2 = gradpack.kv.create("device")
+    kv2.broadcast(5, np.arange(6, dtype=np.float32).reshape(2, 3), out=outs)
+    for o in outs:
+        assert o.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_two_bit_mxnet_cases_on_four_devices():
+    kv = gradpack.kv.create("device")
+    kv.set_compress(TWO_BIT)
+    kv.init(9, full(0.7))
+    assert (pulled(kv, 9) == np.float32(0.7)).all(), "init is lossless"
+    d = 4
+    for value, want in [(0.0, 0.0), (0.4, 0.0), (0.2, 0.5 * d), (0.2, 0.0), (0.2, 0.5 * d)]:
+        kv.push(9, [full(value)] * d)
+        assert (pulled(kv, 9) == want).all(), (value, want)
+    # with an updater the values accumulate
+    kv.set_updater(lambda key, merged, stored: stored.__iadd__(2 * merged))
+    kv.init(10, full(1))
+    kv.push(10, [full(0.4)] * d)
+    assert (pulled(kv, 10) == 1).all()
+    kv.push(10, [full(0.2)] * d)
+    assert (pulled(kv, 10) == 1 + 2 * 0.5 * d).all()
+    kv.init(11, full(10))
+    for i in range(1, 4):
+        kv.push(11, [full(-0.5)] * d)
+        assert (pulled(kv, 11) == 10 - 4 * i).all()
+
+
+@pytest.mark.parametrize("params,neg,pos", [
+    (TWO_BIT, -0.5, 0.5),
+    ({"compress": "2bit", "pos_threshold": "1.0", "neg_threshold": "-0.25"}, -0.25, 1.0),
+    ({"type": "2bit", "threshold": 0.5}, -0.5, 0.5),
+])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_random_gradients_match_numpy_model(params, neg, pos, dtype):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(1)
+    devices, shape = 3, (70, 3)
+    kv = gradpack.kv.create("device")
+    if "type" in params:
+        kv.set_gradient_compression(params)
+    else:
+        kv.set_compress(params)
+    kv.init("w", np.zeros(shape, np.float32))
+    residuals = [np.zeros(shape[0] * shape[1], np.float32) for _ in range(devices)]
+    for _ in range(5):
+        grads = [rng.uniform(-0.6, 0.6, shape).astype(np.float32).astype(dtype) for _ in range(devices)]
+        kv.push("w", grads)
+        want = None
+        for i, g in enumerate(grads):
+            compr, residuals[i] = numpy_2bit.quantize(g.reshape(-1), residuals[i], neg, pos)
+            dec = numpy_2bit.dequantize(compr, g.size)
+            want = dec if want is None else want + dec
+        np.testing.assert_array_equal(pulled(kv, "w", shape), want.reshape(shape))
+
+
+def test_local_store_refuses_compression():
+    kv = gradpack.kv.create("local")
+    with pytest.raises(gradpack.Error, match="create a 'device' store"):
+        kv.set_compress(TWO_BIT)
+    kv.set_compress({"compress": "none"})
+
+
+@pytest.mark.parametrize("params,msg", [
+    ({"compress": "2bit", "pos_threshold": 0.5}, "'neg_threshold': missing"),
+    ({"compress": "2bit", "pos_threshold": "abc", "neg_threshold": -0.5}, "'pos_threshold': must be a number"),
+    ({"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": 0.5}, "'neg_threshold': must be finite and < 0"),
+    ({"compress": "4bit"}, "unknown compression type '4bit'"),
+    ({"compress": "2bit", "threshold": 0.5, "bits": 3}, "'bits': unknown key"),
+    ({"type": "2bit"}, "'pos_threshold': missing"),
+    ("2bit", "must be a dict"),
+])
+def test_invalid_compression_params(params, msg):
+    kv = gradpack.kv.create("device")
+    kv.set_compress(TWO_BIT)
+    kv.init(0, full(0))
+    kv.push(0, [full(0.3)] * 2)
+    with pytest.raises(gradpack.Error, match=msg):
+        kv.set_compress(params)
+    # the previous setting (and the residuals) survive
+    kv.push(0, [full(0.3)] * 2)
+    assert (pulled(kv, 0) == 1.0).all()
+
+
+def test_bad_input_names_key_and_leaves_state():
+    kv = gradpack.kv.create("device")
+    kv.set_compress(TWO_BIT)
+    with pytest.raises(gradpack.Error, match="key 5: not initialized"):
+        kv.push(5, full(1))
+    with pytest.raises(gradpack.Error, match="key 5: not initialized"):
+        kv.pull(5, out=full(0))
+    kv.init(5, full(0))
+    kv.push(5, [full(0.3)] * 2)  # residuals 0.3, stored 0
+    out = full(7)
+    bad = [
+        (lambda: kv.push(5, [full(1), full(1, (16,))]), "key 5: pushed value 1 has shape \\[16\\], expected \\[4, 4\\]"),
+        (lambda: kv.push(5, [full(1), full(1, dtype=np.float64)]), "key 5: pushed value 1 has dtype float64"),
+        (lambda: kv.push(5, [full(1), [1.0]]), "key 5: pushed value 1 must be a numpy.ndarray"),
+        (lambda: kv.push(5, []), "key 5: push of an empty list"),
+        (lambda: kv.init(5, full(0)), "key 5: already initialized"),
+        (lambda: kv.pull(5, out=[out, full(0, (2, 8))]), "key 5: pull output 1 has shape \\[2, 8\\]"),
+        (lambda: kv.pull(5, out=full(0, dtype=np.float16)), "key 5: pull output 0 has dtype float16"),
+        (lambda: kv.pull(5, out=np.zeros((4, 8), np.float32)[:, ::2]), "C-contiguous"),
+        (lambda: kv.push([5, 6], [full(1)]), "2 keys need a list of 2 values, got 1"),
+        (lambda: kv.push(2.5, full(1)), "keys must be int or str"),
+        (lambda: kv.pull(5), "pull needs out="),
+    ]
+    for call, msg in bad:
+        with pytest.raises(gradpack.Error, match=msg):
+            call()
+    assert (out == 7).all()
+    kv.push(5, [full(0.2)] * 2)  # residuals would be 0.5 only if untouched
+    assert (pulled(kv, 5) == 1.0).all()
+
+
+def test_updater_exception_propagates():
+    kv = gradpack.kv.create("local")
+    kv.init(0, full(1))
+
+    def broken(key, merged, stored):
+        raise KeyError("boom %s" % key)
+    kv.set_updater(broken)
+    with pytest.raises(KeyError, match="boom 0"):
+        kv.push(0, full(1))
+
+
+@pytest.mark.parametrize("name,params", [("sgd", {"momentum": 0.9}), ("nag", {"momentum": 0.8}),
+                                         ("adam", {"beta1": 0.8})])
+def test_optimizer_states_save_and_load(tmp_path, name, params):
+    path = str(tmp_path / "states")
+    a = gradpack.kv.create("device")
+    a.set_optimizer(name, learning_rate=0.1, **params)
+    a.init(0, full(1))
+    a.push(0, [full(0.5)] * 2)
+    a.save_optimizer_states(path)
+    w1 = pulled(a, 0)
+    a.push(0, [full(0.25)] * 2)
+    w2 = pulled(a, 0)
+    # A new store from the saved weights and states takes the very same step.
+    b = gradpack.kv.create("device")
+    b.set_optimizer(name, learning_rate=0.1, **params)
+    b.init(0, w1)
+    b.load_optimizer_states(path)
+    b.push(0, [full(0.25)] * 2)
+    np.testing.assert_array_equal(pulled(b, 0), w2)
+    # without the states it would not (momentum / moments start at zero)
+    c = gradpack.kv.create("device")
+    c.set_optimizer(name, learning_rate=0.1, **params)
+    c.init(0, w1)
+    c.push(0, [full(0.25)] * 2)
+    assert not np.array_equal(pulled(c, 0), w2)
+    with open(path, "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(gradpack.Error, match="optimizer states"):
+        b.load_optimizer_states(path)
+    with pytest.raises(gradpack.Error, match="no gradpack optimizer"):
+        gradpack.kv.create("local").save_optimizer_states(path)
+
+
+def test_bad_optimizer():
+    kv = gradpack.kv.create("device")
+    with pytest.raises(gradpack.Error, match="unknown optimizer 'rmsprop'"):
+        kv.set_optimizer("rmsprop")
+    with pytest.raises(gradpack.Error, match="'beta1': unknown parameter for optimizer 'sgd'"):
+        kv.set_optimizer("sgd", beta1=0.9)
+
+
+def test_pushes_from_threads():
+    kv = gradpack.kv.create("device")
+    kv.set_compress(TWO_BIT)
+    n = 200_000
+    keys = list(range(4))
+    kv.init(keys, [np.zeros(n, np.float32) for _ in keys])
+    errors = []
+
+    def worker(k):
+        try:
+            for _ in range(3):
+                kv.push(k, [np.full(n, 0.5, np.float32)] * 2)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k in keys:
+        out = np.zeros(n, np.float32)
+        kv.pull(k, out=out)
+        assert (out == 1.0).all()
+
+
+OPTIMIZER_CASES = [
+    ("sgd", dict(learning_rate=0.1, wd=0.01)),
+    ("sgd", dict(learning_rate=0.1, wd=0.01, rescale_grad=0.5, clip_gradient=0.3)),
+    ("sgd", dict(learning_rate=0.05, momentum=0.9, wd=0.001)),
+    ("sgd", dict(learning_rate=0.05, momentum=0.9, clip_gradient=0.2, rescale_grad=0.25)),
+    ("nag", dict(learning_rate=0.05, momentum=0.9, wd=0.001)),
+    ("nag", dict(learning_rate=0.05, momentum=0.7, clip_gradient=0.2)),
+    ("adam", dict(learning_rate=0.01, wd=0.001)),
+    ("adam", dict(learning_rate=0.01, beta1=0.8, beta2=0.99, epsilon=1e-6, clip_gradient=0.3, rescale_grad=2.0)),
+]
+
+
+@pytest.mark.parametrize("name,params", OPTIMIZER_CASES)
+def test_optimizers_equal_mxnet_update_operators(name, params):
+    """gradpack's Rust optimizers take the very same float32 steps as MXNet's."""
+    if os.environ.get("GRADPACK_REQUIRE_MXNET") == "1":
+        import mxnet as mx
+    else:
+        mx = pytest.importorskip("mxnet")
+    rng = np.random.default_rng(3)
+    w0 = rng.normal(0, 1, 257).astype(np.float32)
+    kv = gradpack.kv.create("device")
+    kv.set_optimizer(name, **params)
+    kv.init(0, w0)
+    w = mx.nd.array(w0)
+    mom, mean, var = mx.nd.zeros(257), mx.nd.zeros(257), mx.nd.zeros(257)
+    lr = params["learning_rate"]
+    common = dict(wd=params.get("wd", 0.0), rescale_grad=params.get("rescale_grad", 1.0),
+                  clip_gradient=params.get("clip_gradient", -1.0))
+    for t in range(1, 5):
+        g = rng.normal(0, 1, 257).astype(np.float32)
+        kv.push(0, g)
+        gm = mx.nd.array(g)
+        if name in ("sgd", "nag") and "momentum" not in params:
+            mx.nd.sgd_update(w, gm, lr=lr, out=w, **common)
+        elif name == "sgd":
+            mx.nd.sgd_mom_update(w, gm, mom, lr=lr, momentum=params["momentum"], out=w, **common)
+        elif name == "nag":
+            mx.nd.nag_mom_update(w, gm, mom, lr=lr, momentum=params["momentum"], out=w, **common)
+        else:
+            b1, b2 = params.get("beta1", 0.9), params.get("beta2", 0.999)
+            lr_t = lr * (math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))  # as MXNet's Adam.update
+            mx.nd.adam_update(w, gm, mean, var, lr=lr_t, beta1=b1, beta2=b2,
+                              epsilon=params.get("epsilon", 1e-8), out=w, **common)
+        np.testing.assert_array_equal(pulled(kv, 0, (257,)), w.asnumpy(), err_msg="step %d" % t)

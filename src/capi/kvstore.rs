@@ -1,0 +1,396 @@
+//! C ABI of the local/device KVStore: an opaque `gp_kvstore_t` handle with
+//! `_new`/`_free`, keys as `gp_key_t`, arrays as `gp_array_t` descriptors.
+//! The caller owns every array; the store copies what it keeps.
+#![allow(non_camel_case_types)] // the C names, as c_api.h spells them
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use half::{bf16, f16};
+
+use super::{guard, slice, slice_mut, Raw};
+use crate::compression::Compression;
+use crate::error::{Error, Result};
+use crate::kvstore::{Array, ArrayMut, Grad, KVStore, Key, Updater};
+use crate::optimizer::Optimizer;
+
+/// Opaque store handle.
+pub struct gp_kvstore_t(KVStore);
+
+/// A key: `str_key` (UTF-8, NUL-terminated) when not NULL, else `int_key`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gp_key_t {
+    pub int_key: i64,
+    pub str_key: *const c_char,
+}
+
+/// A read-only array: `data` of `dtype` (gp_dtype_t) with `ndim` dims in `shape`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gp_array_t {
+    pub data: *const c_void,
+    pub dtype: c_int,
+    pub ndim: c_int,
+    pub shape: *const u64,
+}
+
+/// A writable float32 array.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gp_array_mut_t {
+    pub data: *mut f32,
+    pub ndim: c_int,
+    pub shape: *const u64,
+}
+
+/// Updater callback: `stored` (n floats) is updated in place from `merged`.
+/// Returns 0 on success; anything else fails the push.
+pub type gp_updater_fn = Option<unsafe extern "C" fn(key: gp_key_t, merged: *const f32, stored: *mut f32, n: u64, user: *mut c_void) -> c_int>;
+
+unsafe fn cstr<'a>(p: *const c_char, what: &'static str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::NullPointer { what });
+    }
+    CStr::from_ptr(p).to_str().map_err(|_| Error::InvalidParam { key: what.into(), problem: "is not UTF-8".into() })
+}
+
+unsafe fn key_of(k: gp_key_t) -> Result<Key> {
+    if k.str_key.is_null() {
+        Ok(Key::Int(k.int_key))
+    } else {
+        Ok(Key::Str(cstr(k.str_key, "key")?.to_string()))
+    }
+}
+
+unsafe fn shape_of(ndim: c_int, shape: *const u64) -> Result<Vec<usize>> {
+    if ndim < 0 {
+        return Err(Error::InvalidParam { key: "ndim".into(), problem: format!("must be >= 0, got {ndim}") });
+    }
+    Raw::new("shape", shape, ndim as u64)?;
+    Ok(slice(shape, ndim as u64).iter().map(|&d| d as usize).collect())
+}
+
+/// Owned shapes plus borrowed data, turned into `Array`s for one call.
+unsafe fn arrays_in(arrays: *const gp_array_t, num: c_int) -> Result<Vec<(Vec<usize>, Grad<'static>)>> {
+    Raw::new("values", arrays, num.max(0) as u64)?;
+    let mut out = Vec::new();
+    for a in slice(arrays, num.max(0) as u64) {
+        let shape = shape_of(a.ndim, a.shape)?;
+        let n: usize = shape.iter().product();
+        let grad = match a.dtype {
+            0 => {
+                Raw::new("value data", a.data.cast::<f32>(), n as u64)?;
+                Grad::F32(slice(a.data.cast::<f32>(), n as u64))
+            }
+            1 => {
+                Raw::new("value data", a.data.cast::<f16>(), n as u64)?;
+                Grad::F16(slice(a.data.cast::<f16>(), n as u64))
+            }
+            2 => {
+                Raw::new("value data", a.data.cast::<bf16>(), n as u64)?;
+                Grad::Bf16(slice(a.data.cast::<bf16>(), n as u64))
+            }
+            other => return Err(Error::UnknownDtype(other)),
+        };
+        out.push((shape, grad));
+    }
+    Ok(out)
+}
+
+unsafe fn arrays_out(arrays: *const gp_array_mut_t, num: c_int) -> Result<Vec<(Vec<usize>, &'static mut [f32])>> {
+    Raw::new("outputs", arrays, num.max(0) as u64)?;
+    let mut out = Vec::new();
+    let mut raws: Vec<Raw> = Vec::new();
+    for a in slice(arrays, num.max(0) as u64) {
+        let shape = shape_of(a.ndim, a.shape)?;
+        let n: usize = shape.iter().product();
+        let raw = Raw::new("output data", a.data, n as u64)?;
+        for r in &raws {
+            r.check_disjoint(&raw)?;
+        }
+        raws.push(raw);
+        out.push((shape, slice_mut(a.data, n as u64)));
+    }
+    Ok(out)
+}
+
+fn views<'a>(owned: &'a [(Vec<usize>, Grad<'a>)]) -> Vec<Array<'a>> {
+    owned.iter().map(|(s, g)| Array { shape: s, data: *g }).collect()
+}
+
+fn views_mut<'a>(owned: &'a mut [(Vec<usize>, &'a mut [f32])]) -> Vec<ArrayMut<'a>> {
+    owned.iter_mut().map(|(s, d)| ArrayMut { shape: s, data: &mut **d }).collect()
+}
+
+unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a KVStore> {
+    s.as_ref().map(|s| &s.0).ok_or(Error::NullPointer { what: "store" })
+}
+
+unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> Result<Vec<(&'a str, &'a str)>> {
+    let n = num.max(0) as u64;
+    Raw::new("param keys", keys, n)?;
+    Raw::new("param values", vals, n)?;
+    slice(keys, n).iter().zip(slice(vals, n)).map(|(&k, &v)| Ok((cstr(k, "param key")?, cstr(v, "param value")?))).collect()
+}
+
+/// Creates a store of `type` ("local" or "device"). On success `*out` owns a new
+/// handle, released with `gp_kvstore_free`.
+///
+/// # Safety
+/// `type` is a NUL-terminated string; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_new(type_name: *const c_char, out: *mut *mut gp_kvstore_t) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Error::NullPointer { what: "out" });
+        }
+        let kv = KVStore::new(cstr(type_name, "type")?)?;
+        *out = Box::into_raw(Box::new(gp_kvstore_t(kv)));
+        Ok(())
+    })
+}
+
+/// Releases a store (NULL is ignored).
+///
+/// # Safety
+/// `store` came from `gp_kvstore_new` and is not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_free(store: *mut gp_kvstore_t) {
+    if !store.is_null() {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(Box::from_raw(store))));
+    }
+}
+
+/// The store's type name (static string), or NULL for a NULL store.
+///
+/// # Safety
+/// `store` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_type(store: *const gp_kvstore_t) -> *const c_char {
+    match store.as_ref().map(|s| s.0.store_type()) {
+        Some(crate::kvstore::StoreType::Local) => c"local".as_ptr(),
+        Some(crate::kvstore::StoreType::Device) => c"device".as_ptr(),
+        None => std::ptr::null(),
+    }
+}
+
+/// Initialises `key` with a float32 `value` (copied).
+///
+/// # Safety
+/// `store` is live; the array descriptor and its data are valid.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_init(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let owned = arrays_in(&value, 1)?;
+        kv.init(&key_of(key)?, views(&owned)[0])
+    })
+}
+
+/// Pushes `num` arrays (one per device) to `key`: they are summed (compressed
+/// on a `device` store with compression set) and the updater is applied.
+///
+/// # Safety
+/// `store` is live; `values` points to `num` valid descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_push(store: *mut gp_kvstore_t, key: gp_key_t, values: *const gp_array_t, num: c_int) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let owned = arrays_in(values, num)?;
+        kv.push(&key_of(key)?, &views(&owned))
+    })
+}
+
+/// Copies the stored value of `key` into `num` float32 outputs.
+///
+/// # Safety
+/// `store` is live; `outs` points to `num` valid, writable, disjoint descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_pull(store: *mut gp_kvstore_t, key: gp_key_t, outs: *const gp_array_mut_t, num: c_int) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let mut owned = arrays_out(outs, num)?;
+        kv.pull(&key_of(key)?, &mut views_mut(&mut owned))
+    })
+}
+
+/// Push, then pull into `outs`.
+///
+/// # Safety
+/// As for `gp_kvstore_push` and `gp_kvstore_pull`.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_pushpull(
+    store: *mut gp_kvstore_t,
+    key: gp_key_t,
+    values: *const gp_array_t,
+    num_values: c_int,
+    outs: *const gp_array_mut_t,
+    num_outs: c_int,
+) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let owned = arrays_in(values, num_values)?;
+        let mut outs = arrays_out(outs, num_outs)?;
+        kv.pushpull(&key_of(key)?, &views(&owned), &mut views_mut(&mut outs))
+    })
+}
+
+/// Init with `value`, then pull into `outs`.
+///
+/// # Safety
+/// As for `gp_kvstore_init` and `gp_kvstore_pull`.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_broadcast(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t, outs: *const gp_array_mut_t, num_outs: c_int) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let owned = arrays_in(&value, 1)?;
+        let mut outs = arrays_out(outs, num_outs)?;
+        kv.broadcast(&key_of(key)?, views(&owned)[0], &mut views_mut(&mut outs))
+    })
+}
+
+/// Sets compression from `compress_params` given as `num` key/value strings.
+///
+/// # Safety
+/// `keys` and `vals` point to `num` NUL-terminated strings each.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_set_compress(store: *mut gp_kvstore_t, keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        kv.set_compress(Compression::from_params(params(keys, vals, num)?)?)
+    })
+}
+
+/// Runs gradpack's optimizer `name` ("sgd", "nag", "adam") on every push, with
+/// MXNet's parameter names as `num` key/value strings.
+///
+/// # Safety
+/// `name` is NUL-terminated; `keys`/`vals` point to `num` strings each.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name: *const c_char, keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        kv.set_optimizer(Optimizer::from_params(cstr(name, "optimizer")?, params(keys, vals, num)?)?);
+        Ok(())
+    })
+}
+
+/// Per-key learning-rate and weight-decay multipliers of the current optimizer.
+///
+/// # Safety
+/// `store` is live.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_set_multipliers(store: *mut gp_kvstore_t, key: gp_key_t, lr_mult: f64, wd_mult: f64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let key = key_of(key)?;
+        kv.with_optimizer(|o| {
+            o.set_multipliers(&key, lr_mult, wd_mult);
+            Ok(())
+        })
+    })
+}
+
+struct CallbackUpdater {
+    f: unsafe extern "C" fn(gp_key_t, *const f32, *mut f32, u64, *mut c_void) -> c_int,
+    user: *mut c_void,
+}
+
+// SAFETY: the C caller promises (c_api.h) that the callback and `user` may be
+// used from whichever thread pushes.
+unsafe impl Send for CallbackUpdater {}
+unsafe impl Sync for CallbackUpdater {}
+
+/// Calls `f(key, merged, stored, n, user)` on every push instead of storing the
+/// sum. `user` stays owned by the caller and must outlive the store.
+///
+/// # Safety
+/// `f` is safe to call from any thread that pushes, with `user`.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_updater_fn, user: *mut c_void) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let f = f.ok_or(Error::NullPointer { what: "updater" })?;
+        let cb = CallbackUpdater { f, user };
+        kv.set_updater(Updater::Custom(Box::new(move |key, merged, stored| {
+            let cb = &cb;
+            let name;
+            let k = match key {
+                Key::Int(i) => gp_key_t { int_key: *i, str_key: std::ptr::null() },
+                Key::Str(s) => {
+                    name = std::ffi::CString::new(s.as_str()).map_err(|_| Error::Key { key: key.to_string(), problem: "contains NUL".into() })?;
+                    gp_key_t { int_key: 0, str_key: name.as_ptr() }
+                }
+            };
+            // SAFETY: merged and stored are live slices of the same length for the call.
+            let status = unsafe { (cb.f)(k, merged.as_ptr(), stored.as_mut_ptr(), stored.len() as u64, cb.user) };
+            if status == 0 {
+                Ok(())
+            } else {
+                Err(Error::Updater { key: key.to_string(), message: format!("callback returned {status}") })
+            }
+        })));
+        Ok(())
+    })
+}
+
+/// Serialises the optimizer states into a new buffer `*data` of `*len` bytes,
+/// owned by the caller and released with `gp_buffer_free`.
+///
+/// # Safety
+/// `data` and `len` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_save_optimizer_states(store: *mut gp_kvstore_t, data: *mut *mut u8, len: *mut u64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        if data.is_null() || len.is_null() {
+            return Err(Error::NullPointer { what: "data/len" });
+        }
+        let blob = kv.save_optimizer_states()?.into_boxed_slice();
+        *len = blob.len() as u64;
+        *data = Box::into_raw(blob).cast::<u8>();
+        Ok(())
+    })
+}
+
+/// Releases a buffer returned by gradpack.
+///
+/// # Safety
+/// `data`/`len` are exactly what gradpack returned, released once.
+#[no_mangle]
+pub unsafe extern "C" fn gp_buffer_free(data: *mut u8, len: u64) {
+    if !data.is_null() {
+        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(data, len as usize)));
+    }
+}
+
+/// Replaces the optimizer states with a blob from `gp_kvstore_save_optimizer_states`.
+///
+/// # Safety
+/// `data` is readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_load_optimizer_states(store: *mut gp_kvstore_t, data: *const u8, len: u64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        Raw::new("data", data, len)?;
+        kv.load_optimizer_states(slice(data, len))
+    })
+}
+
+/// Bytes pushes moved between devices: as float32 (`raw`) and as sent (`wire`).
+///
+/// # Safety
+/// `raw` and `wire` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_stats(store: *const gp_kvstore_t, raw: *mut u64, wire: *mut u64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        if raw.is_null() || wire.is_null() {
+            return Err(Error::NullPointer { what: "raw/wire" });
+        }
+        let s = kv.stats();
+        *raw = s.raw_bytes;
+        *wire = s.wire_bytes;
+        Ok(())
+    })
+}

@@ -1,0 +1,114 @@
+//! The C ABI (`include/gradpack/c_api.h`): `gp_<noun>_<verb>` functions that
+//! return an `int` status (0 ok, -1 error) and leave the message in a
+//! thread-local slot read by `gp_error_last()`. No panic crosses this boundary:
+//! every export runs inside `guard`. Each function's doc says who owns what.
+
+mod codec;
+mod kvstore;
+
+pub use codec::*;
+pub use kvstore::*;
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::codec::Platform;
+use crate::error::{Error, Result};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(message: String) {
+    let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|slot| *slot.borrow_mut() = c);
+}
+
+/// Runs `f`, converting an error or a panic into status -1 and the last-error message.
+pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            set_last_error(e.to_string());
+            -1
+        }
+        Err(panic) => {
+            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+            set_last_error(Error::Internal(what.unwrap_or_else(|| "panic".into())).to_string());
+            -1
+        }
+    }
+}
+
+/// The message of the last failed call on this thread. Owned by gradpack, valid
+/// until the next failing call on the same thread; never NULL.
+#[no_mangle]
+pub extern "C" fn gp_error_last() -> *const c_char {
+    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+}
+
+/// gradpack's version, a static string.
+#[no_mangle]
+pub extern "C" fn gp_version() -> *const c_char {
+    static VERSION: &CStr = match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(v) => v,
+        Err(_) => panic!("version has a NUL"),
+    };
+    VERSION.as_ptr()
+}
+
+/// Name of the codec kernel chosen for this CPU ("avx2" or "portable"), static.
+#[no_mangle]
+pub extern "C" fn gp_kernel_name() -> *const c_char {
+    match Platform::detect() {
+        Platform::Avx2 => c"avx2".as_ptr(),
+        Platform::Portable => c"portable".as_ptr(),
+    }
+}
+
+/// A raw buffer described by the caller, checked before it becomes a slice.
+pub(crate) struct Raw {
+    what: &'static str,
+    addr: usize,
+    bytes: usize,
+}
+
+impl Raw {
+    pub(crate) fn new<T>(what: &'static str, ptr: *const T, len: u64) -> Result<Raw> {
+        if ptr.is_null() && len > 0 {
+            return Err(Error::NullPointer { what });
+        }
+        Ok(Raw { what, addr: ptr as usize, bytes: len as usize * std::mem::size_of::<T>() })
+    }
+
+    pub(crate) fn check_disjoint(&self, other: &Raw) -> Result<()> {
+        let overlap = self.bytes > 0 && other.bytes > 0 && self.addr < other.addr + other.bytes && other.addr < self.addr + self.bytes;
+        if overlap {
+            Err(Error::OverlappingBuffers { a: self.what, b: other.what })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// # Safety
+/// `ptr` must be valid for `len` reads of T (checked non-null when len > 0).
+pub(crate) unsafe fn slice<'a, T>(ptr: *const T, len: u64) -> &'a [T] {
+    if len == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(ptr, len as usize)
+    }
+}
+
+/// # Safety
+/// `ptr` must be valid for `len` reads and writes of T and not aliased.
+pub(crate) unsafe fn slice_mut<'a, T>(ptr: *mut T, len: u64) -> &'a mut [T] {
+    if len == 0 {
+        &mut []
+    } else {
+        std::slice::from_raw_parts_mut(ptr, len as usize)
+    }
+}
+
