@@ -14,7 +14,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=PYTHON");
 
     let mut build = cxx_build::bridge("src/bridge.rs");
-    build.include("include").flag_if_supported("-std=c++17").flag_if_supported("-fPIC");
+    build.include("include").file("cpp/kvstore.cc").flag_if_supported("-std=c++17").flag_if_supported("-fPIC");
 
     if env::var_os("CARGO_FEATURE_MXNET").is_some() {
         let mxnet = mxnet_dir();

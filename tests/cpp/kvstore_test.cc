@@ -1,0 +1,140 @@
+// The C++ KVStore against exact values: sums over devices, 2-bit compression
+// on a device store (MXNet's test cases at +-0.5), updaters, clear errors.
+// Built and run by scripts/test.sh; exits non-zero on the first failure.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gradpack/kvstore.h"
+
+using gradpack::KVStore;
+using gradpack::Tensor;
+
+static int checks = 0;
+
+#define CHECK(cond)                                                        \
+  do {                                                                     \
+    ++checks;                                                              \
+    if (!(cond)) {                                                         \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::exit(1);                                                        \
+    }                                                                      \
+  } while (0)
+
+struct Buf {
+  std::vector<float> v;
+  explicit Buf(float x, size_t n = 8) : v(n, x) {}
+  Tensor t() { return Tensor{v.data(), {2, v.size() / 2}}; }
+  bool all(float x) const {
+    for (float y : v)
+      if (y != x) return false;
+    return true;
+  }
+};
+
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+static void test_sum_and_pull() {
+  KVStore kv("local");
+  CHECK(kv.type() == "local" && kv.rank() == 0 && kv.num_workers() == 1);
+  Buf init(1);
+  kv.Init(3, init.t());
+  Buf a(1), b(2), c(3), d(4);
+  kv.Push(3, {a.t(), b.t(), c.t(), d.t()});
+  Buf o1(0), o2(0);
+  std::vector<Tensor> outs{o1.t(), o2.t()};
+  kv.Pull(3, &outs);
+  CHECK(o1.all(10) && o2.all(10));
+}
+
+static void test_two_bit_device_store() {
+  KVStore kv("device");
+  kv.SetGradientCompression({{"compress", "2bit"}, {"pos_threshold", "0.5"}, {"neg_threshold", "-0.5"}});
+  Buf init(0.7f);
+  kv.Init("w", init.t());
+  Buf out(0);
+  std::vector<Tensor> outs{out.t()};
+  kv.Pull("w", &outs);
+  CHECK(out.all(0.7f));
+  const float pushes[] = {0.0f, 0.4f, 0.2f, 0.2f, 0.2f};
+  const float want[] = {0.0f, 0.0f, 2.0f, 0.0f, 2.0f};  // 4 devices x 0.5 when a threshold is reached
+  for (int i = 0; i < 5; ++i) {
+    Buf g0(pushes[i]), g1(pushes[i]), g2(pushes[i]), g3(pushes[i]);
+    kv.PushPull("w", {g0.t(), g1.t(), g2.t(), g3.t()}, &outs);
+    CHECK(out.all(want[i]));
+  }
+  CHECK(error_of([] {
+          KVStore local("local");
+          local.SetGradientCompression({{"type", "2bit"}, {"threshold", "0.5"}});
+        }).find("'device'") != std::string::npos);
+}
+
+static void test_updater_and_optimizer() {
+  KVStore kv("device");
+  int calls = 0;
+  kv.set_updater([&calls](int key, const Tensor& merged, Tensor* stored) {
+    ++calls;
+    for (size_t i = 0; i < stored->size(); ++i) stored->data[i] += 2 * merged.data[i];
+    if (key == 99) throw std::runtime_error("updater refuses key 99");
+  });
+  Buf init(1);
+  kv.Init(0, init.t());
+  kv.Init(99, init.t());
+  for (int i = 0; i < 4; ++i) {
+    Buf g(1);
+    kv.Push(0, {g.t(), g.t()});
+  }
+  Buf out(0);
+  std::vector<Tensor> outs{out.t()};
+  kv.Pull(0, &outs);
+  CHECK(calls == 4 && out.all(1 + 4 * 4));
+  Buf g(1);
+  std::string err = error_of([&] { kv.Push(99, {g.t()}); });
+  CHECK(err.find("updater refuses key 99") != std::string::npos);
+
+  KVStore opt("device");
+  opt.SetOptimizer("sgd", {{"learning_rate", "0.5"}});
+  opt.Init(1, init.t());
+  opt.Push(1, {g.t(), g.t()});
+  opt.Pull(1, &outs);
+  CHECK(out.all(0.0f));  // 1 - 0.5 * (1 + 1)
+}
+
+static void test_errors() {
+  KVStore kv("device");
+  Buf x(1);
+  std::string err = error_of([&] { kv.Push(5, {x.t()}); });
+  CHECK(err == "key 5: not initialized (call init first)");
+  kv.Init(5, x.t());
+  CHECK(error_of([&] { kv.Init(5, x.t()); }).find("already initialized") != std::string::npos);
+  CHECK(error_of([&] { kv.Init("s", x.t()); }).find("cannot be mixed") != std::string::npos);
+  Buf small(1, 4);
+  CHECK(error_of([&] { kv.Push(5, {x.t(), small.t()}); }).find("different shape") != std::string::npos);
+  CHECK(error_of([&] { kv.Push(5, {small.t()}); }).find("expected [2, 4]") != std::string::npos);
+  CHECK(error_of([&] { kv.SetGradientCompression({{"compress", "2bit"}, {"pos_threshold", "0.5"}}); })
+            .find("'neg_threshold': missing") != std::string::npos);
+  Buf out(0);
+  std::vector<Tensor> outs{out.t()};
+  kv.Pull(5, &outs);
+  CHECK(out.all(1));  // untouched by the failed calls
+  CHECK(error_of([] { KVStore bad("dist_x"); }).find("unknown KVStore type 'dist_x'") != std::string::npos);
+}
+
+int main() {
+  test_sum_and_pull();
+  test_two_bit_device_store();
+  test_updater_and_optimizer();
+  test_errors();
+  std::printf("C++ KVStore: %d checks passed\n", checks);
+  return 0;
+}
