@@ -43,3 +43,45 @@ impl Gradient for bf16 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
 }
+
+/// A gradient slice of any supported element type (one device's push).
+#[derive(Clone, Copy, Debug)]
+pub enum Grad<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl Grad<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Grad::F32(g) => g.len(),
+            Grad::F16(g) => g.len(),
+            Grad::Bf16(g) => g.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            Grad::F32(_) => Dtype::F32,
+            Grad::F16(_) => Dtype::F16,
+            Grad::Bf16(_) => Dtype::Bf16,
+        }
+    }
+}
+
+
+impl<'a> Grad<'a> {
+    /// The elements in `range`.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Grad<'a> {
+        match *self {
+            Grad::F32(g) => Grad::F32(&g[range]),
+            Grad::F16(g) => Grad::F16(&g[range]),
+            Grad::Bf16(g) => Grad::Bf16(&g[range]),
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::gradient::Gradient;
+use super::gradient::{Grad, Gradient};
 use super::platform::Platform;
 use super::Thresholds;
 
@@ -43,5 +43,48 @@ pub(crate) fn any_code_11(blocks: &[u32]) -> bool {
         blocks.par_chunks(CHUNK_BLOCKS).any(scan)
     } else {
         scan(blocks)
+    }
+}
+
+/// One chunk of the fused reduce: every device's gradient quantized into its
+/// blocks, then decoded into `sum` (overwrite for the first device, add after).
+fn quantize_reduce_chunk(p: Platform, grads: &[Grad], range: std::ops::Range<usize>, parts: Vec<(&mut [f32], &mut [u32])>, th: Thresholds, sum: &mut [f32]) {
+    for (i, (residual, blocks)) in parts.into_iter().enumerate() {
+        match grads[i].slice(range.clone()) {
+            Grad::F32(g) => p.quantize(g, residual, blocks, th),
+            Grad::F16(g) => p.quantize(g, residual, blocks, th),
+            Grad::Bf16(g) => p.quantize(g, residual, blocks, th),
+        }
+        if i == 0 {
+            p.dequantize::<false>(blocks, th, sum);
+        } else {
+            p.dequantize::<true>(blocks, th, sum);
+        }
+    }
+}
+
+/// The fused reduce over whole arrays, chunk by chunk so that each chunk of
+/// `sum` stays in cache while every device adds into it. Lengths are checked
+/// by the caller.
+pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &mut [&mut [f32]], blocks: &mut [&mut [u32]], th: Thresholds, sum: &mut [f32]) {
+    let parallel = parallel(sum.len());
+    let mut res_chunks: Vec<_> = residuals.iter_mut().map(|r| r.chunks_mut(CHUNK)).collect();
+    let mut blk_chunks: Vec<_> = blocks.iter_mut().map(|b| b.chunks_mut(CHUNK_BLOCKS)).collect();
+    let tasks: Vec<_> = sum
+        .chunks_mut(CHUNK)
+        .enumerate()
+        .map(|(c, s)| {
+            let parts: Vec<(&mut [f32], &mut [u32])> = res_chunks.iter_mut().zip(blk_chunks.iter_mut()).map(|(r, b)| (r.next().unwrap(), b.next().unwrap())).collect();
+            (c * CHUNK, s, parts)
+        })
+        .collect();
+    let run = |(lo, s, parts): (usize, &mut [f32], Vec<(&mut [f32], &mut [u32])>)| {
+        let hi = lo + s.len();
+        quantize_reduce_chunk(p, grads, lo..hi, parts, th, s)
+    };
+    if parallel {
+        tasks.into_par_iter().for_each(run);
+    } else {
+        tasks.into_iter().for_each(run);
     }
 }

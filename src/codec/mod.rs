@@ -15,7 +15,7 @@ pub mod reference;
 #[cfg(test)]
 mod test;
 
-pub use gradient::Gradient;
+pub use gradient::{Grad, Gradient};
 pub use join::CHUNK;
 pub use platform::Platform;
 
@@ -99,6 +99,35 @@ pub fn quantize_2bit<G: Gradient>(grad: &[G], residual: &mut [f32], compr: &mut 
     compr[1] = th.pos;
     compr[2] = n as f32; // round to nearest, as SPEC §1 says
     join::quantize(Platform::detect(), grad, residual, blocks_mut(compr), th);
+    Ok(())
+}
+
+/// The reduce step of a compressed push, fused: for every device `i`, quantize
+/// `grads[i]` with `residuals[i]` into `comprs[i]` (header and blocks, exactly
+/// as `quantize_2bit`), and set `sum` to the sum, in device order, of the
+/// decoded arrays: bit-identical to `quantize_2bit` then `dequantize_2bit`
+/// for the first device and `dequantize_2bit_add` for the others, in one pass.
+/// On error nothing is written.
+pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &mut [&mut [f32]], comprs: &mut [&mut [f32]], sum: &mut [f32], th: Thresholds) -> Result<()> {
+    let n = sum.len();
+    if grads.is_empty() {
+        return Err(Error::SizeMismatch { what: "list of device gradients", expected: 1, got: 0 });
+    }
+    check_len("list of residuals", grads.len(), residuals.len())?;
+    check_len("list of compressed arrays", grads.len(), comprs.len())?;
+    for ((g, r), c) in grads.iter().zip(residuals.iter()).zip(comprs.iter()) {
+        check_len("gradient", n, g.len())?;
+        check_len("residual", n, r.len())?;
+        check_len("compressed array", compressed_len(n), c.len())?;
+    }
+    let mut blocks: Vec<&mut [u32]> = Vec::with_capacity(comprs.len());
+    for c in comprs.iter_mut() {
+        c[0] = th.neg;
+        c[1] = th.pos;
+        c[2] = n as f32;
+        blocks.push(blocks_mut(c));
+    }
+    join::quantize_reduce(Platform::detect(), grads, residuals, &mut blocks, th, sum);
     Ok(())
 }
 

@@ -234,3 +234,61 @@ fn denormal_and_negative_zero_blocks_survive() {
         }
     }
 }
+
+#[test]
+fn fused_reduce_matches_separate_calls() {
+    let mut rng = Rng(9);
+    for &n in &[0usize, 1, 17, CHUNK + 3, 2 * CHUNK + 16, 300_001] {
+        for devices in 1..=3 {
+            let g32: Vec<f32> = (0..n).map(|_| rng.uniform(0.7)).collect();
+            let g16: Vec<f16> = (0..n).map(|_| f16::from_f32(rng.uniform(0.7))).collect();
+            let gbf: Vec<bf16> = (0..n).map(|_| bf16::from_f32(rng.uniform(0.7))).collect();
+            let all = [Grad::F32(&g32), Grad::F16(&g16), Grad::Bf16(&gbf)];
+            let grads = &all[..devices];
+            let start: Vec<Vec<f32>> = (0..devices).map(|_| (0..n).map(|_| rng.uniform(0.3)).collect()).collect();
+            // separate calls
+            let mut want_res = start.clone();
+            let mut want_sum = vec![0f32; n];
+            let mut want_comprs = vec![create_2bit(n); devices];
+            for (i, g) in grads.iter().enumerate() {
+                match *g {
+                    Grad::F32(g) => quantize_2bit(g, &mut want_res[i], &mut want_comprs[i], th()).unwrap(),
+                    Grad::F16(g) => quantize_2bit(g, &mut want_res[i], &mut want_comprs[i], th()).unwrap(),
+                    Grad::Bf16(g) => quantize_2bit(g, &mut want_res[i], &mut want_comprs[i], th()).unwrap(),
+                }
+                if i == 0 {
+                    dequantize_2bit(&want_comprs[i], &mut want_sum).unwrap();
+                } else {
+                    dequantize_2bit_add(&want_comprs[i], &mut want_sum).unwrap();
+                }
+            }
+            // fused
+            let mut res = start.clone();
+            let mut comprs = vec![create_2bit(n); devices];
+            let mut sum = vec![7f32; n];
+            {
+                let mut r: Vec<&mut [f32]> = res.iter_mut().map(|v| &mut v[..]).collect();
+                let mut c: Vec<&mut [f32]> = comprs.iter_mut().map(|v| &mut v[..]).collect();
+                quantize_2bit_reduce(grads, &mut r, &mut c, &mut sum, th()).unwrap();
+            }
+            assert_eq!(bits(&sum), bits(&want_sum), "n={n} devices={devices}");
+            for i in 0..devices {
+                assert_eq!(bits(&res[i]), bits(&want_res[i]));
+                assert_eq!(bits(&comprs[i]), bits(&want_comprs[i]));
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_reduce_rejects_mismatches_untouched() {
+    let g = vec![1f32; 20];
+    let mut r0 = vec![0.5f32; 20];
+    let mut r1 = vec![0.5f32; 19];
+    let mut c0 = vec![9f32; 5];
+    let mut c1 = vec![9f32; 5];
+    let mut sum = vec![3f32; 20];
+    let err = quantize_2bit_reduce(&[Grad::F32(&g), Grad::F32(&g)], &mut [&mut r0, &mut r1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
+    assert_eq!(err.to_string(), "residual has 19 elements, expected 20");
+    assert!(r0.iter().all(|&x| x == 0.5) && c0.iter().all(|&x| x == 9.0) && sum.iter().all(|&x| x == 3.0));
+}

@@ -17,11 +17,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 pub use key::Key;
 
+pub use crate::codec::Grad;
 use crate::codec::{self, CHUNK};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
@@ -53,36 +53,6 @@ impl StoreType {
     }
 }
 
-/// A gradient pushed from one device.
-#[derive(Clone, Copy, Debug)]
-pub enum Grad<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    Bf16(&'a [bf16]),
-}
-
-impl Grad<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            Grad::F32(g) => g.len(),
-            Grad::F16(g) => g.len(),
-            Grad::Bf16(g) => g.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn dtype(&self) -> Dtype {
-        match self {
-            Grad::F32(_) => Dtype::F32,
-            Grad::F16(_) => Dtype::F16,
-            Grad::Bf16(_) => Dtype::Bf16,
-        }
-    }
-}
-
 /// One array handed to the store, with its shape.
 #[derive(Clone, Copy, Debug)]
 pub struct Array<'a> {
@@ -106,14 +76,15 @@ pub enum Updater {
 }
 
 /// Invariant: `value.len() == shape.iter().product()`; every non-empty residual
-/// has that length too; `compr_buf` is empty or `compressed_len(value.len())`.
+/// has that length too; each compressed buffer is `compressed_len(value.len())`.
 struct Entry {
     shape: Vec<usize>,
     value: Vec<f32>,
     /// One per device index, allocated on the device's first compressed push.
     residuals: Vec<Vec<f32>>,
     merge_buf: Vec<f32>,
-    compr_buf: Vec<f32>,
+    /// What each device sent on the last compressed push (one per device).
+    compr_bufs: Vec<Vec<f32>>,
 }
 
 #[derive(Default)]
@@ -151,6 +122,15 @@ fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize
         return Err(key_error(key, format!("{what} has shape {shape:?}, expected {want:?}")));
     }
     Ok(())
+}
+
+/// `dst = src`, in parallel chunks for large arrays.
+fn copy_into(dst: &mut [f32], src: &[f32]) {
+    if dst.len() > CHUNK {
+        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+    } else {
+        dst.copy_from_slice(src);
+    }
 }
 
 /// `dst = srcs[0] + srcs[1] + ...`, left to right per element, in parallel chunks.
@@ -276,7 +256,7 @@ impl KVStore {
         if keys.map.contains_key(key) {
             return Err(key_error(key, "already initialized"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_buf: Vec::new() };
+        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new() };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
         keys.str_keys = Some(key.is_str());
         Ok(())
@@ -307,33 +287,29 @@ impl KVStore {
                 sum_into(&mut e.merge_buf, &srcs);
             }
             Compression::TwoBit(th) => {
-                e.compr_buf.resize(codec::compressed_len(n), 0.0);
-                if e.residuals.len() < values.len() {
-                    e.residuals.resize_with(values.len(), Vec::new);
+                let devices = values.len();
+                if e.residuals.len() < devices {
+                    e.residuals.resize_with(devices, Vec::new);
                 }
-                for (i, v) in values.iter().enumerate() {
-                    let residual = &mut e.residuals[i];
-                    if residual.is_empty() {
-                        residual.resize(n, 0.0);
-                    }
-                    match v.data {
-                        Grad::F32(g) => codec::quantize_2bit(g, residual, &mut e.compr_buf, th)?,
-                        Grad::F16(g) => codec::quantize_2bit(g, residual, &mut e.compr_buf, th)?,
-                        Grad::Bf16(g) => codec::quantize_2bit(g, residual, &mut e.compr_buf, th)?,
-                    }
-                    if i == 0 {
-                        codec::dequantize_2bit(&e.compr_buf, &mut e.merge_buf)?;
-                    } else {
-                        codec::dequantize_2bit_add(&e.compr_buf, &mut e.merge_buf)?;
-                    }
+                if e.compr_bufs.len() < devices {
+                    e.compr_bufs.resize_with(devices, Vec::new);
                 }
+                for (residual, compr) in e.residuals.iter_mut().zip(e.compr_bufs.iter_mut()).take(devices) {
+                    residual.resize(n, 0.0); // a device's first push starts from a zero residual
+                    compr.resize(codec::compressed_len(n), 0.0);
+                }
+                let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
+                let mut residuals: Vec<&mut [f32]> = e.residuals.iter_mut().take(devices).map(|r| &mut r[..]).collect();
+                let mut comprs: Vec<&mut [f32]> = e.compr_bufs.iter_mut().take(devices).map(|c| &mut c[..]).collect();
+                codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th)?;
             }
         }
         let devices = values.len() as u64;
         self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
         self.wire_bytes.fetch_add(devices * compression.wire_bytes(n) as u64, Ordering::Relaxed);
         match updater.as_deref() {
-            None => e.value.copy_from_slice(&e.merge_buf),
+            // The merged sum becomes the value; the old value's buffer is reused next push.
+            None => std::mem::swap(&mut e.value, &mut e.merge_buf),
             Some(Updater::Optimizer(o)) => o.update(key, &e.merge_buf, &mut e.value)?,
             Some(Updater::Custom(f)) => f(key, &e.merge_buf, &mut e.value).map_err(|err| match err {
                 Error::Updater { .. } => err,
@@ -354,7 +330,7 @@ impl KVStore {
             check_shape(key, &format!("pull output {i}"), o.shape, o.data.len(), &e.shape)?;
         }
         for o in outs.iter_mut() {
-            o.data.copy_from_slice(&e.value);
+            copy_into(o.data, &e.value);
         }
         Ok(())
     }

@@ -2,6 +2,7 @@
 //! the proposal's thresholds, updaters, bad input leaving state untouched.
 
 use super::*;
+use half::{bf16, f16};
 use crate::codec::Thresholds;
 
 const SHAPE: &[usize] = &[4, 4];
