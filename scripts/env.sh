@@ -18,4 +18,4 @@ fi
 export PATH="$venv/bin:$PATH"
 export PYTHON="$venv/bin/python"
 # gradpack with its MXNet operator library (mxnet is importable in the venv).
-GRADPACK_MXNET=1 "$venv/bin/pip" install -q --no-build-isolation --no-deps "$root"
+PYTHONWARNINGS=ignore GRADPACK_MXNET=1 "$venv/bin/pip" install -q --no-build-isolation --no-deps "$root"

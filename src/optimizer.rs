@@ -60,10 +60,11 @@ struct State {
 #[derive(Debug)]
 pub struct Optimizer {
     rule: Rule,
-    hyper: Hyper,
+    hyper: Mutex<Hyper>,
     states: Mutex<HashMap<Key, Arc<Mutex<State>>>>,
-    /// MXNet's lr_mult / wd_mult per key (default 1, 1).
-    mults: Mutex<HashMap<Key, (f64, f64)>>,
+    /// Per-key (learning rate, weight decay) as MXNet's `_get_lr` / `_get_wd`
+    /// return them (schedules and lr_mult / wd_mult applied); default: `hyper`'s.
+    rates: Mutex<HashMap<Key, (f64, f64)>>,
 }
 
 #[inline(always)]
@@ -79,7 +80,7 @@ fn clip(x: f32, bound: f32) -> f32 {
 
 impl Optimizer {
     pub fn new(rule: Rule, hyper: Hyper) -> Optimizer {
-        Optimizer { rule, hyper, states: Mutex::default(), mults: Mutex::default() }
+        Optimizer { rule, hyper: Mutex::new(hyper), states: Mutex::default(), rates: Mutex::default() }
     }
 
     /// Builds an optimizer from MXNet's name (`sgd`, `nag`, `adam`) and
@@ -127,9 +128,18 @@ impl Optimizer {
         self.rule
     }
 
-    /// MXNet's per-parameter `lr_mult` and `wd_mult` for one key.
-    pub fn set_multipliers(&self, key: &Key, lr_mult: f64, wd_mult: f64) {
-        self.mults.lock().unwrap().insert(key.clone(), (lr_mult, wd_mult));
+    /// The learning rate and weight decay of one key's next updates, as MXNet's
+    /// optimizer computes them per parameter (in Python doubles).
+    pub fn set_rates(&self, key: &Key, learning_rate: f64, wd: f64) {
+        self.rates.lock().unwrap().insert(key.clone(), (learning_rate, wd));
+    }
+
+    /// MXNet's `rescale_grad` and `clip_gradient` (negative: off), which Trainer
+    /// and Module change as the batch size is known.
+    pub fn set_grad_scaling(&self, rescale_grad: f32, clip_gradient: f32) {
+        let mut h = self.hyper.lock().unwrap();
+        h.rescale_grad = rescale_grad;
+        h.clip_gradient = clip_gradient;
     }
 
     fn state_for(&self, key: &Key, n: usize) -> Arc<Mutex<State>> {
@@ -151,11 +161,11 @@ impl Optimizer {
             return Err(Error::OptimizerStates(format!("state of key {key} has the wrong size for a weight of {}", weight.len())));
         }
         state.step += 1;
-        let (lr_mult, wd_mult) = self.mults.lock().unwrap().get(key).copied().unwrap_or((1.0, 1.0));
-        let lr_wide = self.hyper.learning_rate * lr_mult;
+        let hyper = *self.hyper.lock().unwrap();
+        let (lr_wide, wd) = self.rates.lock().unwrap().get(key).copied().unwrap_or((hyper.learning_rate, hyper.wd));
         let lr = lr_wide as f32;
-        let wd = (self.hyper.wd * wd_mult) as f32;
-        let (rescale, bound) = (self.hyper.rescale_grad, self.hyper.clip_gradient);
+        let wd = wd as f32;
+        let (rescale, bound) = (hyper.rescale_grad, hyper.clip_gradient);
         let clipping = bound >= 0.0;
         let step = state.step;
         match (self.rule, &mut state.arrays[..]) {

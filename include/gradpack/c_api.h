@@ -117,8 +117,11 @@ int gp_kvstore_set_compress(gp_kvstore_t* store, const char* const* keys,
  * beta2, epsilon) as strings. */
 int gp_kvstore_set_optimizer(gp_kvstore_t* store, const char* name, const char* const* keys,
                              const char* const* vals, int num);
-/* MXNet's lr_mult / wd_mult for one key of the current optimizer. */
-int gp_kvstore_set_multipliers(gp_kvstore_t* store, gp_key_t key, double lr_mult, double wd_mult);
+/* Learning rate and weight decay of one key's next updates, as MXNet's
+ * optimizer computes them per parameter (schedule, lr_mult, wd_mult applied). */
+int gp_kvstore_set_rates(gp_kvstore_t* store, gp_key_t key, double learning_rate, double wd);
+/* rescale_grad and clip_gradient (negative: off) of the current optimizer. */
+int gp_kvstore_set_grad_scaling(gp_kvstore_t* store, float rescale_grad, float clip_gradient);
 /* A caller's updater; `user` stays owned by the caller and must outlive the store. */
 int gp_kvstore_set_updater(gp_kvstore_t* store, gp_updater_fn fn, void* user);
 

@@ -50,7 +50,8 @@ LIB.gp_kvstore_broadcast.argtypes = [_p, _Key, _Array, ctypes.POINTER(_ArrayMut)
 _strs = ctypes.POINTER(ctypes.c_char_p)
 LIB.gp_kvstore_set_compress.argtypes = [_p, _strs, _strs, _int]
 LIB.gp_kvstore_set_optimizer.argtypes = [_p, ctypes.c_char_p, _strs, _strs, _int]
-LIB.gp_kvstore_set_multipliers.argtypes = [_p, _Key, ctypes.c_double, ctypes.c_double]
+LIB.gp_kvstore_set_rates.argtypes = [_p, _Key, ctypes.c_double, ctypes.c_double]
+LIB.gp_kvstore_set_grad_scaling.argtypes = [_p, ctypes.c_float, ctypes.c_float]
 LIB.gp_kvstore_set_updater.argtypes = [_p, _UPDATER, _p]
 LIB.gp_kvstore_save_optimizer_states.argtypes = [_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint8)),
                                                  ctypes.POINTER(ctypes.c_uint64)]
@@ -253,9 +254,15 @@ class KVStore(object):
                                                 (ctypes.c_char_p * max(n, 1))(*keys),
                                                 (ctypes.c_char_p * max(n, 1))(*vals), n))
 
-    def set_multipliers(self, key, lr_mult=1.0, wd_mult=1.0):
-        """MXNet's per-parameter lr_mult / wd_mult for the optimizer set here."""
-        self._call(LIB.gp_kvstore_set_multipliers(self.handle, _key(key), lr_mult, wd_mult))
+    def set_rates(self, key, learning_rate, wd):
+        """One key's learning rate and weight decay for the optimizer set here
+        (what MXNet's optimizer ``_get_lr(key)`` / ``_get_wd(key)`` return)."""
+        self._call(LIB.gp_kvstore_set_rates(self.handle, _key(key), learning_rate, wd))
+
+    def set_grad_scaling(self, rescale_grad, clip_gradient=None):
+        """The optimizer's rescale_grad and clip_gradient (None: off)."""
+        clip = -1.0 if clip_gradient is None else clip_gradient
+        self._call(LIB.gp_kvstore_set_grad_scaling(self.handle, rescale_grad, clip))
 
     def set_updater(self, updater):
         """Call ``updater(key, merged, stored)`` on every push (numpy arrays,
@@ -281,23 +288,30 @@ class KVStore(object):
 
     _set_updater = set_updater
 
-    def save_optimizer_states(self, fname, dump_optimizer=False):
-        """Write the optimizer states to ``fname``."""
+    def optimizer_states(self):
+        """The optimizer states as bytes (gradpack's own format)."""
         data = ctypes.POINTER(ctypes.c_uint8)()
         n = ctypes.c_uint64()
         self._call(LIB.gp_kvstore_save_optimizer_states(self.handle, ctypes.byref(data), ctypes.byref(n)))
         try:
-            blob = ctypes.string_at(data, n.value)
+            return ctypes.string_at(data, n.value)
         finally:
             LIB.gp_buffer_free(data, n)
+
+    def set_optimizer_states(self, blob):
+        """Replace the optimizer states with bytes from ``optimizer_states()``."""
+        self._call(LIB.gp_kvstore_load_optimizer_states(self.handle, blob, len(blob)))
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Write the optimizer states to ``fname``."""
+        blob = self.optimizer_states()
         with open(fname, "wb") as f:
             f.write(blob)
 
     def load_optimizer_states(self, fname):
         """Replace the optimizer states with those saved in ``fname``."""
         with open(fname, "rb") as f:
-            blob = f.read()
-        self._call(LIB.gp_kvstore_load_optimizer_states(self.handle, blob, len(blob)))
+            self.set_optimizer_states(f.read())
 
     def stats(self):
         """Bytes pushes moved between devices: as float32 and as sent."""

@@ -275,17 +275,33 @@ pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name
     })
 }
 
-/// Per-key learning-rate and weight-decay multipliers of the current optimizer.
+/// The learning rate and weight decay of one key's next updates (MXNet's
+/// per-parameter `_get_lr` / `_get_wd`), for the current optimizer.
 ///
 /// # Safety
 /// `store` is live.
 #[no_mangle]
-pub unsafe extern "C" fn gp_kvstore_set_multipliers(store: *mut gp_kvstore_t, key: gp_key_t, lr_mult: f64, wd_mult: f64) -> c_int {
+pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_key_t, learning_rate: f64, wd: f64) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
         let key = key_of(key)?;
         kv.with_optimizer(|o| {
-            o.set_multipliers(&key, lr_mult, wd_mult);
+            o.set_rates(&key, learning_rate, wd);
+            Ok(())
+        })
+    })
+}
+
+/// `rescale_grad` and `clip_gradient` (negative: off) of the current optimizer.
+///
+/// # Safety
+/// `store` is live.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_set_grad_scaling(store: *mut gp_kvstore_t, rescale_grad: f32, clip_gradient: f32) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        kv.with_optimizer(|o| {
+            o.set_grad_scaling(rescale_grad, clip_gradient);
             Ok(())
         })
     })

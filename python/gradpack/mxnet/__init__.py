@@ -1,20 +1,13 @@
 """gradpack inside a real MXNet (1.9.1 from PyPI).
 
-Importing this module loads gradpack's operator library with
-``mx.library.load``, after which the proposal's operators work on NDArrays::
-
-    mx.nd.contrib.create_2bit(grad)
-    mx.nd.contrib.quantize_2bit(grad, residual, compr, neg_threshold=-0.5, pos_threshold=0.5)
-    mx.nd.contrib.quantize_2bit(grad, residual, compr, -0.5, 0.5)   # positional form
-    mx.nd.contrib.dequantize_2bit(compr, decompr)
-
-quantize and dequantize mutate their inputs in place (no copies) and have no
-outputs, so they are imperative only: the ``mx.sym`` spellings raise an error
-instead of crashing MXNet. Operator errors raise ``OperatorError``, which is
-both a ``gradpack.Error`` and an ``mx.base.MXNetError``.
+Importing this module registers gradpack's operators
+(``mx.nd.contrib.create_2bit`` / ``quantize_2bit`` / ``dequantize_2bit``) and
+its KVStore plugins (``mx.kv.create('gradpack_device')``, ``'gradpack_local'``)
+and changes nothing else. ``gradpack.mxnet.install()`` then makes the
+proposal's API work verbatim: ``mx.kv.create('device')`` returns a gradpack
+store with ``set_compress``, and ``mx.mod.Module`` / ``mx.gluon.Trainer``
+accept ``compress_params=``. ``uninstall()`` restores MXNet's own.
 """
-import re
-
 try:
     import mxnet as mx
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -22,93 +15,49 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "gradpack.mxnet needs MXNet 1.9.1: pip install 'mxnet==1.9.1' 'numpy<1.24' "
         "(then reinstall gradpack so its operator library is built): %s" % e) from e
 
-from ..base import LIB, Error, lib_path
+from .ops import OperatorError, create_2bit, dequantize_2bit, quantize_2bit
+from .kvstore import GradpackStore, create
+from .module import Module
+from .trainer import Trainer
 
-__all__ = ["OperatorError"]
+__all__ = ["OperatorError", "GradpackStore", "create", "Module", "Trainer", "install",
+           "uninstall", "installed"]
 
-
-class OperatorError(Error, mx.base.MXNetError):
-    """An error from one of gradpack's MXNet operators."""
-
-
-def _has_operator_library():
-    try:
-        getattr(LIB, "_opRegSize")
-        return True
-    except AttributeError:
-        return False
+_saved = None
 
 
-if not _has_operator_library():
-    raise ImportError(
-        "gradpack was built without its MXNet operator library (%s). Install mxnet==1.9.1 "
-        "first, then reinstall gradpack: `pip install .` builds the library with MXNet "
-        "support when mxnet is importable." % lib_path)
-
-mx.library.load(lib_path, False)
-
-_OPS = ("create_2bit", "quantize_2bit", "dequantize_2bit")
-_native = {name: getattr(mx.nd.contrib, name) for name in _OPS}
-_TRACE_ENTRY = re.compile(r"^\s*\[\d+\] [^\n]*?\]: (.*)$", re.M)
-
-
-def _raise_clean(err):
-    """Re-raise an MXNetError from our library with only our (last) message.
-
-    lib_api keeps every message it ever logged; the newest one is ours."""
-    found = _TRACE_ENTRY.findall(str(err))
-    raise OperatorError(found[-1] if found else str(err)) from None
-
-
-def create_2bit(grad, **kwargs):
-    """A zero-filled float32 NDArray of ``3 + ceil(grad.size / 16)`` elements."""
-    try:
-        return _native["create_2bit"](grad, **kwargs)
-    except mx.base.MXNetError as e:
-        _raise_clean(e)
+def install():
+    """Route MXNet's API to gradpack: ``mx.kv.create`` (and ``mx.kvstore.create``),
+    ``mx.mod.Module`` (and ``mx.module.Module``), ``mx.gluon.Trainer``.
+    Idempotent."""
+    global _saved
+    if _saved is not None:
+        return
+    import mxnet.kvstore
+    import mxnet.module
+    _saved = {
+        (mx.kv, "create"): mx.kv.create,
+        (mx.kvstore, "create"): mx.kvstore.create,
+        (mx.mod, "Module"): mx.mod.Module,
+        (mx.module, "Module"): mx.module.Module,
+        (mx.gluon, "Trainer"): mx.gluon.Trainer,
+    }
+    mx.kv.create = create
+    mx.kvstore.create = create
+    mx.mod.Module = Module
+    mx.module.Module = Module
+    mx.gluon.Trainer = Trainer
 
 
-def quantize_2bit(grad, residual, compr, neg_threshold=None, pos_threshold=None, **kwargs):
-    """Quantize ``grad`` into ``compr`` with error feedback in ``residual`` (both
-    mutated in place). Thresholds by keyword or position, as in the proposal."""
-    if neg_threshold is None or pos_threshold is None:
-        raise OperatorError("quantize_2bit needs neg_threshold and pos_threshold")
-    try:
-        _native["quantize_2bit"](grad, residual, compr, neg_threshold=neg_threshold,
-                                 pos_threshold=pos_threshold, **kwargs)
-    except mx.base.MXNetError as e:
-        _raise_clean(e)
+def uninstall():
+    """Undo ``install()``."""
+    global _saved
+    if _saved is None:
+        return
+    for (module, name), value in _saved.items():
+        setattr(module, name, value)
+    _saved = None
 
 
-def dequantize_2bit(compr, decompr, **kwargs):
-    """Decode ``compr`` into ``decompr`` in place. Waits for the result so that a
-    corrupt input raises here, naming the problem, with ``decompr`` untouched."""
-    try:
-        _native["dequantize_2bit"](compr, decompr, **kwargs)
-        decompr.wait_to_read()
-    except mx.base.MXNetError as e:
-        _raise_clean(e)
-
-
-def _imperative_only(name):
-    def refuse(*args, **kwargs):
-        raise OperatorError(
-            "%s mutates its inputs in place and has no outputs, so it has no symbolic form; "
-            "call mx.nd.contrib.%s on NDArrays" % (name, name))
-    refuse.__name__ = name
-    return refuse
-
-
-def _install_operators():
-    import mxnet.contrib  # noqa: F401  (mx.contrib.nd / mx.contrib.sym)
-    imperative = {"create_2bit": create_2bit, "quantize_2bit": quantize_2bit,
-                  "dequantize_2bit": dequantize_2bit}
-    for module in (mx.nd.contrib, mx.contrib.nd):
-        for name, fn in imperative.items():
-            setattr(module, name, fn)
-    for module in (mx.sym.contrib, mx.contrib.sym):
-        for name in ("quantize_2bit", "dequantize_2bit"):
-            setattr(module, name, _imperative_only(name))
-
-
-_install_operators()
+def installed():
+    return _saved is not None

@@ -1,0 +1,256 @@
+"""gradpack's KVStores as MXNet KVStore plugins (``mx.kv.KVStoreBase``).
+
+They take NDArrays without copying: a CPU NDArray's memory is handed to the
+Rust store after waiting on MXNet's engine (pending writes for inputs, pending
+reads and writes for outputs), so results are ordered as MXNet's own store
+orders them. ``set_optimizer`` runs gradpack's Rust optimizer for MXNet's SGD,
+NAG and Adam (the same float32 steps, with the optimizer's per-parameter
+learning rate, weight decay and rescale_grad synchronised before every update)
+and MXNet's own updater, run locally, for any other optimizer.
+"""
+import ctypes
+import pickle
+
+import mxnet as mx
+import numpy as np
+
+from .. import kv as _kv
+from ..base import Error
+
+__all__ = ["GradpackStore", "create"]
+
+_STORE_TYPES = ("local", "device")
+
+
+def _wait(arr, write):
+    fn = mx.base._LIB.MXNDArrayWaitToWrite if write else mx.base._LIB.MXNDArrayWaitToRead
+    mx.base.check_call(fn(arr.handle))
+
+
+def _np_view(arr, key, what, write):
+    """A numpy array over an NDArray's own memory (no copy)."""
+    if not isinstance(arr, mx.nd.NDArray):
+        raise Error("key %r: %s must be an NDArray, got %s" % (key, what, type(arr).__name__))
+    if arr.stype != "default":
+        raise Error("key %r: %s has storage type '%s'; gradpack's stores take dense arrays only "
+                    "(sparse gradients and row_sparse_pull are not supported)" % (key, what, arr.stype))
+    if arr.context.device_type != "cpu":
+        raise Error("key %r: %s lives on %s; this gradpack build handles CPU arrays only"
+                    % (key, what, arr.context))
+    _wait(arr, write)
+    ptr = ctypes.c_void_p()
+    mx.base.check_call(mx.base._LIB.MXNDArrayGetData(arr.handle, ctypes.byref(ptr)))
+    dtype = np.dtype(arr.dtype)
+    nbytes = int(np.prod(arr.shape)) * dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(arr.shape, dtype)
+    buf = (ctypes.c_char * nbytes).from_address(ptr.value)
+    return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _views(key, value, what, write):
+    """Mirror MXNet's key/value pairing, replacing NDArrays by numpy views."""
+    if isinstance(key, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise Error("%d keys need a list of %d %s" % (len(key), len(key), what))
+        return [[_np_view(a, k, what, write) for a in _as_list(v)] for k, v in zip(key, value)]
+    return [_np_view(a, key, what, write) for a in _as_list(value)]
+
+
+class _RustUpdater(object):
+    """What Trainer.load_states reads back as ``kvstore._updater.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+_RUST_OPTIMIZERS = {mx.optimizer.SGD: "sgd", mx.optimizer.NAG: "nag", mx.optimizer.Adam: "adam"}
+
+
+def _rust_name(optimizer):
+    """gradpack's name for an optimizer it runs itself, or None (exact classes
+    only: a subclass may change the update rule)."""
+    if getattr(optimizer, "multi_precision", False):
+        return None
+    return _RUST_OPTIMIZERS.get(type(optimizer))
+
+
+class GradpackStore(mx.kv.KVStoreBase):
+    """A gradpack 'local' or 'device' store with MXNet's KVStore interface."""
+
+    def __init__(self, name="device"):
+        if name not in _STORE_TYPES:
+            raise Error("gradpack has no '%s' KVStore here (known: %s)" % (name, ", ".join(_STORE_TYPES)))
+        self._name = name
+        self._store = _kv.create(name)
+        self._optimizer = None
+        self._updater = None
+        self._rust = False
+        self._scaling = None
+
+    # ------------------------------------------------------------ identity
+    @property
+    def type(self):
+        return self._name
+
+    @property
+    def rank(self):
+        return 0
+
+    @property
+    def num_workers(self):
+        return 1
+
+    def is_capable(self, capability):
+        if capability.lower() == mx.kv.KVStoreBase.OPTIMIZER:
+            return True
+        raise Error("unknown capability '%s'" % capability)
+
+    def barrier(self):
+        pass
+
+    def stats(self):
+        return self._store.stats()
+
+    # ------------------------------------------------------------ data
+    def init(self, key, value):
+        self._store.init(key, _views(key, value, "init value", False))
+
+    def broadcast(self, key, value, out, priority=0):
+        values = _views(key, value, "broadcast value", False)
+        outs = _views(key, out, "broadcast output", True)
+        self._store.broadcast(key, values, out=outs)
+
+    def push(self, key, value, priority=0):
+        values = _views(key, value, "pushed value", False)
+        self._before_update(key)
+        self._store.push(key, values)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        if out is None:
+            raise Error("pull needs out=")
+        self._store.pull(key, out=_views(key, out, "pull output", True))
+
+    def pushpull(self, key, value, out=None, priority=0):
+        values = _views(key, value, "pushed value", out is None)
+        outs = values if out is None else _views(key, out, "pushpull output", True)
+        self._before_update(key)
+        self._store.pushpull(key, values, out=outs)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        raise Error("key %r: row_sparse_pull is not supported by gradpack's stores (dense only)" % (key,))
+
+    # ------------------------------------------------------------ configuration
+    def set_compress(self, compress_params):
+        self._store.set_compress(compress_params)
+
+    def set_gradient_compression(self, compression_params):
+        self._store.set_compress(compression_params)
+
+    def set_optimizer(self, optimizer):
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise Error("set_optimizer takes an mx.optimizer.Optimizer, got %s" % type(optimizer).__name__)
+        name = _rust_name(optimizer)
+        if name is not None:
+            params = {"learning_rate": optimizer.lr}
+            if name in ("sgd", "nag"):
+                params["momentum"] = optimizer.momentum
+            else:
+                params.update(beta1=optimizer.beta1, beta2=optimizer.beta2, epsilon=optimizer.epsilon)
+            self._store.set_optimizer(name, **params)
+            self._updater = _RustUpdater(optimizer)
+            self._rust = True
+        else:
+            updater = mx.optimizer.get_updater(optimizer)
+            self._store.set_updater(lambda key, merged, stored: _run_mxnet_updater(updater, key, merged, stored))
+            self._updater = updater
+            self._rust = False
+        self._optimizer = optimizer
+        self._scaling = None
+
+    def _before_update(self, key):
+        """Bring the Rust optimizer's per-key rates and gradient scaling up to
+        date with the MXNet optimizer, exactly when MXNet's updater would read them."""
+        if not self._rust:
+            return
+        opt = self._optimizer
+        scaling = (opt.rescale_grad, opt.clip_gradient)
+        if scaling != self._scaling:
+            self._store.set_grad_scaling(opt.rescale_grad, opt.clip_gradient)
+            self._scaling = scaling
+        for k in (key if isinstance(key, (list, tuple)) else [key]):
+            opt._update_count(k)
+            self._store.set_rates(k, opt._get_lr(k), opt._get_wd(k))
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        if self._updater is None:
+            raise Error("this store has no optimizer: call set_optimizer first")
+        if self._rust:
+            payload = {"gradpack_states": self._store.optimizer_states(),
+                       "optimizer": self._optimizer if dump_optimizer else None,
+                       "index_update_count": dict(self._optimizer._index_update_count)}
+            with open(fname, "wb") as f:
+                pickle.dump(payload, f)
+        else:
+            with open(fname, "wb") as f:
+                f.write(self._updater.get_states(dump_optimizer))
+
+    def load_optimizer_states(self, fname):
+        if self._updater is None:
+            raise Error("this store has no optimizer: call set_optimizer first")
+        with open(fname, "rb") as f:
+            data = f.read()
+        if self._rust:
+            try:
+                payload = pickle.loads(data)
+                blob = payload["gradpack_states"]
+            except Exception:
+                raise Error("%s is not a gradpack optimizer-state file" % fname) from None
+            self._store.set_optimizer_states(blob)
+            if payload.get("optimizer") is not None:
+                self._optimizer = payload["optimizer"]
+                self._updater.optimizer = self._optimizer
+                self._scaling = None
+            self._optimizer._index_update_count.update(payload.get("index_update_count", {}))
+        else:
+            self._updater.set_states(data)
+
+
+def _run_mxnet_updater(updater, key, merged, stored):
+    grad = mx.nd.array(merged, dtype=merged.dtype)
+    weight = mx.nd.array(stored, dtype=stored.dtype)
+    updater(key, grad, weight)
+    stored[...] = weight.asnumpy()
+
+
+def _register(name):
+    cls = type(name, (GradpackStore,), {
+        "__init__": lambda self: GradpackStore.__init__(self, name.split("_", 1)[1]),
+        "__doc__": "gradpack's '%s' store, registered as mx.kv.create('%s')." % (name.split("_", 1)[1], name),
+    })
+    mx.kv.KVStoreBase.register(cls)
+    return cls
+
+
+for _t in _STORE_TYPES:
+    _register("gradpack_" + _t)
+
+
+def create(name="local"):
+    """``mx.kv.create`` after ``install()``: gradpack stores for 'local' and
+    'device' (and 'gradpack_*'); MXNet's own for anything gradpack lacks."""
+    if not isinstance(name, str):
+        raise TypeError("name must be a string")
+    lowered = name.lower()
+    if lowered.startswith("gradpack_"):
+        lowered = lowered[len("gradpack_"):]
+    if lowered in _STORE_TYPES:
+        return GradpackStore(lowered)
+    if lowered.startswith("dist"):
+        raise Error("gradpack has no '%s' store yet (distributed stores are a later step); "
+                    "use 'device' or 'local'" % name)
+    raise Error("unknown KVStore type '%s' (gradpack knows %s)" % (name, ", ".join(_STORE_TYPES)))

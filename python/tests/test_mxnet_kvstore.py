@@ -1,0 +1,119 @@
+"""gradpack's KVStore plugins inside MXNet 1.9.1: registration, zero-copy
+NDArrays, install()/uninstall(), MXNet optimizers, clear errors."""
+import numpy as np
+import pytest
+
+from mxnet_required import mxnet
+
+mx = mxnet()
+import gradpack  # noqa: E402
+import gradpack.mxnet as gpmx  # noqa: E402
+
+TWO_BIT = {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5}
+
+
+@pytest.fixture
+def installed():
+    gpmx.install()
+    yield
+    gpmx.uninstall()
+
+
+def test_import_registers_plugins_and_changes_nothing_else():
+    assert not gpmx.installed()
+    kv = mx.kv.create("gradpack_device")
+    assert isinstance(kv, gpmx.GradpackStore) and kv.type == "device"
+    assert isinstance(mx.kv.create("gradpack_local"), gpmx.GradpackStore)
+    native = mx.kv.create("device")
+    assert type(native).__name__ == "KVStore" and not hasattr(native, "set_compress")
+    assert mx.gluon.Trainer is not gpmx.Trainer and mx.mod.Module is not gpmx.Module
+
+
+def test_install_routes_the_proposal_api(installed):
+    kv = mx.kv.create("device")
+    assert isinstance(kv, gpmx.GradpackStore)
+    kv.set_compress(TWO_BIT)
+    kv.init(3, mx.nd.zeros((2, 3)))
+    for _ in range(2):
+        kv.push(3, [mx.nd.full((2, 3), 0.3, ctx=mx.cpu(i)) for i in range(2)])
+    out = [mx.nd.zeros((2, 3), ctx=mx.cpu(i)) for i in range(2)]
+    kv.pull(3, out=out)
+    assert all((o.asnumpy() == 1.0).all() for o in out)  # 0.6 per device -> 0.5 each
+    assert mx.mod.Module is gpmx.Module and mx.gluon.Trainer is gpmx.Trainer
+    assert mx.kvstore.create is gpmx.create
+    gpmx.uninstall()
+    assert type(mx.kv.create("device")).__name__ == "KVStore"
+    gpmx.install()
+
+
+def test_local_store_refuses_compression(installed):
+    with pytest.raises(gradpack.Error, match="create a 'device' store"):
+        mx.kv.create("local").set_compress(TWO_BIT)
+
+
+def test_dist_types_are_refused_clearly(installed):
+    with pytest.raises(gradpack.Error, match="no 'dist_sync' store yet"):
+        mx.kv.create("dist_sync")
+
+
+def test_results_are_ordered_with_mxnet_engine():
+    # The pushed value comes from pending MXNet ops; the pulled value feeds more ops.
+    kv = mx.kv.create("gradpack_device")
+    kv.init("w", mx.nd.zeros(1000))
+    a = mx.nd.ones(1000)
+    for _ in range(20):
+        a = a * 1.1
+    kv.push("w", [a, a])
+    out = mx.nd.zeros(1000)
+    kv.pull("w", out=out)
+    doubled = out * 2
+    np.testing.assert_allclose(doubled.asnumpy(), 4 * 1.1 ** 20, rtol=1e-5)
+
+
+def test_pushpull_in_place_and_broadcast():
+    kv = mx.kv.create("gradpack_device")
+    value = mx.nd.arange(6).reshape((2, 3))
+    outs = [mx.nd.zeros((2, 3), ctx=mx.cpu(i)) for i in range(2)]
+    kv.broadcast(0, value, outs)
+    assert all((o.asnumpy() == value.asnumpy()).all() for o in outs)
+    grads = [mx.nd.ones((2, 3)), mx.nd.full((2, 3), 2)]
+    kv.pushpull(0, grads)
+    assert all((g.asnumpy() == 3).all() for g in grads)
+
+
+@pytest.mark.parametrize("optimizer", [
+    mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3, rescale_grad=0.5),
+    mx.optimizer.NAG(learning_rate=0.1, momentum=0.9),
+    mx.optimizer.Adam(learning_rate=0.01),
+    mx.optimizer.RMSProp(learning_rate=0.01),  # not in Rust: MXNet's updater runs locally
+])
+def test_set_optimizer_equals_native_store(optimizer):
+    import copy
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(0, 1, (5, 7)).astype(np.float32)
+    grads = [[rng.normal(0, 1, (5, 7)).astype(np.float32) for _ in range(2)] for _ in range(4)]
+    results = []
+    for store in (mx.kv.create("gradpack_device"), mx.kv.create("device")):
+        store.set_optimizer(copy.deepcopy(optimizer))
+        store.init("w", mx.nd.array(w0))
+        out = mx.nd.zeros((5, 7))
+        for g in grads:
+            store.pushpull("w", [mx.nd.array(x) for x in g], out=out)
+        results.append(out.asnumpy())
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_bad_use_is_refused_clearly():
+    kv = mx.kv.create("gradpack_device")
+    kv.init(0, mx.nd.zeros((4, 4)))
+    sparse = mx.nd.zeros((4, 4)).tostype("row_sparse")
+    with pytest.raises(gradpack.Error, match="storage type 'row_sparse'"):
+        kv.push(0, sparse)
+    with pytest.raises(gradpack.Error, match="row_sparse_pull is not supported"):
+        kv.row_sparse_pull(0, out=mx.nd.zeros((4, 4)), row_ids=mx.nd.array([0]))
+    with pytest.raises(gradpack.Error, match="'bits': unknown key"):
+        kv.set_compress({"compress": "2bit", "threshold": 0.5, "bits": 2})
+    with pytest.raises(gradpack.Error, match="key 0: pushed value 0 has shape \\[3\\]"):
+        kv.push(0, mx.nd.zeros(3))
+    with pytest.raises(gradpack.Error, match="unknown capability"):
+        kv.is_capable("teleport")
