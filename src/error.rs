@@ -61,6 +61,13 @@ pub enum Error {
     #[error("optimizer states: {0}")]
     OptimizerStates(String),
 
+    // --- distributed ---------------------------------------------------------
+    #[error("transport: {0}")]
+    Transport(String),
+
+    #[error("distributed job failed: {0}")]
+    JobFailed(String),
+
     // --- bindings ------------------------------------------------------------
     #[error("{what} must not be a null pointer")]
     NullPointer { what: &'static str },

@@ -7,6 +7,7 @@ mod bridge;
 pub mod capi;
 pub mod codec;
 pub mod compression;
+pub mod dist;
 pub mod error;
 pub mod kvstore;
 pub mod optimizer;

@@ -1,0 +1,130 @@
+//! All configuration of a distributed node, read in one place from MXNet's and
+//! ps-lite's environment variables:
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `DMLC_ROLE` | `scheduler`, `server` or `worker` | `worker` |
+//! | `DMLC_PS_ROOT_URI` | the scheduler's host | required |
+//! | `DMLC_PS_ROOT_PORT` | the scheduler's port | required |
+//! | `DMLC_NUM_WORKER` | number of workers | required |
+//! | `DMLC_NUM_SERVER` | number of servers | required |
+//! | `DMLC_NODE_HOST` | this node's address as others reach it | the interface that reaches the scheduler |
+//! | `DMLC_INTERFACE` | accepted for compatibility; `DMLC_NODE_HOST` decides | — |
+//! | `PS_HEARTBEAT_INTERVAL` | seconds between heartbeats to the scheduler | 1 |
+//! | `PS_HEARTBEAT_TIMEOUT` | seconds of silence after which a node is dead | 10 |
+//! | `PS_VERBOSE` | 1: log membership events, 2: every message | 0 |
+//! | `MXNET_KVSTORE_BIGARRAY_BOUND` | keys of at least this many elements are split over all servers | 1000000 |
+
+use std::env;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Scheduler,
+    Server,
+    Worker,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Scheduler => "scheduler",
+            Role::Server => "server",
+            Role::Worker => "worker",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Role> {
+        match s {
+            "scheduler" => Ok(Role::Scheduler),
+            "server" => Ok(Role::Server),
+            "worker" => Ok(Role::Worker),
+            other => Err(config_error("DMLC_ROLE", &format!("must be scheduler, server or worker, got '{other}'"))),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub role: Role,
+    pub root_uri: String,
+    pub root_port: u16,
+    pub num_workers: usize,
+    pub num_servers: usize,
+    pub node_host: Option<String>,
+    pub heartbeat_interval: Duration,
+    pub heartbeat_timeout: Duration,
+    pub verbose: u32,
+    pub bigarray_bound: usize,
+}
+
+fn config_error(var: &str, problem: &str) -> Error {
+    Error::InvalidParam { key: var.to_string(), problem: problem.to_string() }
+}
+
+fn var(name: &str) -> Option<String> {
+    env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
+}
+
+fn required(name: &str) -> Result<String> {
+    var(name).ok_or_else(|| config_error(name, "must be set for a distributed KVStore (see MXNet's launch contract)"))
+}
+
+fn number<T: std::str::FromStr>(name: &str, text: &str) -> Result<T> {
+    text.parse::<T>().map_err(|_| config_error(name, &format!("must be a number, got '{text}'")))
+}
+
+fn seconds(name: &str, default: f64) -> Result<Duration> {
+    let s = match var(name) {
+        Some(t) => number::<f64>(name, &t)?,
+        None => default,
+    };
+    if !(s > 0.0) || !s.is_finite() {
+        return Err(config_error(name, &format!("must be a positive number of seconds, got {s}")));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl Config {
+    pub fn from_env() -> Result<Config> {
+        let role = Role::parse(&var("DMLC_ROLE").unwrap_or_else(|| "worker".into()))?;
+        let root_port = number::<u16>("DMLC_PS_ROOT_PORT", &required("DMLC_PS_ROOT_PORT")?)?;
+        let num_workers = number::<usize>("DMLC_NUM_WORKER", &required("DMLC_NUM_WORKER")?)?;
+        let num_servers = number::<usize>("DMLC_NUM_SERVER", &required("DMLC_NUM_SERVER")?)?;
+        if num_workers == 0 {
+            return Err(config_error("DMLC_NUM_WORKER", "must be at least 1"));
+        }
+        if num_servers == 0 {
+            return Err(config_error("DMLC_NUM_SERVER", "must be at least 1"));
+        }
+        let heartbeat_interval = seconds("PS_HEARTBEAT_INTERVAL", 1.0)?;
+        let heartbeat_timeout = seconds("PS_HEARTBEAT_TIMEOUT", 10.0)?;
+        if heartbeat_timeout <= heartbeat_interval {
+            return Err(config_error("PS_HEARTBEAT_TIMEOUT", "must be longer than PS_HEARTBEAT_INTERVAL"));
+        }
+        let bigarray_bound = match var("MXNET_KVSTORE_BIGARRAY_BOUND") {
+            Some(t) => number::<usize>("MXNET_KVSTORE_BIGARRAY_BOUND", &t)?.max(1),
+            None => 1_000_000,
+        };
+        Ok(Config {
+            role,
+            root_uri: required("DMLC_PS_ROOT_URI")?,
+            root_port,
+            num_workers,
+            num_servers,
+            node_host: var("DMLC_NODE_HOST"),
+            heartbeat_interval,
+            heartbeat_timeout,
+            verbose: var("PS_VERBOSE").map(|v| number::<u32>("PS_VERBOSE", &v)).transpose()?.unwrap_or(0),
+            bigarray_bound,
+        })
+    }
+
+    /// What every node of one job must agree on; a node whose fingerprint
+    /// differs from the scheduler's is refused.
+    pub fn job_fingerprint(&self) -> String {
+        format!("workers={} servers={} bigarray_bound={}", self.num_workers, self.num_servers, self.bigarray_bound)
+    }
+}

@@ -1,0 +1,145 @@
+//! Request tracking: requests waiting for their responses, and the job-wide
+//! events (failure, termination, barrier release) that wake every waiter.
+//! Knows messages and request ids, nothing of keys or roles.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+
+use super::message::Message;
+use crate::error::{Error, Result};
+
+#[derive(Default)]
+struct State {
+    /// request id -> (responses expected, responses so far)
+    pending: HashMap<u64, (usize, Vec<Message>)>,
+    failure: Option<String>,
+    terminated: bool,
+    barriers_done: u64,
+}
+
+#[derive(Default)]
+pub struct Customer {
+    next_id: AtomicU64,
+    state: Mutex<State>,
+    cond: Condvar,
+}
+
+impl Customer {
+    /// A new request id expecting `expected` responses.
+    pub fn start(&self, expected: usize) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        self.state.lock().unwrap().pending.insert(id, (expected, Vec::with_capacity(expected)));
+        id
+    }
+
+    /// Files a response; false if no request waits for it.
+    pub fn deliver(&self, msg: Message) -> bool {
+        let mut s = self.state.lock().unwrap();
+        let known = match s.pending.get_mut(&msg.meta.request_id) {
+            Some((_, got)) => {
+                got.push(msg);
+                true
+            }
+            None => false,
+        };
+        drop(s);
+        self.cond.notify_all();
+        known
+    }
+
+    /// Forgets a request whose sends failed.
+    pub fn cancel(&self, id: u64) {
+        self.state.lock().unwrap().pending.remove(&id);
+    }
+
+    /// Waits for every response of request `id`; an error response, a node
+    /// failure or the end of the job end the wait with an error.
+    pub fn wait(&self, id: u64) -> Result<Vec<Message>> {
+        let mut s = self.state.lock().unwrap();
+        loop {
+            if let Some(reason) = &s.failure {
+                let reason = reason.clone();
+                s.pending.remove(&id);
+                return Err(Error::JobFailed(reason));
+            }
+            let (expected, got) = s.pending.get(&id).expect("request id was started");
+            if got.len() >= *expected {
+                let (_, got) = s.pending.remove(&id).unwrap();
+                if let Some(bad) = got.iter().find(|m| m.meta.status != 0) {
+                    return Err(Error::Store(bad.meta.body.clone()));
+                }
+                return Ok(got);
+            }
+            if s.terminated {
+                s.pending.remove(&id);
+                return Err(Error::JobFailed("the job has ended".into()));
+            }
+            s = self.cond.wait(s).unwrap();
+        }
+    }
+
+    /// Marks the job failed (first reason wins) and wakes every waiter.
+    pub fn fail(&self, reason: String) {
+        let mut s = self.state.lock().unwrap();
+        if s.failure.is_none() {
+            s.failure = Some(reason);
+        }
+        drop(s);
+        self.cond.notify_all();
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.state.lock().unwrap().failure.clone()
+    }
+
+    pub fn terminate(&self) {
+        self.state.lock().unwrap().terminated = true;
+        self.cond.notify_all();
+    }
+
+    pub fn is_over(&self) -> bool {
+        let s = self.state.lock().unwrap();
+        s.terminated || s.failure.is_some()
+    }
+
+    /// Blocks until the job terminates (Ok) or fails (Err).
+    pub fn wait_until_over(&self) -> Result<()> {
+        let mut s = self.state.lock().unwrap();
+        loop {
+            if let Some(reason) = &s.failure {
+                return Err(Error::JobFailed(reason.clone()));
+            }
+            if s.terminated {
+                return Ok(());
+            }
+            s = self.cond.wait(s).unwrap();
+        }
+    }
+
+    pub fn barriers_done(&self) -> u64 {
+        self.state.lock().unwrap().barriers_done
+    }
+
+    pub fn release_barrier(&self) {
+        self.state.lock().unwrap().barriers_done += 1;
+        self.cond.notify_all();
+    }
+
+    /// Waits until more than `seen` barriers have been released.
+    pub fn wait_barrier(&self, seen: u64) -> Result<()> {
+        let mut s = self.state.lock().unwrap();
+        loop {
+            if let Some(reason) = &s.failure {
+                return Err(Error::JobFailed(reason.clone()));
+            }
+            if s.barriers_done > seen {
+                return Ok(());
+            }
+            if s.terminated {
+                return Err(Error::JobFailed("the job has ended".into()));
+            }
+            s = self.cond.wait(s).unwrap();
+        }
+    }
+}

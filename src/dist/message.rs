@@ -1,0 +1,251 @@
+//! Messages between nodes and their wire format. A message travels as two
+//! ZeroMQ frames: a small binary header (`Meta`) and the payload bytes, which
+//! are float32 values or packed 2-bit blocks moved as bytes only. Decoding
+//! checks every length and tag: a malformed frame is an error, never a panic.
+
+use crate::error::{Error, Result};
+use crate::kvstore::Key;
+
+const MAGIC: u32 = 0x4750_4b31; // "GPK1"
+
+/// What a message asks for or answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Command {
+    // membership (node <-> scheduler)
+    Register = 1,
+    AddNodes = 2,
+    Refused = 3,
+    Barrier = 4,
+    BarrierDone = 5,
+    Heartbeat = 6,
+    HeartbeatAck = 7,
+    NodeFailed = 8,
+    WorkerDone = 9,
+    Terminate = 10,
+    // data (worker <-> server)
+    SetCompress = 20,
+    SetOptimizer = 21,
+    SetScaling = 22,
+    Init = 23,
+    Push = 24,
+    Pull = 25,
+    /// Answers a data request: `status` 0 and a payload, or an error message.
+    Response = 26,
+}
+
+impl Command {
+    fn from_u8(v: u8) -> Result<Command> {
+        use Command::*;
+        Ok(match v {
+            1 => Register,
+            2 => AddNodes,
+            3 => Refused,
+            4 => Barrier,
+            5 => BarrierDone,
+            6 => Heartbeat,
+            7 => HeartbeatAck,
+            8 => NodeFailed,
+            9 => WorkerDone,
+            10 => Terminate,
+            20 => SetCompress,
+            21 => SetOptimizer,
+            22 => SetScaling,
+            23 => Init,
+            24 => Push,
+            25 => Pull,
+            26 => Response,
+            other => return Err(malformed(&format!("unknown command {other}"))),
+        })
+    }
+}
+
+/// Payload encodings.
+pub const FLAG_COMPRESSED: u16 = 1;
+
+/// The header of a message.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Meta {
+    pub command: Command,
+    pub flags: u16,
+    /// Sender's node id (0 until the scheduler assigned one).
+    pub sender: i32,
+    /// Matches a response to its request.
+    pub request_id: u64,
+    pub key: Option<Key>,
+    /// First element of the slice this message carries, and its length.
+    pub offset: u64,
+    pub len: u64,
+    /// 0 ok; non-zero: `body` holds the error message.
+    pub status: i32,
+    /// Text: registration data, node tables, parameters, error messages.
+    pub body: String,
+}
+
+impl Meta {
+    pub fn new(command: Command, sender: i32) -> Meta {
+        Meta { command, flags: 0, sender, request_id: 0, key: None, offset: 0, len: 0, status: 0, body: String::new() }
+    }
+}
+
+/// A whole message: header and payload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    pub meta: Meta,
+    pub data: Vec<u8>,
+}
+
+fn malformed(problem: &str) -> Error {
+    Error::Transport(format!("malformed message: {problem}"))
+}
+
+impl Meta {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.body.len());
+        out.extend(MAGIC.to_le_bytes());
+        out.push(self.command as u8);
+        out.extend(self.flags.to_le_bytes());
+        out.extend(self.sender.to_le_bytes());
+        out.extend(self.request_id.to_le_bytes());
+        match &self.key {
+            None => out.push(0),
+            Some(Key::Int(k)) => {
+                out.push(1);
+                out.extend(k.to_le_bytes());
+            }
+            Some(Key::Str(s)) => {
+                out.push(2);
+                out.extend((s.len() as u32).to_le_bytes());
+                out.extend(s.as_bytes());
+            }
+        }
+        out.extend(self.offset.to_le_bytes());
+        out.extend(self.len.to_le_bytes());
+        out.extend(self.status.to_le_bytes());
+        out.extend((self.body.len() as u32).to_le_bytes());
+        out.extend(self.body.as_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Meta> {
+        let mut r = Reader { bytes, pos: 0 };
+        if r.u32()? != MAGIC {
+            return Err(malformed("bad magic (not a gradpack message)"));
+        }
+        let command = Command::from_u8(r.take(1)?[0])?;
+        let flags = u16::from_le_bytes(r.take(2)?.try_into().unwrap());
+        let sender = r.u32()? as i32;
+        let request_id = r.u64()?;
+        let key = match r.take(1)?[0] {
+            0 => None,
+            1 => Some(Key::Int(r.u64()? as i64)),
+            2 => {
+                let n = r.u32()? as usize;
+                let s = std::str::from_utf8(r.take(n)?).map_err(|_| malformed("key is not UTF-8"))?;
+                Some(Key::Str(s.to_string()))
+            }
+            t => return Err(malformed(&format!("bad key tag {t}"))),
+        };
+        let offset = r.u64()?;
+        let len = r.u64()?;
+        let status = r.u32()? as i32;
+        let n = r.u32()? as usize;
+        let body = std::str::from_utf8(r.take(n)?).map_err(|_| malformed("body is not UTF-8"))?.to_string();
+        if r.pos != bytes.len() {
+            return Err(malformed(&format!("{} trailing bytes in the header", bytes.len() - r.pos)));
+        }
+        Ok(Meta { command, flags, sender, request_id, key, offset, len, status, body })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| malformed("truncated header"))?;
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+}
+
+/// float32 values as little-endian bytes (a copy: the wire owns its buffer).
+pub fn f32s_to_bytes(v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 * v.len());
+    for x in v {
+        out.extend(x.to_bits().to_le_bytes());
+    }
+    out
+}
+
+/// Bytes back into float32 values, bit for bit; the length must be a multiple of 4.
+pub fn bytes_to_f32s(b: &[u8]) -> Result<Vec<f32>> {
+    if b.len() % 4 != 0 {
+        return Err(malformed(&format!("payload of {} bytes is not a whole number of float32", b.len())));
+    }
+    Ok(b.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))).collect())
+}
+
+/// `key=value` lines, the text bodies of control messages.
+pub fn encode_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    pairs.into_iter().map(|(k, v)| format!("{k}={v}\n")).collect()
+}
+
+pub fn decode_pairs(body: &str) -> Result<Vec<(String, String)>> {
+    body.lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| l.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| malformed(&format!("bad parameter line '{l}'"))))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meta_round_trips() {
+        for key in [None, Some(Key::Int(-7)), Some(Key::Str("fc1_weight".into()))] {
+            let mut m = Meta::new(Command::Push, 9);
+            m.flags = FLAG_COMPRESSED;
+            m.request_id = 1 << 40;
+            m.key = key;
+            m.offset = 16;
+            m.len = 33;
+            m.status = -1;
+            m.body = "a=1\nb=x\n".into();
+            assert_eq!(Meta::decode(&m.encode()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn malformed_headers_are_errors() {
+        let good = Meta::new(Command::Pull, 3).encode();
+        for bad in [&b""[..], &good[..good.len() - 1], &[0u8; 40][..]] {
+            assert!(Meta::decode(bad).unwrap_err().to_string().contains("malformed"));
+        }
+        let mut extra = good.clone();
+        extra.push(0);
+        assert!(Meta::decode(&extra).unwrap_err().to_string().contains("trailing"));
+        let mut cmd = good.clone();
+        cmd[4] = 99;
+        assert!(Meta::decode(&cmd).unwrap_err().to_string().contains("unknown command 99"));
+    }
+
+    #[test]
+    fn payload_bits_survive() {
+        let v = [f32::from_bits(1), -0.0, f32::from_bits(0x1242_0000), f32::NAN];
+        let back = bytes_to_f32s(&f32s_to_bytes(&v)).unwrap();
+        assert_eq!(back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), v.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert!(bytes_to_f32s(&[0; 5]).is_err());
+        assert_eq!(decode_pairs(&encode_pairs([("a", "1"), ("b", "x=y")])).unwrap(), vec![("a".into(), "1".into()), ("b".into(), "x=y".into())]);
+    }
+}

@@ -1,0 +1,28 @@
+//! The distributed KVStore (SPEC §3 dist, §4 launch), in ps-lite's layers, one
+//! file each, each knowing only the one below: `van` (ZeroMQ transport) ->
+//! `postoffice` (membership: scheduler, ranks, barrier, heartbeats) and
+//! `customer` (request tracking) -> `worker` and `server`. `config` reads every
+//! setting from MXNet's `DMLC_*` variables in one place.
+
+pub mod config;
+pub mod customer;
+pub mod message;
+pub mod postoffice;
+pub mod server;
+pub mod van;
+pub mod worker;
+
+pub use config::{Config, Role};
+pub use worker::DistWorker;
+
+use crate::error::{Error, Result};
+
+/// Runs this process's scheduler or server role until the job ends (Ok) or
+/// fails (Err). Workers create a `DistWorker` instead.
+pub fn serve(config: Config) -> Result<()> {
+    match config.role {
+        Role::Scheduler => postoffice::run_scheduler(config),
+        Role::Server => server::run_server(config),
+        Role::Worker => Err(Error::Store("DMLC_ROLE=worker: a worker creates a dist store instead of serving".into())),
+    }
+}

@@ -1,0 +1,424 @@
+//! Membership: registration with the scheduler, node ids and ranks, the
+//! barrier, heartbeats and failure detection, and the end of the job. Sits on
+//! the transport (`van`) and wakes request waiters through the `customer`.
+//!
+//! Node ids follow ps-lite: the scheduler is 1, server rank r is 8 + 2r,
+//! worker rank r is 9 + 2r.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::config::{Config, Role};
+use super::customer::Customer;
+use super::message::{decode_pairs, encode_pairs, Command, Message, Meta};
+use super::van::{local_address_towards, Receiver, Van};
+use crate::error::{Error, Result};
+
+pub const SCHEDULER_ID: i32 = 1;
+
+pub fn server_id(rank: usize) -> i32 {
+    8 + 2 * rank as i32
+}
+
+pub fn worker_id(rank: usize) -> i32 {
+    9 + 2 * rank as i32
+}
+
+/// One node of the job as the scheduler announced it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeInfo {
+    pub id: i32,
+    pub role: Role,
+    pub rank: usize,
+    pub host: String,
+    pub port: u16,
+}
+
+impl NodeInfo {
+    fn describe(&self) -> String {
+        format!("{} {} (node {} at {}:{})", self.role.name(), self.rank, self.id, self.host, self.port)
+    }
+}
+
+/// Handles a data request on a server; returns the messages to send back.
+pub type RequestHandler = Box<dyn FnMut(Message) -> Vec<(i32, Message)> + Send>;
+
+fn log(config: &Config, who: &str, level: u32, text: &str) {
+    if config.verbose >= level {
+        eprintln!("[gradpack {who}] {text}");
+    }
+}
+
+fn message(meta: Meta) -> Message {
+    Message { meta, data: Vec::new() }
+}
+
+/// A registered worker or server.
+pub struct Postoffice {
+    pub config: Config,
+    pub van: Arc<Van>,
+    pub customer: Arc<Customer>,
+    pub me: NodeInfo,
+    pub nodes: Vec<NodeInfo>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Postoffice {
+    /// Registers this worker or server with the scheduler, waits for the node
+    /// table, connects to its peers and starts the receive and heartbeat
+    /// threads. Servers pass the handler for data requests.
+    pub fn start(config: Config, mut handler: Option<RequestHandler>) -> Result<Arc<Postoffice>> {
+        debug_assert!(config.role != Role::Scheduler);
+        let van = Arc::new(Van::new());
+        let host = config.node_host.clone().unwrap_or_else(|| local_address_towards(&config.root_uri, config.root_port));
+        let (receiver, port) = van.bind(&host, 0)?;
+        van.connect(SCHEDULER_ID, &config.root_uri, config.root_port)?;
+        let mut reg = Meta::new(Command::Register, 0);
+        reg.body = encode_pairs([
+            ("role", config.role.name()),
+            ("host", host.as_str()),
+            ("port", port.to_string().as_str()),
+            ("job", config.job_fingerprint().as_str()),
+        ]);
+        van.send(SCHEDULER_ID, message(reg))?;
+        let who = format!("{} {}:{}", config.role.name(), host, port);
+        log(&config, &who, 1, &format!("registering with the scheduler at {}:{}", config.root_uri, config.root_port));
+
+        // Every node must register before the table comes; allow for slow starts.
+        let deadline = Instant::now() + config.heartbeat_timeout.max(Duration::from_secs(60)) * 2;
+        let (me, nodes) = loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(Error::JobFailed(format!(
+                    "no answer from the scheduler at {}:{} within {:?} (is it running, and did all {} workers and {} servers start?)",
+                    config.root_uri, config.root_port, deadline.duration_since(deadline - remaining), config.num_workers, config.num_servers
+                )));
+            }
+            match receiver.recv(remaining.min(Duration::from_millis(200)), &van.traffic)? {
+                Some(Ok(msg)) if msg.meta.command == Command::AddNodes => break parse_table(&msg.meta.body)?,
+                Some(Ok(msg)) if msg.meta.command == Command::Refused => {
+                    return Err(Error::JobFailed(format!("the scheduler refused this {}: {}", config.role.name(), msg.meta.body)));
+                }
+                Some(Ok(msg)) => log(&config, &who, 1, &format!("ignoring {:?} before registration", msg.meta.command)),
+                Some(Err(e)) => eprintln!("[gradpack {who}] {e}"),
+                None => {}
+            }
+        };
+        for n in &nodes {
+            if n.id != me.id && n.role != Role::Scheduler && n.role != me.role {
+                van.connect(n.id, &n.host, n.port)?;
+            }
+        }
+        let who = format!("{} {}", me.role.name(), me.rank);
+        log(&config, &who, 1, &format!("joined as node {} of {} nodes", me.id, nodes.len()));
+
+        let post = Arc::new(Postoffice { config, van, customer: Arc::new(Customer::default()), me, nodes, threads: Mutex::default() });
+        let last_contact = Arc::new(Mutex::new(Instant::now()));
+
+        let p = post.clone();
+        let contact = last_contact.clone();
+        let receive = std::thread::Builder::new()
+            .name("gradpack-receive".into())
+            .spawn(move || p.receive_loop(receiver, handler.as_mut(), &contact))
+            .map_err(|e| Error::Transport(format!("starting the receive thread: {e}")))?;
+        let p = post.clone();
+        let heartbeat = std::thread::Builder::new()
+            .name("gradpack-heartbeat".into())
+            .spawn(move || p.heartbeat_loop(&last_contact))
+            .map_err(|e| Error::Transport(format!("starting the heartbeat thread: {e}")))?;
+        post.threads.lock().unwrap().extend([receive, heartbeat]);
+        Ok(post)
+    }
+
+    fn who(&self) -> String {
+        format!("{} {}", self.me.role.name(), self.me.rank)
+    }
+
+    fn receive_loop(&self, receiver: Receiver, mut handler: Option<&mut RequestHandler>, last_contact: &Mutex<Instant>) {
+        while !self.customer.is_over() {
+            let msg = match receiver.recv(Duration::from_millis(100), &self.van.traffic) {
+                Ok(None) => continue,
+                Ok(Some(Ok(msg))) => msg,
+                Ok(Some(Err(e))) => {
+                    eprintln!("[gradpack {}] dropped a message: {e}", self.who());
+                    continue;
+                }
+                Err(e) => {
+                    self.customer.fail(format!("{} cannot receive: {e}", self.who()));
+                    return;
+                }
+            };
+            log(&self.config, &self.who(), 2, &format!("received {:?} from node {}", msg.meta.command, msg.meta.sender));
+            if msg.meta.sender == SCHEDULER_ID {
+                *last_contact.lock().unwrap() = Instant::now();
+            }
+            match msg.meta.command {
+                Command::HeartbeatAck => {}
+                Command::BarrierDone => self.customer.release_barrier(),
+                Command::NodeFailed => self.customer.fail(msg.meta.body.clone()),
+                Command::Terminate => self.customer.terminate(),
+                Command::Response => {
+                    if !self.customer.deliver(msg) {
+                        eprintln!("[gradpack {}] dropped a response to an unknown request", self.who());
+                    }
+                }
+                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull => match handler.as_mut() {
+                    Some(h) => {
+                        for (to, reply) in h(msg) {
+                            if let Err(e) = self.van.send(to, reply) {
+                                eprintln!("[gradpack {}] cannot answer node {to}: {e}", self.who());
+                            }
+                        }
+                    }
+                    None => eprintln!("[gradpack {}] dropped a {:?} request: only servers answer it", self.who(), msg.meta.command),
+                },
+                other => eprintln!("[gradpack {}] dropped an unexpected {other:?} message from node {}", self.who(), msg.meta.sender),
+            }
+        }
+    }
+
+    fn heartbeat_loop(&self, last_contact: &Mutex<Instant>) {
+        let step = Duration::from_millis(50).min(self.config.heartbeat_interval);
+        let mut next = Instant::now();
+        while !self.customer.is_over() {
+            if Instant::now() >= next {
+                let _ = self.van.send(SCHEDULER_ID, message(Meta::new(Command::Heartbeat, self.me.id)));
+                next = Instant::now() + self.config.heartbeat_interval;
+            }
+            let silent = last_contact.lock().unwrap().elapsed();
+            if silent > self.config.heartbeat_timeout {
+                self.customer.fail(format!(
+                    "the scheduler at {}:{} has been silent for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s)",
+                    self.config.root_uri,
+                    self.config.root_port,
+                    silent.as_secs_f64(),
+                    self.config.heartbeat_timeout.as_secs_f64()
+                ));
+                return;
+            }
+            std::thread::sleep(step);
+        }
+    }
+
+    pub fn servers(&self) -> Vec<&NodeInfo> {
+        let mut s: Vec<&NodeInfo> = self.nodes.iter().filter(|n| n.role == Role::Server).collect();
+        s.sort_by_key(|n| n.rank);
+        s
+    }
+
+    /// Sends one request per `(node, meta, payload)` under one request id and
+    /// waits for every response.
+    pub fn request(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
+        if let Some(reason) = self.customer.failure() {
+            return Err(Error::JobFailed(reason));
+        }
+        let id = self.customer.start(parts.len());
+        for (to, mut meta, data) in parts {
+            meta.sender = self.me.id;
+            meta.request_id = id;
+            if let Err(e) = self.van.send(to, Message { meta, data }) {
+                self.customer.cancel(id);
+                return Err(e);
+            }
+        }
+        self.customer.wait(id)
+    }
+
+    /// Waits until every worker reached the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        let seen = self.customer.barriers_done();
+        self.van.send(SCHEDULER_ID, message(Meta::new(Command::Barrier, self.me.id)))?;
+        self.customer.wait_barrier(seen)
+    }
+
+    /// Tells the scheduler this worker is finished.
+    pub fn worker_done(&self) {
+        let _ = self.van.send(SCHEDULER_ID, message(Meta::new(Command::WorkerDone, self.me.id)));
+    }
+
+    pub fn bytes_sent(&self) -> u64 {
+        self.van.traffic.sent.load(Ordering::Relaxed)
+    }
+
+    pub fn bytes_received(&self) -> u64 {
+        self.van.traffic.received.load(Ordering::Relaxed)
+    }
+
+    /// Stops the threads (after the job ended or failed).
+    pub fn stop(&self) {
+        self.customer.terminate();
+        for t in self.threads.lock().unwrap().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn parse_table(body: &str) -> Result<(NodeInfo, Vec<NodeInfo>)> {
+    let bad = |what: &str| Error::Transport(format!("malformed node table: {what}"));
+    let mut me = None;
+    let mut nodes = Vec::new();
+    for (k, v) in decode_pairs(body)? {
+        match k.as_str() {
+            "me" => me = Some(v.parse::<i32>().map_err(|_| bad("me"))?),
+            "node" => {
+                let f: Vec<&str> = v.split_whitespace().collect();
+                if f.len() != 5 {
+                    return Err(bad(&v));
+                }
+                nodes.push(NodeInfo {
+                    id: f[0].parse().map_err(|_| bad("id"))?,
+                    role: Role::parse(f[1])?,
+                    rank: f[2].parse().map_err(|_| bad("rank"))?,
+                    host: f[3].to_string(),
+                    port: f[4].parse().map_err(|_| bad("port"))?,
+                });
+            }
+            _ => return Err(bad(&k)),
+        }
+    }
+    let me = me.ok_or_else(|| bad("no 'me' line"))?;
+    let info = nodes.iter().find(|n| n.id == me).cloned().ok_or_else(|| bad("'me' is not in the table"))?;
+    Ok((info, nodes))
+}
+
+/// Runs the scheduler until every worker is done (Ok) or a node fails (Err).
+pub fn run_scheduler(config: Config) -> Result<()> {
+    let who = "scheduler".to_string();
+    let van = Van::new();
+    let (receiver, _) = van.bind(&config.root_uri, config.root_port).or_else(|_| van.bind("0.0.0.0", config.root_port))?;
+    log(&config, &who, 1, &format!("waiting for {} workers and {} servers on port {}", config.num_workers, config.num_servers, config.root_port));
+    let expected = config.num_workers + config.num_servers;
+    let mut registered: Vec<NodeInfo> = Vec::new();
+    let mut table: Option<Vec<NodeInfo>> = None;
+    let mut last_seen: HashMap<i32, Instant> = HashMap::new();
+    let mut at_barrier: Vec<i32> = Vec::new();
+    let mut done: Vec<i32> = Vec::new();
+    let mut temp_id = -1000; // connections to nodes not (yet) in the table
+    loop {
+        let polled = receiver.recv(Duration::from_millis(50), &van.traffic)?;
+        if let Some(nodes) = &table {
+            // Failure detection: every node must be heard from within the timeout.
+            for n in nodes.iter().filter(|n| n.role != Role::Scheduler) {
+                let silent = last_seen.get(&n.id).map(|t| t.elapsed()).unwrap_or_default();
+                if silent > config.heartbeat_timeout && !done.contains(&n.id) {
+                    let reason = format!(
+                        "{} sent no heartbeat for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s); the job stops",
+                        n.describe(),
+                        silent.as_secs_f64(),
+                        config.heartbeat_timeout.as_secs_f64()
+                    );
+                    eprintln!("[gradpack scheduler] {reason}");
+                    for other in nodes.iter().filter(|o| o.id != n.id && o.role != Role::Scheduler) {
+                        let mut m = Meta::new(Command::NodeFailed, SCHEDULER_ID);
+                        m.body = reason.clone();
+                        let _ = van.send(other.id, message(m));
+                    }
+                    std::thread::sleep(Duration::from_millis(200)); // let the news leave before the sockets close
+                    return Err(Error::JobFailed(reason));
+                }
+            }
+        }
+        let msg = match polled {
+            None => continue,
+            Some(Err(e)) => {
+                eprintln!("[gradpack scheduler] dropped a message: {e}");
+                continue;
+            }
+            Some(Ok(m)) => m,
+        };
+        log(&config, &who, 2, &format!("received {:?} from node {}", msg.meta.command, msg.meta.sender));
+        last_seen.insert(msg.meta.sender, Instant::now());
+        match msg.meta.command {
+            Command::Register => {
+                let pairs: HashMap<String, String> = match decode_pairs(&msg.meta.body) {
+                    Ok(p) => p.into_iter().collect(),
+                    Err(e) => {
+                        eprintln!("[gradpack scheduler] dropped a registration: {e}");
+                        continue;
+                    }
+                };
+                let (Some(role), Some(host), Some(port)) = (pairs.get("role"), pairs.get("host"), pairs.get("port").and_then(|p| p.parse::<u16>().ok())) else {
+                    eprintln!("[gradpack scheduler] dropped a registration without role, host or port");
+                    continue;
+                };
+                let mut refuse = |reason: String| -> Result<()> {
+                    eprintln!("[gradpack scheduler] refused {role} at {host}:{port}: {reason}");
+                    temp_id -= 1;
+                    van.connect(temp_id, host, port)?;
+                    let mut m = Meta::new(Command::Refused, SCHEDULER_ID);
+                    m.body = reason;
+                    van.send(temp_id, message(m))
+                };
+                let job = pairs.get("job").cloned().unwrap_or_default();
+                if job != config.job_fingerprint() {
+                    refuse(format!("its job configuration ({job}) differs from the scheduler's ({})", config.job_fingerprint()))?;
+                    continue;
+                }
+                let role = match Role::parse(role) {
+                    Ok(r) if r != Role::Scheduler => r,
+                    _ => {
+                        refuse(format!("role '{role}' cannot join"))?;
+                        continue;
+                    }
+                };
+                let limit = if role == Role::Worker { config.num_workers } else { config.num_servers };
+                if table.is_some() || registered.iter().filter(|n| n.role == role).count() >= limit {
+                    refuse(format!("the job already has its {limit} {}s", role.name()))?;
+                    continue;
+                }
+                let rank = registered.iter().filter(|n| n.role == role).count();
+                let id = if role == Role::Worker { worker_id(rank) } else { server_id(rank) };
+                registered.push(NodeInfo { id, role, rank, host: host.clone(), port });
+                log(&config, &who, 1, &format!("{} registered ({}/{expected})", registered.last().unwrap().describe(), registered.len()));
+                if registered.len() == expected {
+                    let mut nodes = registered.clone();
+                    nodes.push(NodeInfo { id: SCHEDULER_ID, role: Role::Scheduler, rank: 0, host: config.root_uri.clone(), port: config.root_port });
+                    let lines: String = nodes.iter().map(|n| format!("node={} {} {} {} {}\n", n.id, n.role.name(), n.rank, n.host, n.port)).collect();
+                    for n in &registered {
+                        van.connect(n.id, &n.host, n.port)?;
+                        let mut m = Meta::new(Command::AddNodes, SCHEDULER_ID);
+                        m.body = format!("me={}\n{lines}", n.id);
+                        van.send(n.id, message(m))?;
+                        last_seen.insert(n.id, Instant::now());
+                    }
+                    log(&config, &who, 1, "all nodes registered; the job starts");
+                    table = Some(nodes);
+                }
+            }
+            Command::Heartbeat => {
+                if table.is_some() {
+                    let _ = van.send(msg.meta.sender, message(Meta::new(Command::HeartbeatAck, SCHEDULER_ID)));
+                }
+            }
+            Command::Barrier => {
+                if !at_barrier.contains(&msg.meta.sender) {
+                    at_barrier.push(msg.meta.sender);
+                }
+                if at_barrier.len() == config.num_workers {
+                    for id in at_barrier.drain(..) {
+                        let _ = van.send(id, message(Meta::new(Command::BarrierDone, SCHEDULER_ID)));
+                    }
+                }
+            }
+            Command::WorkerDone => {
+                if !done.contains(&msg.meta.sender) {
+                    done.push(msg.meta.sender);
+                }
+                if done.len() == config.num_workers {
+                    if let Some(nodes) = &table {
+                        for n in nodes.iter().filter(|n| n.role != Role::Scheduler) {
+                            let _ = van.send(n.id, message(Meta::new(Command::Terminate, SCHEDULER_ID)));
+                        }
+                    }
+                    log(&config, &who, 1, "every worker is done; the job ends");
+                    std::thread::sleep(Duration::from_millis(200));
+                    return Ok(());
+                }
+            }
+            other => eprintln!("[gradpack scheduler] dropped an unexpected {other:?} message from node {}", msg.meta.sender),
+        }
+    }
+}

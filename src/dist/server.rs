@@ -1,0 +1,194 @@
+//! The parameter server: holds its slice of every key, decodes pushed 2-bit
+//! blocks (or float32), aggregates them (sync: once every worker pushed;
+//! async: each push), then runs the optimizer or stores the sum. A bad request
+//! gets an error response and changes nothing.
+
+use std::collections::HashMap;
+
+use super::config::Config;
+use super::message::{bytes_to_f32s, decode_pairs, f32s_to_bytes, Command, Message, Meta, FLAG_COMPRESSED};
+use super::postoffice::Postoffice;
+use crate::codec;
+use crate::compression::Compression;
+use crate::error::{Error, Result};
+use crate::kvstore::Key;
+use crate::optimizer::Optimizer;
+
+/// Push flag: apply this push at once (dist_async).
+pub const FLAG_ASYNC: u16 = 2;
+
+struct Slot {
+    offset: u64,
+    value: Vec<f32>,
+    merge: Vec<f32>,
+    /// Workers that pushed in the current sync round: (node id, request id).
+    pushed: Vec<(i32, u64)>,
+}
+
+pub struct Server {
+    num_workers: usize,
+    my_id: i32,
+    slots: HashMap<Key, Slot>,
+    optimizer: Option<Optimizer>,
+    compression: Compression,
+}
+
+fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
+    let mut meta = Meta::new(Command::Response, me);
+    meta.request_id = to.request_id;
+    meta.key = to.key.clone();
+    meta.offset = to.offset;
+    meta.len = to.len;
+    let data = match result {
+        Ok(d) => d,
+        Err(e) => {
+            meta.status = -1;
+            meta.body = e.to_string();
+            Vec::new()
+        }
+    };
+    (to.sender, Message { meta, data })
+}
+
+impl Server {
+    pub fn new(num_workers: usize, my_id: i32) -> Server {
+        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None }
+    }
+
+    /// Handles one request; returns the responses to send (a sync push is
+    /// answered only when the round completes).
+    pub fn handle(&mut self, msg: Message) -> Vec<(i32, Message)> {
+        let meta = msg.meta.clone();
+        match meta.command {
+            Command::Push => match self.push(msg) {
+                Ok(replies) => replies,
+                Err(e) => vec![response(&meta, self.my_id, Err(e))],
+            },
+            _ => {
+                let result = self.other(msg);
+                vec![response(&meta, self.my_id, result)]
+            }
+        }
+    }
+
+    fn key_of(meta: &Meta) -> Result<Key> {
+        meta.key.clone().ok_or_else(|| Error::Transport(format!("malformed message: {:?} without a key", meta.command)))
+    }
+
+    fn other(&mut self, msg: Message) -> Result<Vec<u8>> {
+        let meta = &msg.meta;
+        match meta.command {
+            Command::SetCompress => {
+                let pairs = decode_pairs(&meta.body)?;
+                self.compression = Compression::from_params(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+                Ok(Vec::new())
+            }
+            Command::SetOptimizer => {
+                let pairs = decode_pairs(&meta.body)?;
+                let name = pairs.iter().find(|(k, _)| k == "name").map(|(_, v)| v.clone()).unwrap_or_default();
+                let params = pairs.iter().filter(|(k, _)| k != "name").map(|(k, v)| (k.as_str(), v.as_str()));
+                self.optimizer = Some(Optimizer::from_params(&name, params)?);
+                Ok(Vec::new())
+            }
+            Command::Init => {
+                let key = Self::key_of(meta)?;
+                if self.slots.contains_key(&key) {
+                    return Err(Error::Key { key: key.to_string(), problem: "already initialized".into() });
+                }
+                let value = bytes_to_f32s(&msg.data)?;
+                if value.len() as u64 != meta.len {
+                    return Err(Error::Key { key: key.to_string(), problem: format!("init carries {} values for a slice of {}", value.len(), meta.len) });
+                }
+                self.slots.insert(key, Slot { offset: meta.offset, merge: vec![0.0; value.len()], value, pushed: Vec::new() });
+                Ok(Vec::new())
+            }
+            Command::Pull => {
+                let key = Self::key_of(meta)?;
+                let slot = self.slot(&key, meta)?;
+                Ok(f32s_to_bytes(&slot.value))
+            }
+            other => Err(Error::Transport(format!("a server does not answer {other:?}"))),
+        }
+    }
+
+    fn slot(&self, key: &Key, meta: &Meta) -> Result<&Slot> {
+        let slot = self.slots.get(key).ok_or_else(|| Error::Key { key: key.to_string(), problem: "not initialized on this server".into() })?;
+        if slot.offset != meta.offset || slot.value.len() as u64 != meta.len {
+            return Err(Error::Key {
+                key: key.to_string(),
+                problem: format!("request for elements {}..{} but this server holds {}..{}", meta.offset, meta.offset + meta.len, slot.offset, slot.offset + slot.value.len() as u64),
+            });
+        }
+        Ok(slot)
+    }
+
+    fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
+        let meta = msg.meta;
+        let key = Self::key_of(&meta)?;
+        self.slot(&key, &meta)?;
+        let num_workers = self.num_workers;
+        let asynchronous = meta.flags & FLAG_ASYNC != 0;
+        let slot = self.slots.get_mut(&key).unwrap();
+        if slot.pushed.iter().any(|(s, _)| *s == meta.sender) {
+            return Err(Error::Key { key: key.to_string(), problem: format!("node {} pushed twice in one sync round", meta.sender) });
+        }
+        let first = slot.pushed.is_empty() || asynchronous;
+        let payload = bytes_to_f32s(&msg.data)?;
+        if meta.flags & FLAG_COMPRESSED != 0 {
+            // check_compressed inside validates length, header and codes before writing.
+            if first {
+                codec::dequantize_2bit(&payload, &mut slot.merge)?;
+            } else {
+                codec::dequantize_2bit_add(&payload, &mut slot.merge)?;
+            }
+        } else {
+            if payload.len() != slot.merge.len() {
+                return Err(Error::Key { key: key.to_string(), problem: format!("pushed {} values for a slice of {}", payload.len(), slot.merge.len()) });
+            }
+            if first {
+                slot.merge.copy_from_slice(&payload);
+            } else {
+                slot.merge.iter_mut().zip(&payload).for_each(|(m, p)| *m += *p);
+            }
+        }
+        slot.pushed.push((meta.sender, meta.request_id));
+        if !asynchronous && slot.pushed.len() < num_workers {
+            return Ok(Vec::new()); // answered when the round completes
+        }
+        let result = match &self.optimizer {
+            Some(o) => o.update(&key, &slot.merge, &mut slot.value),
+            None => {
+                slot.value.copy_from_slice(&slot.merge);
+                Ok(())
+            }
+        };
+        let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
+        Ok(waiting
+            .into_iter()
+            .map(|(sender, request_id)| {
+                let mut m = meta.clone();
+                m.sender = sender;
+                m.request_id = request_id;
+                response(&m, self.my_id, result.clone().map(|_| Vec::new()))
+            })
+            .collect())
+    }
+}
+
+/// Runs a server until the job ends (Ok) or fails (Err).
+pub fn run_server(config: Config) -> Result<()> {
+    let num_workers = config.num_workers;
+    // The server's id is known only after registration; responses carry it.
+    let server = std::sync::Arc::new(std::sync::Mutex::new(None::<Server>));
+    let s = server.clone();
+    let handler = Box::new(move |msg: Message| {
+        let mut guard = s.lock().unwrap();
+        let srv = guard.get_or_insert_with(|| Server::new(num_workers, 0));
+        srv.handle(msg)
+    });
+    let post = Postoffice::start(config, Some(handler))?;
+    server.lock().unwrap().get_or_insert_with(|| Server::new(num_workers, post.me.id)).my_id = post.me.id;
+    let result = post.customer.wait_until_over();
+    post.stop();
+    result
+}

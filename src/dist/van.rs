@@ -1,0 +1,122 @@
+//! Transport: framed messages over ZeroMQ. Each node binds one ROUTER socket
+//! that receives from everyone, and keeps one DEALER socket per peer it sends
+//! to. Knows nothing of roles, ranks or keys.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::message::{Message, Meta};
+use crate::error::{Error, Result};
+
+fn zmq_error(what: &str, e: zmq::Error) -> Error {
+    Error::Transport(format!("{what}: {e}"))
+}
+
+/// Payload bytes this node sent and received (headers included).
+#[derive(Default)]
+pub struct Traffic {
+    pub sent: AtomicU64,
+    pub received: AtomicU64,
+}
+
+pub struct Van {
+    ctx: zmq::Context,
+    /// DEALER sockets by peer node id; zmq sockets are not Sync, hence the lock.
+    senders: Mutex<HashMap<i32, zmq::Socket>>,
+    pub traffic: Traffic,
+}
+
+/// The receiving end, owned by one thread.
+pub struct Receiver {
+    socket: zmq::Socket,
+}
+
+/// The address of this host as seen from `peer` (the interface that routes there).
+pub fn local_address_towards(peer: &str, port: u16) -> String {
+    let probe = UdpSocket::bind("0.0.0.0:0").and_then(|s| {
+        s.connect((peer, port))?;
+        s.local_addr()
+    });
+    match probe.map(|a| a.ip()) {
+        Ok(IpAddr::V4(ip)) if !ip.is_unspecified() => ip.to_string(),
+        _ => "127.0.0.1".to_string(),
+    }
+}
+
+impl Van {
+    pub fn new() -> Van {
+        Van { ctx: zmq::Context::new(), senders: Mutex::default(), traffic: Traffic::default() }
+    }
+
+    /// Binds the receiving socket on `host:port` (port 0: any free port) and
+    /// returns it with the port actually bound.
+    pub fn bind(&self, host: &str, port: u16) -> Result<(Receiver, u16)> {
+        let socket = self.ctx.socket(zmq::ROUTER).map_err(|e| zmq_error("creating a socket", e))?;
+        socket.set_linger(0).map_err(|e| zmq_error("setting linger", e))?;
+        socket.set_rcvhwm(0).map_err(|e| zmq_error("setting the receive high-water mark", e))?;
+        let endpoint = if port == 0 { format!("tcp://{host}:*") } else { format!("tcp://{host}:{port}") };
+        socket.bind(&endpoint).map_err(|e| zmq_error(&format!("binding {endpoint}"), e))?;
+        let bound = socket
+            .get_last_endpoint()
+            .map_err(|e| zmq_error("reading the bound endpoint", e))?
+            .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
+        let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
+        Ok((Receiver { socket }, port))
+    }
+
+    /// Opens (or replaces) the sending socket to node `id` at `host:port`.
+    pub fn connect(&self, id: i32, host: &str, port: u16) -> Result<()> {
+        let socket = self.ctx.socket(zmq::DEALER).map_err(|e| zmq_error("creating a socket", e))?;
+        socket.set_linger(0).map_err(|e| zmq_error("setting linger", e))?;
+        socket.set_sndhwm(0).map_err(|e| zmq_error("setting the send high-water mark", e))?;
+        let endpoint = format!("tcp://{host}:{port}");
+        socket.connect(&endpoint).map_err(|e| zmq_error(&format!("connecting to {endpoint}"), e))?;
+        self.senders.lock().unwrap().insert(id, socket);
+        Ok(())
+    }
+
+    /// Sends a message to node `to`; the payload buffer is handed to ZeroMQ without a copy.
+    pub fn send(&self, to: i32, msg: Message) -> Result<()> {
+        let meta = msg.meta.encode();
+        let bytes = (meta.len() + msg.data.len()) as u64;
+        let senders = self.senders.lock().unwrap();
+        let socket = senders.get(&to).ok_or_else(|| Error::Transport(format!("no connection to node {to}")))?;
+        socket.send(meta, zmq::SNDMORE).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
+        socket.send(zmq::Message::from(msg.data), 0).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
+        self.traffic.sent.fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Default for Van {
+    fn default() -> Self {
+        Van::new()
+    }
+}
+
+impl Receiver {
+    /// Waits up to `timeout` for a message. `Ok(None)`: nothing arrived.
+    /// `Ok(Some(Err(_)))`: something arrived that is not a valid message (the
+    /// caller logs it and goes on). `Err(_)`: the socket itself failed.
+    pub fn recv(&self, timeout: Duration, traffic: &Traffic) -> Result<Option<Result<Message>>> {
+        let ready = self.socket.poll(zmq::POLLIN, timeout.as_millis().min(i64::MAX as u128) as i64).map_err(|e| zmq_error("polling", e))?;
+        if ready == 0 {
+            return Ok(None);
+        }
+        let frames = self.socket.recv_multipart(0).map_err(|e| zmq_error("receiving", e))?;
+        traffic.received.fetch_add(frames.iter().skip(1).map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+        // ROUTER prepends the peer's identity frame.
+        if frames.len() != 3 {
+            return Ok(Some(Err(Error::Transport(format!("malformed message: {} frames, expected identity, header and payload", frames.len())))));
+        }
+        let mut frames = frames.into_iter().skip(1);
+        let meta = match Meta::decode(&frames.next().unwrap()) {
+            Ok(m) => m,
+            Err(e) => return Ok(Some(Err(e))),
+        };
+        Ok(Some(Ok(Message { meta, data: frames.next().unwrap() })))
+    }
+}

@@ -1,0 +1,356 @@
+//! The worker side of the distributed store: merges its devices, quantizes the
+//! merged gradient with one residual per key and server slice, and sends only
+//! packed bytes; pulls float32 slices back. Keys of at least
+//! `bigarray_bound` elements are split over every server in slices whose
+//! boundaries are multiples of 16; smaller keys live on one server chosen by a
+//! hash of the key that every worker computes alike.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use super::config::{Config, Role};
+use super::message::{bytes_to_f32s, encode_pairs, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
+use super::postoffice::Postoffice;
+use super::server::FLAG_ASYNC;
+use crate::codec::{self, Grad};
+use crate::compression::Compression;
+use crate::error::{Dtype, Error, Result};
+use crate::kvstore::{Array, ArrayMut, Key};
+
+/// One server's part of a key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slice {
+    pub server: i32,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Where each part of a key of `n` elements lives.
+pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize) -> Vec<Slice> {
+    if n >= bigarray_bound && servers.len() > 1 {
+        let per = n.div_ceil(servers.len()).div_ceil(16) * 16;
+        servers
+            .iter()
+            .enumerate()
+            .map(|(i, &server)| (server, (i * per).min(n), ((i + 1) * per).min(n)))
+            .filter(|(_, lo, hi)| hi > lo)
+            .map(|(server, lo, hi)| Slice { server, offset: lo, len: hi - lo })
+            .collect()
+    } else {
+        vec![Slice { server: servers[(fnv1a(key) % servers.len() as u64) as usize], offset: 0, len: n }]
+    }
+}
+
+/// FNV-1a: a hash every worker computes alike (std's hasher is seeded per process).
+fn fnv1a(key: &Key) -> u64 {
+    let bytes: Vec<u8> = match key {
+        Key::Int(k) => k.to_le_bytes().to_vec(),
+        Key::Str(s) => s.as_bytes().to_vec(),
+    };
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+struct WorkerKey {
+    shape: Vec<usize>,
+    slices: Vec<Slice>,
+    /// One residual per slice, allocated on the first compressed push.
+    residuals: Vec<Vec<f32>>,
+    merge: Vec<f32>,
+}
+
+pub struct DistWorker {
+    type_name: String,
+    asynchronous: bool,
+    post: Arc<Postoffice>,
+    compression: RwLock<Compression>,
+    keys: RwLock<HashMap<Key, Arc<Mutex<WorkerKey>>>>,
+    str_keys: Mutex<Option<bool>>,
+    closed: AtomicBool,
+}
+
+fn key_error(key: &Key, problem: impl Into<String>) -> Error {
+    Error::Key { key: key.to_string(), problem: problem.into() }
+}
+
+fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
+    if shape.iter().product::<usize>() != len {
+        return Err(key_error(key, format!("{what} has shape {shape:?} but {len} elements")));
+    }
+    if shape != want {
+        return Err(key_error(key, format!("{what} has shape {shape:?}, expected {want:?}")));
+    }
+    Ok(())
+}
+
+impl DistWorker {
+    pub const TYPES: [&'static str; 4] = ["dist_sync", "dist_async", "dist_sync_device", "dist_device_sync"];
+
+    /// Joins the job described by `config` (a worker's) as a store of `type_name`.
+    pub fn start(type_name: &str, config: Config) -> Result<DistWorker> {
+        if !Self::TYPES.contains(&type_name) {
+            return Err(Error::Store(format!("unknown distributed KVStore type '{type_name}'")));
+        }
+        if config.role != Role::Worker {
+            return Err(Error::Store(format!("a {} process serves; only workers create a '{type_name}' store", config.role.name())));
+        }
+        let post = Postoffice::start(config, None)?;
+        Ok(DistWorker {
+            type_name: type_name.to_string(),
+            asynchronous: type_name == "dist_async",
+            post,
+            compression: RwLock::default(),
+            keys: RwLock::default(),
+            str_keys: Mutex::default(),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn type_name(&self) -> &str {
+        &self.type_name
+    }
+
+    pub fn rank(&self) -> usize {
+        self.post.me.rank
+    }
+
+    pub fn num_workers(&self) -> usize {
+        self.post.config.num_workers
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        self.post.barrier()
+    }
+
+    /// (bytes sent, bytes received) by this node's transport.
+    pub fn stats(&self) -> (u64, u64) {
+        (self.post.bytes_sent(), self.post.bytes_received())
+    }
+
+    fn servers(&self) -> Vec<i32> {
+        self.post.servers().iter().map(|n| n.id).collect()
+    }
+
+    fn to_all_servers(&self, command: Command, body: String) -> Result<()> {
+        let parts = self
+            .servers()
+            .into_iter()
+            .map(|s| {
+                let mut m = Meta::new(command, 0);
+                m.body = body.clone();
+                (s, m, Vec::new())
+            })
+            .collect();
+        self.post.request(parts).map(|_| ())
+    }
+
+    /// Sets compression on every worker; rank 0 also tells the servers. Must
+    /// come before the first init, as in MXNet.
+    pub fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
+        if !self.keys.read().unwrap().is_empty() {
+            return Err(Error::Store("set the gradient compression before initializing any key".into()));
+        }
+        if self.rank() == 0 {
+            self.to_all_servers(Command::SetCompress, encode_pairs(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))))?;
+        }
+        *self.compression.write().unwrap() = compression;
+        Ok(())
+    }
+
+    /// Rank 0 sends the optimizer (gradpack's name and MXNet's parameters) to
+    /// every server; servers then update on each aggregated push.
+    pub fn set_optimizer(&self, name: &str, params: &[(String, String)]) -> Result<()> {
+        // Validate here so every worker reports a bad optimizer, not just rank 0.
+        crate::optimizer::Optimizer::from_params(name, params.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+        if self.rank() == 0 {
+            let mut pairs = vec![("name".to_string(), name.to_string())];
+            pairs.extend(params.iter().cloned());
+            self.to_all_servers(Command::SetOptimizer, encode_pairs(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str()))))?;
+        }
+        Ok(())
+    }
+
+    fn entry(&self, key: &Key) -> Result<Arc<Mutex<WorkerKey>>> {
+        self.keys.read().unwrap().get(key).cloned().ok_or_else(|| key_error(key, "not initialized (call init first)"))
+    }
+
+    /// Initialises a key: rank 0 sends the value (lossless) to its servers,
+    /// then every worker waits at a barrier.
+    pub fn init(&self, key: &Key, value: Array) -> Result<()> {
+        let Grad::F32(data) = value.data else {
+            return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
+        };
+        check_shape(key, "init value", value.shape, data.len(), value.shape)?;
+        {
+            let mut str_keys = self.str_keys.lock().unwrap();
+            if let Some(s) = *str_keys {
+                if s != key.is_str() {
+                    return Err(key_error(key, format!("this store uses {} keys; int and string keys cannot be mixed", if s { "string" } else { "int" })));
+                }
+            }
+            if self.keys.read().unwrap().contains_key(key) {
+                return Err(key_error(key, "already initialized"));
+            }
+            *str_keys = Some(key.is_str());
+        }
+        let slices = slices_for(key, data.len(), &self.servers(), self.post.config.bigarray_bound);
+        if self.rank() == 0 {
+            let parts = slices
+                .iter()
+                .map(|s| {
+                    let mut m = Meta::new(Command::Init, 0);
+                    m.key = Some(key.clone());
+                    m.offset = s.offset as u64;
+                    m.len = s.len as u64;
+                    (s.server, m, f32s_to_bytes(&data[s.offset..s.offset + s.len]))
+                })
+                .collect();
+            self.post.request(parts)?;
+        }
+        let entry = WorkerKey { shape: value.shape.to_vec(), residuals: vec![Vec::new(); slices.len()], slices, merge: Vec::new() };
+        self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
+        self.post.barrier()
+    }
+
+    /// Merges `values` (one per local device), then one push per server slice:
+    /// packed 2-bit blocks when compression is set, else float32.
+    pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        let entry = self.entry(key)?;
+        let compression = *self.compression.read().unwrap();
+        let mut guard = entry.lock().unwrap();
+        let e = &mut *guard;
+        if values.is_empty() {
+            return Err(key_error(key, "push of an empty list of values"));
+        }
+        for (i, v) in values.iter().enumerate() {
+            check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), &e.shape)?;
+            if compression.is_none() && v.data.dtype() != Dtype::F32 {
+                return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must be float32", v.data.dtype())));
+            }
+        }
+        let n: usize = e.shape.iter().product();
+        e.merge.resize(n, 0.0);
+        for (i, v) in values.iter().enumerate() {
+            let add = |m: &mut f32, x: f32| if i == 0 { *m = x } else { *m += x };
+            match v.data {
+                Grad::F32(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x)),
+                Grad::F16(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x.to_f32())),
+                Grad::Bf16(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x.to_f32())),
+            }
+        }
+        let mut parts = Vec::with_capacity(e.slices.len());
+        for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
+            let mut m = Meta::new(Command::Push, 0);
+            m.key = Some(key.clone());
+            m.offset = s.offset as u64;
+            m.len = s.len as u64;
+            if self.asynchronous {
+                m.flags |= FLAG_ASYNC;
+            }
+            let part = &e.merge[s.offset..s.offset + s.len];
+            let payload = match compression {
+                Compression::None => f32s_to_bytes(part),
+                Compression::TwoBit(th) => {
+                    residual.resize(s.len, 0.0);
+                    let mut compr = codec::create_2bit(s.len);
+                    codec::quantize_2bit(part, residual, &mut compr, th)?;
+                    m.flags |= FLAG_COMPRESSED;
+                    f32s_to_bytes(&compr)
+                }
+            };
+            parts.push((s.server, m, payload));
+        }
+        self.post.request(parts).map(|_| ())
+    }
+
+    /// Copies the servers' float32 value of `key` into every output.
+    pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
+        let entry = self.entry(key)?;
+        let e = entry.lock().unwrap();
+        if outs.is_empty() {
+            return Err(key_error(key, "pull into an empty list of outputs"));
+        }
+        for (i, o) in outs.iter().enumerate() {
+            check_shape(key, &format!("pull output {i}"), o.shape, o.data.len(), &e.shape)?;
+        }
+        let parts = e
+            .slices
+            .iter()
+            .map(|s| {
+                let mut m = Meta::new(Command::Pull, 0);
+                m.key = Some(key.clone());
+                m.offset = s.offset as u64;
+                m.len = s.len as u64;
+                (s.server, m, Vec::new())
+            })
+            .collect();
+        let replies = self.post.request(parts)?;
+        let n: usize = e.shape.iter().product();
+        let mut value = vec![0f32; n];
+        let mut covered = 0;
+        for r in replies {
+            let (lo, len) = (r.meta.offset as usize, r.meta.len as usize);
+            let vals = bytes_to_f32s(&r.data)?;
+            if vals.len() != len || lo + len > n {
+                return Err(Error::Transport(format!("malformed message: pull reply for key {key} has {} values for {lo}..{}", vals.len(), lo + len)));
+            }
+            value[lo..lo + len].copy_from_slice(&vals);
+            covered += len;
+        }
+        if covered != n {
+            return Err(Error::Transport(format!("pull of key {key} covered {covered} of {n} elements")));
+        }
+        for o in outs.iter_mut() {
+            o.data.copy_from_slice(&value);
+        }
+        Ok(())
+    }
+
+    pub fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
+        self.push(key, values)?;
+        self.pull(key, outs)
+    }
+
+    pub fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
+        self.init(key, value)?;
+        self.pull(key, outs)
+    }
+
+    /// Leaves the job: the scheduler ends it once every worker has left.
+    pub fn close(&self) {
+        if !self.closed.swap(true, Ordering::SeqCst) {
+            self.post.worker_done();
+            std::thread::sleep(std::time::Duration::from_millis(50)); // let the message leave
+            self.post.stop();
+        }
+    }
+}
+
+impl Drop for DistWorker {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn big_keys_split_on_multiples_of_16() {
+        let servers = [8, 10, 12];
+        let s = slices_for(&Key::Int(0), 1_000_003, &servers, 1_000_000);
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.iter().map(|x| x.len).sum::<usize>(), 1_000_003);
+        for w in s.windows(2) {
+            assert_eq!(w[0].offset + w[0].len, w[1].offset);
+            assert_eq!(w[1].offset % 16, 0);
+        }
+        let small = slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000);
+        assert_eq!(small.len(), 1);
+        assert_eq!(small, slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000));
+        // tiny arrays over many servers: no empty slices
+        let t = slices_for(&Key::Int(1), 20, &servers, 1);
+        assert!(t.iter().all(|x| x.len > 0) && t.iter().map(|x| x.len).sum::<usize>() == 20);
+    }
+}

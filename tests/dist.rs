@@ -1,0 +1,148 @@
+//! The distributed store over real ZeroMQ sockets on loopback: a scheduler,
+//! servers and workers as threads of this test, each with its own
+//! configuration (the multi-process tests live in python/tests/test_dist.py).
+
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use gradpack::compression::Compression;
+use gradpack::dist::{serve, Config, DistWorker, Role};
+use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
+use gradpack::Thresholds;
+
+static PORT: AtomicU16 = AtomicU16::new(0);
+
+fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
+    Config {
+        role,
+        root_uri: "127.0.0.1".into(),
+        root_port: port,
+        num_workers: workers,
+        num_servers: servers,
+        node_host: Some("127.0.0.1".into()),
+        heartbeat_interval: Duration::from_millis(200),
+        heartbeat_timeout: Duration::from_secs(3),
+        verbose: 0,
+        bigarray_bound: 1000,
+    }
+}
+
+fn free_port() -> u16 {
+    let base = 20000 + (std::process::id() % 20000) as u16;
+    let n = PORT.fetch_add(1, Ordering::SeqCst);
+    let port = base.wrapping_add(n * 7);
+    std::net::TcpListener::bind(("127.0.0.1", port)).map(|_| port).unwrap_or_else(|_| free_port())
+}
+
+/// Starts the scheduler and servers; runs `work(rank, worker)` on each worker
+/// thread; returns what each worker returned, after the job ended cleanly.
+fn job<T: Send + 'static>(workers: usize, servers: usize, store: &'static str, work: fn(usize, &DistWorker) -> T) -> Vec<T> {
+    let port = free_port();
+    let mut nodes = vec![thread::spawn(move || serve(config(Role::Scheduler, port, workers, servers)))];
+    for _ in 0..servers {
+        nodes.push(thread::spawn(move || serve(config(Role::Server, port, workers, servers))));
+    }
+    let handles: Vec<_> = (0..workers)
+        .map(|_| {
+            thread::spawn(move || {
+                let w = DistWorker::start(store, config(Role::Worker, port, workers, servers)).unwrap();
+                let out = work(w.rank(), &w);
+                w.close();
+                out
+            })
+        })
+        .collect();
+    let mut results: Vec<T> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for n in nodes {
+        n.join().unwrap().unwrap();
+    }
+    results.shrink_to_fit();
+    results
+}
+
+fn two_bit() -> (Compression, Vec<(String, String)>) {
+    (
+        Compression::TwoBit(Thresholds::new(-0.5, 0.5).unwrap()),
+        vec![("compress".into(), "2bit".into()), ("pos_threshold".into(), "0.5".into()), ("neg_threshold".into(), "-0.5".into())],
+    )
+}
+
+fn pull(w: &DistWorker, key: &Key, shape: &[usize]) -> Vec<f32> {
+    let mut out = vec![f32::NAN; shape.iter().product()];
+    w.pull(key, &mut [ArrayMut { shape, data: &mut out }]).unwrap();
+    out
+}
+
+fn compressed_rounds(rank: usize, w: &DistWorker) -> Vec<Vec<f32>> {
+    let (c, params) = two_bit();
+    w.set_compress(c, &params).unwrap();
+    let mut seen = Vec::new();
+    for (k, n) in [(Key::Int(3), 20usize), (Key::Int(4), 2500)] {
+        let shape = [n];
+        let init: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+        w.init(&k, Array { shape: &shape, data: Grad::F32(&init) }).unwrap();
+        seen.push(pull(w, &k, &shape)); // init is lossless
+        for g in [0.4f32, 0.1, 0.2, 0.3] {
+            let v = vec![g; n];
+            w.push(&k, &[Array { shape: &shape, data: Grad::F32(&v) }]).unwrap();
+            seen.push(pull(w, &k, &shape));
+        }
+    }
+    let _ = rank;
+    seen
+}
+
+#[test]
+fn compressed_sync_pushes_follow_the_residual_model() {
+    for (workers, servers) in [(1, 1), (2, 2), (3, 2)] {
+        let results = job(workers, servers, "dist_sync", compressed_rounds);
+        let w = workers as f32;
+        for seen in &results {
+            for (ki, n) in [20usize, 2500].iter().enumerate() {
+                let rounds = &seen[ki * 5..ki * 5 + 5];
+                let init: Vec<f32> = (0..*n).map(|i| i as f32 * 0.5).collect();
+                assert_eq!(rounds[0], init, "init is exact");
+                // 0.4 -> 0; 0.1 -> 0.5 per worker; 0.2 -> 0; 0.3 -> 0.5 per worker
+                for (r, want) in rounds[1..].iter().zip([0.0, 0.5 * w, 0.0, 0.5 * w]) {
+                    assert!(r.iter().all(|&x| x == want), "{workers}x{servers}: wanted {want}, got {:?}", &r[..4]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn async_pushes_apply_on_arrival_with_an_optimizer() {
+    let results = job(2, 1, "dist_async", |rank, w| {
+        w.set_optimizer("sgd", &[("learning_rate".into(), "1".into())]).unwrap();
+        let shape = [4];
+        w.init(&Key::Str("w".into()), Array { shape: &shape, data: Grad::F32(&[10.0; 4]) }).unwrap();
+        for _ in 0..5 {
+            w.push(&Key::Str("w".into()), &[Array { shape: &shape, data: Grad::F32(&[1.0; 4]) }]).unwrap();
+        }
+        w.barrier().unwrap();
+        let v = pull(w, &Key::Str("w".into()), &shape);
+        let _ = rank;
+        v
+    });
+    for v in results {
+        assert_eq!(v, vec![0.0; 4], "10 - 2 workers x 5 pushes x lr 1");
+    }
+}
+
+#[test]
+fn bad_requests_get_errors_and_change_nothing() {
+    job(1, 1, "dist_sync", |_, w| {
+        let shape = [4];
+        let k = Key::Int(1);
+        assert!(w.push(&k, &[Array { shape: &shape, data: Grad::F32(&[1.0; 4]) }]).unwrap_err().to_string().contains("not initialized"));
+        w.init(&k, Array { shape: &shape, data: Grad::F32(&[1.0; 4]) }).unwrap();
+        let err = w.push(&k, &[Array { shape: &[2], data: Grad::F32(&[1.0; 2]) }]).unwrap_err().to_string();
+        assert!(err.contains("expected [4]"), "{err}");
+        let (c, p) = two_bit();
+        assert!(w.set_compress(c, &p).unwrap_err().to_string().contains("before initializing"));
+        assert!(w.set_optimizer("rmsprop", &[]).unwrap_err().to_string().contains("unknown optimizer"));
+        assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);
+    });
+}
