@@ -89,11 +89,21 @@ typedef struct {
 typedef int (*gp_updater_fn)(gp_key_t key, const float* merged, float* stored,
                              uint64_t n, void* user);
 
-/* type: "local" or "device". *out receives a handle owned by the caller. */
+/* type: "local", "device", or a worker of "dist_sync", "dist_async",
+ * "dist_sync_device", "dist_device_sync" (joins the job the DMLC_* variables
+ * describe; blocks until every node registered). *out receives a handle owned
+ * by the caller; gp_kvstore_free releases it (a worker then leaves the job). */
 int gp_kvstore_new(const char* type, gp_kvstore_t** out);
 void gp_kvstore_free(gp_kvstore_t* store);
-/* "local" or "device" (static string). */
+/* The store's type (static string). */
 const char* gp_kvstore_type(const gp_kvstore_t* store);
+/* This worker's rank and the number of workers (0 and 1 for local stores). */
+int gp_kvstore_rank(const gp_kvstore_t* store, uint64_t* rank, uint64_t* num_workers);
+/* Waits until every worker reached the barrier (no-op for local stores). */
+int gp_kvstore_barrier(const gp_kvstore_t* store);
+/* Runs this process's DMLC_ROLE (scheduler or server) until the job ends:
+ * 0 when it ended normally, -1 with the message when it failed. */
+int gp_dist_serve(void);
 
 /* Stores a float32 value under a new key (lossless). */
 int gp_kvstore_init(gp_kvstore_t* store, gp_key_t key, gp_array_t value);
@@ -122,7 +132,9 @@ int gp_kvstore_set_optimizer(gp_kvstore_t* store, const char* name, const char* 
 int gp_kvstore_set_rates(gp_kvstore_t* store, gp_key_t key, double learning_rate, double wd);
 /* rescale_grad and clip_gradient (negative: off) of the current optimizer. */
 int gp_kvstore_set_grad_scaling(gp_kvstore_t* store, float rescale_grad, float clip_gradient);
-/* A caller's updater; `user` stays owned by the caller and must outlive the store. */
+/* A caller's updater; `user` stays owned by the caller and must outlive the
+ * store. Local stores only (as are set_rates, set_grad_scaling and the
+ * optimizer-state calls): a dist store's optimizer runs on the servers. */
 int gp_kvstore_set_updater(gp_kvstore_t* store, gp_updater_fn fn, void* user);
 
 /* *data receives a new buffer of *len bytes; release it with gp_buffer_free. */
@@ -130,8 +142,9 @@ int gp_kvstore_save_optimizer_states(gp_kvstore_t* store, uint8_t** data, uint64
 int gp_kvstore_load_optimizer_states(gp_kvstore_t* store, const uint8_t* data, uint64_t len);
 void gp_buffer_free(uint8_t* data, uint64_t len);
 
-/* Bytes pushes moved between devices: as float32 (raw) and as sent (wire). */
-int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* raw, uint64_t* wire);
+/* Local stores: bytes pushes moved between devices as float32 (a) and as sent
+ * (b). Distributed workers: transport bytes sent (a) and received (b). */
+int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* a, uint64_t* b);
 
 #ifdef __cplusplus
 }

@@ -7,7 +7,11 @@ arrays or lists of arrays (one per device). float32 values; float16 and
 bfloat16 gradients are accepted when compressing. Arrays are passed to the
 Rust core without copies; outputs are written in place.
 """
+import atexit
 import ctypes
+import os
+import sys
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -59,13 +63,49 @@ LIB.gp_kvstore_load_optimizer_states.argtypes = [_p, ctypes.c_char_p, ctypes.c_u
 LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), ctypes.c_uint64]
 LIB.gp_buffer_free.restype = None
 LIB.gp_kvstore_stats.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+LIB.gp_kvstore_rank.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+LIB.gp_kvstore_barrier.argtypes = [_p]
+LIB.gp_dist_serve.argtypes = []
+
+# Distributed workers leave the job when the process ends, even if the store
+# object is still referenced then.
+_open_stores = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores():
+    for store in list(_open_stores):
+        store.close()
 
 _DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
+DIST_TYPES = ("dist_sync", "dist_async", "dist_sync_device", "dist_device_sync")
+
+
 def create(name="local"):
-    """Create a KVStore: 'local' or 'device'."""
+    """Create a KVStore: 'local', 'device', or one of the distributed types
+    ('dist_sync', 'dist_async', 'dist_sync_device', 'dist_device_sync').
+
+    As in MXNet, a process launched with DMLC_ROLE=server or scheduler serves
+    as soon as it creates a distributed store, and exits when the job ends."""
+    if isinstance(name, str) and name.startswith("dist"):
+        role = os.environ.get("DMLC_ROLE", "worker")
+        if role in ("server", "scheduler"):
+            serve_and_exit()
     return KVStore(name)
+
+
+def serve_and_exit():
+    """Run this process's DMLC_ROLE (server or scheduler) until the job ends,
+    then exit: status 0 when it ended normally, 1 when it failed."""
+    status = LIB.gp_dist_serve()
+    if status != 0:
+        sys.stderr.write("gradpack %s: %s\n" % (os.environ.get("DMLC_ROLE"),
+                                                  LIB.gp_error_last().decode("utf-8", "replace")))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if status == 0 else 1)
 
 
 def _key(k):
@@ -134,29 +174,42 @@ class KVStore(object):
         handle = ctypes.c_void_p()
         check_call(LIB.gp_kvstore_new(name.encode(), ctypes.byref(handle)))
         self.handle = handle
+        self._dist = name.startswith("dist")
+        if self._dist:
+            _open_stores.add(self)
         self._updater = None
         self._updater_error = None
         self._shapes = {}
 
-    def __del__(self):
+    def close(self):
+        """Release the store; a distributed worker leaves the job."""
         if getattr(self, "handle", None):
             LIB.gp_kvstore_free(self.handle)
             self.handle = None
+
+    def __del__(self):
+        self.close()
 
     @property
     def type(self):
         return LIB.gp_kvstore_type(self.handle).decode()
 
+    def _rank(self):
+        rank, num = ctypes.c_uint64(), ctypes.c_uint64()
+        self._call(LIB.gp_kvstore_rank(self.handle, ctypes.byref(rank), ctypes.byref(num)))
+        return rank.value, num.value
+
     @property
     def rank(self):
-        return 0
+        return self._rank()[0]
 
     @property
     def num_workers(self):
-        return 1
+        return self._rank()[1]
 
     def barrier(self):
-        """A no-op in a single process."""
+        """Wait until every worker reached the barrier (a no-op for local stores)."""
+        self._call(LIB.gp_kvstore_barrier(self.handle))
 
     def _call(self, status):
         err, self._updater_error = self._updater_error, None
@@ -314,7 +367,11 @@ class KVStore(object):
             self.set_optimizer_states(f.read())
 
     def stats(self):
-        """Bytes pushes moved between devices: as float32 and as sent."""
-        raw, wire = ctypes.c_uint64(), ctypes.c_uint64()
-        self._call(LIB.gp_kvstore_stats(self.handle, ctypes.byref(raw), ctypes.byref(wire)))
-        return {"raw_bytes": raw.value, "wire_bytes": wire.value}
+        """Traffic. Local stores: bytes pushes moved between devices as float32
+        ('raw_bytes') and as sent ('wire_bytes'). Distributed workers: this
+        node's transport payload bytes ('bytes_sent', 'bytes_received')."""
+        a, b = ctypes.c_uint64(), ctypes.c_uint64()
+        self._call(LIB.gp_kvstore_stats(self.handle, ctypes.byref(a), ctypes.byref(b)))
+        if self._dist:
+            return {"bytes_sent": a.value, "bytes_received": b.value}
+        return {"raw_bytes": a.value, "wire_bytes": b.value}

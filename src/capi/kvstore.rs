@@ -9,12 +9,55 @@ use half::{bf16, f16};
 
 use super::{guard, slice, slice_mut, Raw};
 use crate::compression::Compression;
+use crate::dist::{self, Config, DistWorker};
 use crate::error::{Error, Result};
 use crate::kvstore::{Array, ArrayMut, Grad, KVStore, Key, Updater};
 use crate::optimizer::Optimizer;
 
-/// Opaque store handle.
-pub struct gp_kvstore_t(KVStore);
+/// Opaque store handle: a local/device store or a distributed worker.
+pub enum gp_kvstore_t {
+    Local(KVStore),
+    Dist(DistWorker),
+}
+
+impl gp_kvstore_t {
+    fn init(&self, key: &Key, value: Array) -> Result<()> {
+        match self {
+            Self::Local(s) => s.init(key, value),
+            Self::Dist(s) => s.init(key, value),
+        }
+    }
+    fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        match self {
+            Self::Local(s) => s.push(key, values),
+            Self::Dist(s) => s.push(key, values),
+        }
+    }
+    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
+        match self {
+            Self::Local(s) => s.pull(key, outs),
+            Self::Dist(s) => s.pull(key, outs),
+        }
+    }
+    fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
+        match self {
+            Self::Local(s) => s.pushpull(key, values, outs),
+            Self::Dist(s) => s.pushpull(key, values, outs),
+        }
+    }
+    fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
+        match self {
+            Self::Local(s) => s.broadcast(key, value, outs),
+            Self::Dist(s) => s.broadcast(key, value, outs),
+        }
+    }
+    fn local(&self, what: &str) -> Result<&KVStore> {
+        match self {
+            Self::Local(s) => Ok(s),
+            Self::Dist(s) => Err(Error::Store(format!("{what} is not available on a '{}' store: its optimizer runs on the servers", s.type_name()))),
+        }
+    }
+}
 
 /// A key: `str_key` (UTF-8, NUL-terminated) when not NULL, else `int_key`.
 #[repr(C)]
@@ -122,8 +165,12 @@ fn views_mut<'a>(owned: &'a mut [(Vec<usize>, &'a mut [f32])]) -> Vec<ArrayMut<'
     owned.iter_mut().map(|(s, d)| ArrayMut { shape: s, data: &mut **d }).collect()
 }
 
-unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a KVStore> {
-    s.as_ref().map(|s| &s.0).ok_or(Error::NullPointer { what: "store" })
+unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a gp_kvstore_t> {
+    s.as_ref().ok_or(Error::NullPointer { what: "store" })
+}
+
+fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> Result<Vec<(&'a str, &'a str)>> {
@@ -133,8 +180,11 @@ unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num
     slice(keys, n).iter().zip(slice(vals, n)).map(|(&k, &v)| Ok((cstr(k, "param key")?, cstr(v, "param value")?))).collect()
 }
 
-/// Creates a store of `type` ("local" or "device"). On success `*out` owns a new
-/// handle, released with `gp_kvstore_free`.
+/// Creates a store of `type`: "local", "device", or a worker of "dist_sync",
+/// "dist_async", "dist_sync_device", "dist_device_sync" (joining the job that
+/// the DMLC_* variables describe; blocks until every node registered). On
+/// success `*out` owns a new handle, released with `gp_kvstore_free` (a
+/// worker then leaves the job).
 ///
 /// # Safety
 /// `type` is a NUL-terminated string; `out` is writable.
@@ -144,8 +194,13 @@ pub unsafe extern "C" fn gp_kvstore_new(type_name: *const c_char, out: *mut *mut
         if out.is_null() {
             return Err(Error::NullPointer { what: "out" });
         }
-        let kv = KVStore::new(cstr(type_name, "type")?)?;
-        *out = Box::into_raw(Box::new(gp_kvstore_t(kv)));
+        let name = cstr(type_name, "type")?;
+        let store = if name.starts_with("dist") {
+            gp_kvstore_t::Dist(DistWorker::start(name, Config::from_env()?)?)
+        } else {
+            gp_kvstore_t::Local(KVStore::new(name)?)
+        };
+        *out = Box::into_raw(Box::new(store));
         Ok(())
     })
 }
@@ -167,11 +222,61 @@ pub unsafe extern "C" fn gp_kvstore_free(store: *mut gp_kvstore_t) {
 /// `store` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_type(store: *const gp_kvstore_t) -> *const c_char {
-    match store.as_ref().map(|s| s.0.store_type()) {
-        Some(crate::kvstore::StoreType::Local) => c"local".as_ptr(),
-        Some(crate::kvstore::StoreType::Device) => c"device".as_ptr(),
+    match store.as_ref() {
+        Some(gp_kvstore_t::Local(s)) => match s.store_type() {
+            crate::kvstore::StoreType::Local => c"local".as_ptr(),
+            crate::kvstore::StoreType::Device => c"device".as_ptr(),
+        },
+        Some(gp_kvstore_t::Dist(w)) => match w.type_name() {
+            "dist_sync" => c"dist_sync".as_ptr(),
+            "dist_async" => c"dist_async".as_ptr(),
+            "dist_sync_device" => c"dist_sync_device".as_ptr(),
+            _ => c"dist_device_sync".as_ptr(),
+        },
         None => std::ptr::null(),
     }
+}
+
+/// This worker's rank and the number of workers (0 and 1 for local stores).
+///
+/// # Safety
+/// `store` is live; `rank` and `num_workers` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_rank(store: *const gp_kvstore_t, rank: *mut u64, num_workers: *mut u64) -> c_int {
+    guard(|| {
+        if rank.is_null() || num_workers.is_null() {
+            return Err(Error::NullPointer { what: "rank/num_workers" });
+        }
+        let (r, n) = match self::store(store)? {
+            gp_kvstore_t::Local(s) => (s.rank(), s.num_workers()),
+            gp_kvstore_t::Dist(w) => (w.rank(), w.num_workers()),
+        };
+        *rank = r as u64;
+        *num_workers = n as u64;
+        Ok(())
+    })
+}
+
+/// Waits until every worker reached the barrier (a no-op for local stores).
+///
+/// # Safety
+/// `store` is live.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_barrier(store: *const gp_kvstore_t) -> c_int {
+    guard(|| match self::store(store)? {
+        gp_kvstore_t::Local(s) => {
+            s.barrier();
+            Ok(())
+        }
+        gp_kvstore_t::Dist(w) => w.barrier(),
+    })
+}
+
+/// Runs this process's scheduler or server role (DMLC_ROLE) until the job
+/// ends: 0 when it ended normally, -1 (with the message) when it failed.
+#[no_mangle]
+pub extern "C" fn gp_dist_serve() -> c_int {
+    guard(|| dist::serve(Config::from_env()?))
 }
 
 /// Initialises `key` with a float32 `value` (copied).
@@ -256,8 +361,12 @@ pub unsafe extern "C" fn gp_kvstore_broadcast(store: *mut gp_kvstore_t, key: gp_
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_compress(store: *mut gp_kvstore_t, keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
-        kv.set_compress(Compression::from_params(params(keys, vals, num)?)?)
+        let pairs = params(keys, vals, num)?;
+        let compression = Compression::from_params(pairs.iter().copied())?;
+        match self::store(store)? {
+            gp_kvstore_t::Local(s) => s.set_compress(compression),
+            gp_kvstore_t::Dist(w) => w.set_compress(compression, &owned(&pairs)),
+        }
     })
 }
 
@@ -269,9 +378,15 @@ pub unsafe extern "C" fn gp_kvstore_set_compress(store: *mut gp_kvstore_t, keys:
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name: *const c_char, keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
-        kv.set_optimizer(Optimizer::from_params(cstr(name, "optimizer")?, params(keys, vals, num)?)?);
-        Ok(())
+        let name = cstr(name, "optimizer")?;
+        let pairs = params(keys, vals, num)?;
+        match self::store(store)? {
+            gp_kvstore_t::Local(s) => {
+                s.set_optimizer(Optimizer::from_params(name, pairs.iter().copied())?);
+                Ok(())
+            }
+            gp_kvstore_t::Dist(w) => w.set_optimizer(name, &owned(&pairs)),
+        }
     })
 }
 
@@ -283,7 +398,7 @@ pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_key_t, learning_rate: f64, wd: f64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
+        let kv = self::store(store)?.local("per-key rates")?;
         let key = key_of(key)?;
         kv.with_optimizer(|o| {
             o.set_rates(&key, learning_rate, wd);
@@ -299,7 +414,7 @@ pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_grad_scaling(store: *mut gp_kvstore_t, rescale_grad: f32, clip_gradient: f32) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
+        let kv = self::store(store)?.local("gradient scaling")?;
         kv.with_optimizer(|o| {
             o.set_grad_scaling(rescale_grad, clip_gradient);
             Ok(())
@@ -325,7 +440,7 @@ unsafe impl Sync for CallbackUpdater {}
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_updater_fn, user: *mut c_void) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
+        let kv = self::store(store)?.local("set_updater")?;
         let f = f.ok_or(Error::NullPointer { what: "updater" })?;
         let cb = CallbackUpdater { f, user };
         kv.set_updater(Updater::Custom(Box::new(move |key, merged, stored| {
@@ -358,7 +473,7 @@ pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_save_optimizer_states(store: *mut gp_kvstore_t, data: *mut *mut u8, len: *mut u64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
+        let kv = self::store(store)?.local("saving optimizer states")?;
         if data.is_null() || len.is_null() {
             return Err(Error::NullPointer { what: "data/len" });
         }
@@ -387,26 +502,30 @@ pub unsafe extern "C" fn gp_buffer_free(data: *mut u8, len: u64) {
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_load_optimizer_states(store: *mut gp_kvstore_t, data: *const u8, len: u64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
+        let kv = self::store(store)?.local("loading optimizer states")?;
         Raw::new("data", data, len)?;
         kv.load_optimizer_states(slice(data, len))
     })
 }
 
-/// Bytes pushes moved between devices: as float32 (`raw`) and as sent (`wire`).
+/// Traffic counters. Local stores: bytes pushes moved between devices as
+/// float32 (`a`) and as sent (`b`). Distributed workers: this node's transport
+/// bytes sent (`a`) and received (`b`).
 ///
 /// # Safety
-/// `raw` and `wire` are writable.
+/// `a` and `b` are writable.
 #[no_mangle]
-pub unsafe extern "C" fn gp_kvstore_stats(store: *const gp_kvstore_t, raw: *mut u64, wire: *mut u64) -> c_int {
+pub unsafe extern "C" fn gp_kvstore_stats(store: *const gp_kvstore_t, a: *mut u64, b: *mut u64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?;
-        if raw.is_null() || wire.is_null() {
-            return Err(Error::NullPointer { what: "raw/wire" });
+        if a.is_null() || b.is_null() {
+            return Err(Error::NullPointer { what: "stats outputs" });
         }
-        let s = kv.stats();
-        *raw = s.raw_bytes;
-        *wire = s.wire_bytes;
+        let (x, y) = match self::store(store)? {
+            gp_kvstore_t::Local(s) => (s.stats().raw_bytes, s.stats().wire_bytes),
+            gp_kvstore_t::Dist(w) => w.stats(),
+        };
+        *a = x;
+        *b = y;
         Ok(())
     })
 }

@@ -19,7 +19,8 @@ from ..base import Error
 
 __all__ = ["GradpackStore", "create"]
 
-_STORE_TYPES = ("local", "device")
+_LOCAL_TYPES = ("local", "device")
+_STORE_TYPES = _LOCAL_TYPES + _kv.DIST_TYPES
 
 
 def _wait(arr, write):
@@ -86,7 +87,8 @@ class GradpackStore(mx.kv.KVStoreBase):
         if name not in _STORE_TYPES:
             raise Error("gradpack has no '%s' KVStore here (known: %s)" % (name, ", ".join(_STORE_TYPES)))
         self._name = name
-        self._store = _kv.create(name)
+        self._dist = name in _kv.DIST_TYPES
+        self._store = _kv.create(name)  # a server or scheduler process serves here, then exits
         self._optimizer = None
         self._updater = None
         self._rust = False
@@ -99,11 +101,11 @@ class GradpackStore(mx.kv.KVStoreBase):
 
     @property
     def rank(self):
-        return 0
+        return self._store.rank
 
     @property
     def num_workers(self):
-        return 1
+        return self._store.num_workers
 
     def is_capable(self, capability):
         if capability.lower() == mx.kv.KVStoreBase.OPTIMIZER:
@@ -111,7 +113,10 @@ class GradpackStore(mx.kv.KVStoreBase):
         raise Error("unknown capability '%s'" % capability)
 
     def barrier(self):
-        pass
+        self._store.barrier()
+
+    def _barrier(self):
+        self._store.barrier()
 
     def stats(self):
         return self._store.stats()
@@ -155,8 +160,16 @@ class GradpackStore(mx.kv.KVStoreBase):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise Error("set_optimizer takes an mx.optimizer.Optimizer, got %s" % type(optimizer).__name__)
         name = _rust_name(optimizer)
+        if name is None and self._dist:
+            raise Error("%s cannot run on gradpack's servers, which run SGD, NAG and Adam; use one of "
+                        "those, or update_on_kvstore=False to update on the workers"
+                        % type(optimizer).__name__)
         if name is not None:
             params = {"learning_rate": optimizer.lr}
+            if self._dist:
+                # Servers see no per-parameter rates: send what MXNet would apply.
+                params.update(wd=optimizer.wd, rescale_grad=optimizer.rescale_grad,
+                              clip_gradient=optimizer.clip_gradient)
             if name in ("sgd", "nag"):
                 params["momentum"] = optimizer.momentum
             else:
@@ -175,7 +188,7 @@ class GradpackStore(mx.kv.KVStoreBase):
     def _before_update(self, key):
         """Bring the Rust optimizer's per-key rates and gradient scaling up to
         date with the MXNet optimizer, exactly when MXNet's updater would read them."""
-        if not self._rust:
+        if not self._rust or self._dist:
             return
         opt = self._optimizer
         scaling = (opt.rescale_grad, opt.clip_gradient)
@@ -187,6 +200,9 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._store.set_rates(k, opt._get_lr(k), opt._get_wd(k))
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
+        if self._dist:
+            raise Error("the optimizer states of a '%s' store live on its servers and cannot be saved "
+                        "from a worker (as in MXNet)" % self._name)
         if self._updater is None:
             raise Error("this store has no optimizer: call set_optimizer first")
         if self._rust:
@@ -200,6 +216,9 @@ class GradpackStore(mx.kv.KVStoreBase):
                 f.write(self._updater.get_states(dump_optimizer))
 
     def load_optimizer_states(self, fname):
+        if self._dist:
+            raise Error("the optimizer states of a '%s' store live on its servers and cannot be loaded "
+                        "from a worker (as in MXNet)" % self._name)
         if self._updater is None:
             raise Error("this store has no optimizer: call set_optimizer first")
         with open(fname, "rb") as f:
@@ -241,8 +260,9 @@ for _t in _STORE_TYPES:
 
 
 def create(name="local"):
-    """``mx.kv.create`` after ``install()``: gradpack stores for 'local' and
-    'device' (and 'gradpack_*'); MXNet's own for anything gradpack lacks."""
+    """``mx.kv.create`` after ``install()``: gradpack's store of that type
+    ('local', 'device', 'dist_sync', 'dist_async', 'dist_sync_device',
+    'dist_device_sync', also spelled 'gradpack_<type>')."""
     if not isinstance(name, str):
         raise TypeError("name must be a string")
     lowered = name.lower()
@@ -250,7 +270,4 @@ def create(name="local"):
         lowered = lowered[len("gradpack_"):]
     if lowered in _STORE_TYPES:
         return GradpackStore(lowered)
-    if lowered.startswith("dist"):
-        raise Error("gradpack has no '%s' store yet (distributed stores are a later step); "
-                    "use 'device' or 'local'" % name)
     raise Error("unknown KVStore type '%s' (gradpack knows %s)" % (name, ", ".join(_STORE_TYPES)))

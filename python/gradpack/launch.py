@@ -1,0 +1,169 @@
+"""Launch a distributed job, with the options of MXNet's tools/launch.py:
+
+    python -m gradpack.launch -n 2 -s 2 python train.py --epochs 3
+
+starts a scheduler, the servers (``python -m gradpack.node``) and the workers
+(your command), each with MXNet's DMLC_* variables. It ends every process it
+started when the job ends or when one of them fails, and returns non-zero on
+failure. ``--launcher ssh -H hostfile`` starts servers and workers round-robin
+on the hosts listed (one per line) over ssh; the scheduler runs here."""
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def local_ip_towards(host):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class Job(object):
+    def __init__(self, verbose):
+        self.procs = []  # (name, Popen)
+        self.verbose = verbose
+
+    def start(self, name, argv, env):
+        if self.verbose:
+            print("[gradpack.launch] starting %s: %s" % (name, " ".join(argv)), file=sys.stderr)
+        self.procs.append((name, subprocess.Popen(argv, env=env, start_new_session=True)))
+
+    def kill_all(self, grace=3.0):
+        for _, p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        deadline = time.time() + grace
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                p.wait()
+
+    def wait(self, timeout, end_grace):
+        """0 when every worker succeeded and the servers ended; else non-zero."""
+        start = time.time()
+        workers = [(n, p) for n, p in self.procs if n.startswith("worker")]
+        try:
+            while True:
+                for name, p in self.procs:
+                    code = p.poll()
+                    if code not in (None, 0):
+                        print("[gradpack.launch] %s exited with status %d; stopping the job" % (name, code),
+                              file=sys.stderr)
+                        self.kill_all()
+                        return code if code > 0 else 1
+                if all(p.poll() == 0 for _, p in workers):
+                    break
+                if timeout and time.time() - start > timeout:
+                    print("[gradpack.launch] the job ran past --timeout %g s; stopping it" % timeout,
+                          file=sys.stderr)
+                    self.kill_all()
+                    return 124
+                time.sleep(0.05)
+            deadline = time.time() + end_grace
+            while time.time() < deadline and any(p.poll() is None for _, p in self.procs):
+                time.sleep(0.05)
+            left = [n for n, p in self.procs if p.poll() is None]
+            if left:
+                print("[gradpack.launch] %s still running after the workers ended; stopping them"
+                      % ", ".join(left), file=sys.stderr)
+                self.kill_all()
+                return 1
+            bad = [(n, p.returncode) for n, p in self.procs if p.returncode != 0]
+            for n, code in bad:
+                print("[gradpack.launch] %s exited with status %d" % (n, code), file=sys.stderr)
+            return 1 if bad else 0
+        except KeyboardInterrupt:
+            self.kill_all()
+            return 130
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m gradpack.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers")
+    p.add_argument("-s", "--num-servers", type=int, help="number of servers (default: the number of workers)")
+    p.add_argument("-H", "--hostfile", help="hosts for --launcher ssh, one per line")
+    p.add_argument("--launcher", choices=["local", "ssh"], default="local")
+    p.add_argument("--port", type=int, default=0, help="the scheduler's port (default: a free one)")
+    p.add_argument("--interface", help="network interface, passed on as DMLC_INTERFACE")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an extra environment variable for every process (repeatable)")
+    p.add_argument("--timeout", type=float, default=0, help="stop the job after this many seconds (0: never)")
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
+    args = p.parse_args(argv)
+    if not args.command:
+        p.error("give the worker command")
+    if args.num_workers < 1:
+        p.error("-n must be at least 1")
+    args.num_servers = args.num_workers if args.num_servers is None else args.num_servers
+    if args.num_servers < 1:
+        p.error("-s must be at least 1")
+    if args.launcher == "ssh" and not args.hostfile:
+        p.error("--launcher ssh needs -H HOSTFILE")
+    for e in args.env:
+        if "=" not in e:
+            p.error("--env takes NAME=VALUE, got %r" % e)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    port = args.port or free_port()
+    hosts = []
+    if args.launcher == "ssh":
+        with open(args.hostfile) as f:
+            hosts = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        if not hosts:
+            sys.exit("gradpack.launch: %s lists no hosts" % args.hostfile)
+    root = local_ip_towards(hosts[0]) if hosts else "127.0.0.1"
+    dmlc = {"DMLC_PS_ROOT_URI": root, "DMLC_PS_ROOT_PORT": str(port),
+            "DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(args.num_servers)}
+    if args.interface:
+        dmlc["DMLC_INTERFACE"] = args.interface
+    dmlc.update(e.split("=", 1) for e in args.env)
+    node = [sys.executable, "-m", "gradpack.node"]
+
+    job = Job(args.verbose)
+
+    def start(name, role, argv, host_index):
+        env = dict(dmlc, DMLC_ROLE=role)
+        if args.launcher == "local" or role == "scheduler":
+            job.start(name, argv, dict(os.environ, **env))
+            return
+        host = hosts[host_index % len(hosts)]
+        exports = " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in env.items())
+        remote = "cd %s && env %s %s" % (shlex.quote(os.getcwd()), exports, " ".join(shlex.quote(a) for a in argv))
+        job.start(name, ["ssh", "-o", "StrictHostKeyChecking=no", host, remote], dict(os.environ))
+
+    start("scheduler", "scheduler", node, 0)
+    for i in range(args.num_servers):
+        start("server %d" % i, "server", node, i)
+    for i in range(args.num_workers):
+        start("worker %d" % i, "worker", args.command, args.num_servers + i)
+    return job.wait(args.timeout, end_grace=15.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The distributed store with real processes and sockets on loopback, started
+by gradpack's launcher: exact init and pulls, compressed pushes against a
+numpy model of every worker's residual, sharded keys, async, failures."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import gradpack
+import numpy_2bit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "dist_scripts")
+
+
+def launch(workers, servers, script, tmp_path, timeout=180, **env):
+    full_env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), PS_HEARTBEAT_TIMEOUT="10",
+                    **{k: str(v) for k, v in env.items()})
+    return subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", str(workers), "-s", str(servers),
+                           "--timeout", str(timeout), sys.executable, os.path.join(SCRIPTS, script)],
+                          env=full_env, capture_output=True, text=True, timeout=timeout + 60)
+
+
+def model_rand(workers):
+    total = None
+    for r in range(workers):
+        rng = np.random.default_rng(100 + r)
+        residual = np.zeros(5000, np.float32)
+        for _ in range(3):
+            compr, residual = numpy_2bit.quantize(rng.uniform(-0.6, 0.6, 5000).astype(np.float32), residual, -0.5, 0.5)
+        dec = numpy_2bit.dequantize(compr, 5000)
+        total = dec if total is None else total + dec
+    return total, dec
+
+
+@pytest.mark.parametrize("workers,servers", [(1, 1), (2, 2), (3, 2)])
+def test_sync_compressed_pushes(tmp_path, workers, servers):
+    out = launch(workers, servers, "pushes.py", tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want_rand, _ = model_rand(workers)
+    for r in range(workers):
+        res = np.load(str(tmp_path / ("rank%d.npz" % r)))
+        for key, n in (("small", 20), ("big", 1000003)):
+            np.testing.assert_array_equal(res[key + "_init"], np.arange(n, dtype=np.float32) * 0.5)
+            for i, want in enumerate((0.0, 0.5 * workers, 0.0, 0.5 * workers)):
+                assert (res["%s_%d" % (key, i)] == want).all(), (key, i)
+        np.testing.assert_array_equal(res["rand"], want_rand)
+
+
+def test_async_applies_each_push(tmp_path):
+    out = launch(2, 2, "pushes.py", tmp_path, GRADPACK_TEST_STORE="dist_async", GRADPACK_TEST_BIG=2000)
+    assert out.returncode == 0, out.stderr[-3000:]
+    finals = [np.load(str(tmp_path / ("rank%d.npz" % r)))["rand"] for r in range(2)]
+    np.testing.assert_array_equal(finals[0], finals[1])
+    lasts = []
+    for r in range(2):
+        rng = np.random.default_rng(100 + r)
+        residual = np.zeros(5000, np.float32)
+        for _ in range(3):
+            compr, residual = numpy_2bit.quantize(rng.uniform(-0.6, 0.6, 5000).astype(np.float32), residual, -0.5, 0.5)
+        lasts.append(numpy_2bit.dequantize(compr, 5000))
+    # without an optimizer each push replaces the value: the last one to arrive wins
+    assert any(np.array_equal(finals[0], last) for last in lasts)
+
+
+def test_launcher_reports_a_failing_worker(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import gradpack, sys\nkv = gradpack.kv.create('dist_sync')\n"
+                      "sys.exit(3 if kv.rank == 1 else 0)\n")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", "2", "-s", "1", sys.executable, str(script)],
+                         env=dict(os.environ, PS_HEARTBEAT_TIMEOUT="3", PS_HEARTBEAT_INTERVAL="0.5"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "worker 1 exited with status 3" in out.stderr
+    assert time.time() - t0 < 60
+
+
+def start_node(role, port, workers, servers, argv=None, **env):
+    full = dict(os.environ, DMLC_ROLE=role, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
+                DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers), PS_HEARTBEAT_INTERVAL="0.5",
+                PS_HEARTBEAT_TIMEOUT="3", **env)
+    argv = argv or [sys.executable, "-m", "gradpack.node"]
+    return subprocess.Popen(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+LOOPING_WORKER = """
+import sys, numpy as np, gradpack
+kv = gradpack.kv.create('dist_sync')
+kv.init(0, np.zeros(1000, np.float32))
+print('ready', flush=True)
+try:
+    while True:
+        kv.pushpull(0, np.ones(1000, np.float32), out=np.empty(1000, np.float32))
+except gradpack.Error as e:
+    print('ERROR', e, file=sys.stderr, flush=True)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("victim", ["worker", "server"])
+def test_killing_a_node_stops_the_job_within_the_timeout(tmp_path, victim):
+    from gradpack.launch import free_port
+    port = free_port()
+    script = tmp_path / "loop.py"
+    script.write_text(LOOPING_WORKER)
+    procs = {"scheduler": start_node("scheduler", port, 2, 1), "server": start_node("server", port, 2, 1)}
+    procs["worker"] = start_node("worker", port, 2, 1, [sys.executable, str(script)])
+    procs["other"] = start_node("worker", port, 2, 1, [sys.executable, str(script)])
+    try:
+        for name in ("worker", "other"):
+            assert procs[name].stdout.readline().strip() == "ready", procs[name].stderr.read()
+        time.sleep(0.5)
+        procs[victim].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        for name, p in procs.items():
+            if name == victim:
+                continue
+            p.wait(timeout=20)
+            assert p.returncode != 0, name
+        elapsed = time.time() - t0
+        assert elapsed < 3 + 5, elapsed
+        err = procs["other"].stderr.read()
+        assert "sent no heartbeat" in err and victim in err, err
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()

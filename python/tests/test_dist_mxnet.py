@@ -1,0 +1,32 @@
+"""Gluon Trainer and Module on gradpack's dist_sync store with compress_params,
+2 worker processes with one context each: MXNet 1.9.1's own dist store fails
+here ("Compression not supported with PushPull"); gradpack must not."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mxnet_required import mxnet
+
+mxnet()
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("api", ["trainer", "module"])
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_dist_sync_two_bit_weights(tmp_path, api, update_on_kvstore):
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), PS_HEARTBEAT_TIMEOUT="20")
+    out = subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", "2", "-s", "1", "--timeout", "240",
+                          sys.executable, os.path.join(HERE, "dist_scripts", "mxnet_train.py"), api,
+                          "1" if update_on_kvstore else "0"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        # each worker: 0.3 -> nothing, 0.6 -> sends 0.5, 0.4 -> nothing, 0.7 -> 0.5;
+        # the servers sum 2 workers' 0.5 = 1; SGD lr 1
+        assert res["weights"] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [-1.0] * 4], res
+        assert res["stats"]["bytes_sent"] > 0
