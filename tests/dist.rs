@@ -146,3 +146,74 @@ fn bad_requests_get_errors_and_change_nothing() {
         assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);
     });
 }
+
+#[test]
+fn malformed_frames_do_not_hurt_a_server() {
+    job(1, 1, "dist_sync", |_, w| {
+        let shape = [32];
+        let k = Key::Int(5);
+        let (c, p) = two_bit();
+        w.set_compress(c, &p).unwrap();
+        w.init(&k, Array { shape: &shape, data: Grad::F32(&[1.0; 32]) }).unwrap();
+        let (host, port) = w.server_addresses()[0].clone();
+        let ctx = zmq::Context::new();
+        let rogue = ctx.socket(zmq::DEALER).unwrap();
+        rogue.set_linger(0).unwrap();
+        rogue.connect(&format!("tcp://{host}:{port}")).unwrap();
+        rogue.send("just one frame", 0).unwrap();
+        rogue.send_multipart([&b"bad magic header"[..], &b""[..]], 0).unwrap();
+        // A well-formed push whose 2-bit payload holds code 0b11: rejected, state kept.
+        let mut meta = gradpack::dist::message::Meta::new(gradpack::dist::message::Command::Push, 9999);
+        meta.key = Some(k.clone());
+        meta.len = 32;
+        meta.flags = gradpack::dist::message::FLAG_COMPRESSED;
+        let mut compr = gradpack::create_2bit(32);
+        compr[0] = -0.5;
+        compr[1] = 0.5;
+        compr[2] = 32.0;
+        compr[3] = f32::from_bits(u32::MAX);
+        rogue.send_multipart([meta.encode(), gradpack::dist::message::f32s_to_bytes(&compr)], 0).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        // The server still answers, and the value is untouched.
+        assert_eq!(pull(w, &k, &shape), vec![1.0; 32]);
+        w.push(&k, &[Array { shape: &shape, data: Grad::F32(&[0.6; 32]) }]).unwrap();
+        assert_eq!(pull(w, &k, &shape), vec![0.5; 32]);
+    });
+}
+
+#[test]
+fn a_node_with_another_job_configuration_is_refused() {
+    let port = free_port();
+    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
+    let server = thread::spawn(move || serve(config(Role::Server, port, 1, 1)));
+    let err = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 2)).err().expect("refused");
+    let text = err.to_string();
+    assert!(text.contains("refused") && text.contains("servers=2") && text.contains("servers=1"), "{text}");
+    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
+    w.init(&Key::Int(0), Array { shape: &[2], data: Grad::F32(&[3.0, 4.0]) }).unwrap();
+    assert_eq!(pull(&w, &Key::Int(0), &[2]), vec![3.0, 4.0]);
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_dead_server_fails_pending_requests_within_the_timeout() {
+    let port = free_port();
+    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
+    // A "server" that registers, then goes silent: its postoffice stops heartbeating.
+    let server = thread::spawn(move || {
+        let post = gradpack::dist::postoffice::Postoffice::start(config(Role::Server, port, 1, 1), Some(Box::new(|_| Vec::new()))).unwrap();
+        post.stop();
+        std::thread::sleep(Duration::from_secs(5));
+    });
+    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
+    let t0 = std::time::Instant::now();
+    let err = w.init(&Key::Int(0), Array { shape: &[2], data: Grad::F32(&[3.0, 4.0]) }).unwrap_err().to_string();
+    assert!(err.contains("sent no heartbeat") && err.contains("server 0"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(6), "{:?}", t0.elapsed());
+    let sched_err = sched.join().unwrap().unwrap_err().to_string();
+    assert!(sched_err.contains("server 0"), "{sched_err}");
+    drop(w);
+    server.join().unwrap();
+}

@@ -127,6 +127,11 @@ impl DistWorker {
         (self.post.bytes_sent(), self.post.bytes_received())
     }
 
+    /// Where the servers listen (host, port), by rank.
+    pub fn server_addresses(&self) -> Vec<(String, u16)> {
+        self.post.servers().iter().map(|n| (n.host.clone(), n.port)).collect()
+    }
+
     fn servers(&self) -> Vec<i32> {
         self.post.servers().iter().map(|n| n.id).collect()
     }
