@@ -88,11 +88,64 @@ impl Meta {
     }
 }
 
+/// A payload: bytes owned by ZeroMQ, moved without copies from the socket to
+/// the reader and from a `Vec` to the socket.
+pub struct Payload(zmq::Message);
+
+impl Payload {
+    pub fn empty() -> Payload {
+        Payload(zmq::Message::new())
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Payload {
+        Payload(zmq::Message::from(v))
+    }
+}
+
+impl From<zmq::Message> for Payload {
+    fn from(m: zmq::Message) -> Payload {
+        Payload(m)
+    }
+}
+
+impl From<Payload> for zmq::Message {
+    fn from(p: Payload) -> zmq::Message {
+        p.0
+    }
+}
+
+impl Clone for Payload {
+    fn clone(&self) -> Payload {
+        Payload(zmq::Message::from(&self[..]))
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Payload({} bytes)", self.len())
+    }
+}
+
+impl PartialEq for Payload {
+    fn eq(&self, other: &Payload) -> bool {
+        self[..] == other[..]
+    }
+}
+
 /// A whole message: header and payload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Message {
     pub meta: Meta,
-    pub data: Vec<u8>,
+    pub data: Payload,
 }
 
 fn malformed(problem: &str) -> Error {
@@ -178,21 +231,40 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// float32 values as little-endian bytes (a copy: the wire owns its buffer).
+/// float32 values as little-endian bytes (one memcpy: the wire owns its buffer).
 pub fn f32s_to_bytes(v: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 * v.len());
-    for x in v {
-        out.extend(x.to_bits().to_le_bytes());
+    if cfg!(target_endian = "little") {
+        // SAFETY: any f32 slice is readable as bytes; on little-endian they are the wire's order.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }.to_vec()
+    } else {
+        v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
     }
-    out
 }
 
-/// Bytes back into float32 values, bit for bit; the length must be a multiple of 4.
-pub fn bytes_to_f32s(b: &[u8]) -> Result<Vec<f32>> {
+fn check_f32_len(b: &[u8]) -> Result<usize> {
     if b.len() % 4 != 0 {
         return Err(malformed(&format!("payload of {} bytes is not a whole number of float32", b.len())));
     }
-    Ok(b.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))).collect())
+    Ok(b.len() / 4)
+}
+
+/// Bytes back into float32 values, bit for bit: borrowed when the buffer is
+/// aligned (the usual case), copied otherwise. The length must be a multiple of 4.
+pub fn f32_view(b: &[u8]) -> Result<std::borrow::Cow<'_, [f32]>> {
+    let n = check_f32_len(b)?;
+    if cfg!(target_endian = "little") {
+        // SAFETY: every bit pattern is a valid f32; align_to only yields the aligned middle.
+        let (head, mid, _) = unsafe { b.align_to::<f32>() };
+        if head.is_empty() && mid.len() == n {
+            return Ok(std::borrow::Cow::Borrowed(mid));
+        }
+    }
+    Ok(std::borrow::Cow::Owned(b.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))).collect()))
+}
+
+/// Bytes back into an owned float32 vector, bit for bit.
+pub fn bytes_to_f32s(b: &[u8]) -> Result<Vec<f32>> {
+    Ok(f32_view(b)?.into_owned())
 }
 
 /// `key=value` lines, the text bodies of control messages.

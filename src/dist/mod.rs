@@ -5,6 +5,7 @@
 //! setting from MXNet's `DMLC_*` variables in one place.
 
 pub mod config;
+pub mod counts;
 pub mod customer;
 pub mod message;
 pub mod postoffice;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{Config, Role};
 use super::customer::Customer;
-use super::message::{decode_pairs, encode_pairs, Command, Message, Meta};
+use super::message::{decode_pairs, encode_pairs, Command, Message, Meta, Payload};
 use super::van::{local_address_towards, Receiver, Van};
 use crate::error::{Error, Result};
 
@@ -53,7 +53,7 @@ fn log(config: &Config, who: &str, level: u32, text: &str) {
 }
 
 fn message(meta: Meta) -> Message {
-    Message { meta, data: Vec::new() }
+    Message { meta, data: Payload::empty() }
 }
 
 /// A registered worker or server.
@@ -89,6 +89,8 @@ impl Postoffice {
 
         // Every node must register before the table comes; allow for slow starts.
         let deadline = Instant::now() + config.heartbeat_timeout.max(Duration::from_secs(60)) * 2;
+        // Peers that got the table first may already send requests: keep them for later.
+        let mut early: Vec<Message> = Vec::new();
         let (me, nodes) = loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
@@ -102,7 +104,7 @@ impl Postoffice {
                 Some(Ok(msg)) if msg.meta.command == Command::Refused => {
                     return Err(Error::JobFailed(format!("the scheduler refused this {}: {}", config.role.name(), msg.meta.body)));
                 }
-                Some(Ok(msg)) => log(&config, &who, 1, &format!("ignoring {:?} before registration", msg.meta.command)),
+                Some(Ok(msg)) => early.push(msg),
                 Some(Err(e)) => eprintln!("[gradpack {who}] {e}"),
                 None => {}
             }
@@ -122,7 +124,7 @@ impl Postoffice {
         let contact = last_contact.clone();
         let receive = std::thread::Builder::new()
             .name("gradpack-receive".into())
-            .spawn(move || p.receive_loop(receiver, handler.as_mut(), &contact))
+            .spawn(move || p.receive_loop(receiver, early, handler.as_mut(), &contact))
             .map_err(|e| Error::Transport(format!("starting the receive thread: {e}")))?;
         let p = post.clone();
         let heartbeat = std::thread::Builder::new()
@@ -137,9 +139,14 @@ impl Postoffice {
         format!("{} {}", self.me.role.name(), self.me.rank)
     }
 
-    fn receive_loop(&self, receiver: Receiver, mut handler: Option<&mut RequestHandler>, last_contact: &Mutex<Instant>) {
+    fn receive_loop(&self, receiver: Receiver, early: Vec<Message>, mut handler: Option<&mut RequestHandler>, last_contact: &Mutex<Instant>) {
+        let mut early = early.into_iter();
         while !self.customer.is_over() {
-            let msg = match receiver.recv(Duration::from_millis(100), &self.van.traffic) {
+            let next = match early.next() {
+                Some(msg) => Ok(Some(Ok(msg))),
+                None => receiver.recv(Duration::from_millis(100), &self.van.traffic),
+            };
+            let msg = match next {
                 Ok(None) => continue,
                 Ok(Some(Ok(msg))) => msg,
                 Ok(Some(Err(e))) => {
@@ -219,7 +226,7 @@ impl Postoffice {
         for (to, mut meta, data) in parts {
             meta.sender = self.me.id;
             meta.request_id = id;
-            if let Err(e) = self.van.send(to, Message { meta, data }) {
+            if let Err(e) = self.van.send(to, Message { meta, data: data.into() }) {
                 self.customer.cancel(id);
                 return Err(e);
             }

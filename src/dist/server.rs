@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 
 use super::config::Config;
-use super::message::{bytes_to_f32s, decode_pairs, f32s_to_bytes, Command, Message, Meta, FLAG_COMPRESSED};
+use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, Payload, FLAG_COMPRESSED};
 use super::postoffice::Postoffice;
-use crate::codec;
+use super::counts;
+use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::kvstore::Key;
@@ -16,11 +17,33 @@ use crate::optimizer::Optimizer;
 
 /// Push flag: apply this push at once (dist_async).
 pub const FLAG_ASYNC: u16 = 2;
+/// Pull-response flag: the payload is in the code-count encoding (`counts`).
+pub const FLAG_CODE_COUNTS: u16 = 4;
+
+/// How the current round's pushes are being summed.
+#[derive(Clone, Copy, PartialEq)]
+enum Round {
+    Empty,
+    /// Every push so far was 2-bit with these thresholds: codes are counted.
+    Counts(Thresholds),
+    /// float32 sum in `merge`.
+    Float,
+}
 
 struct Slot {
     offset: u64,
     value: Vec<f32>,
     merge: Vec<f32>,
+    round: Round,
+    round_pos: Vec<u8>,
+    round_neg: Vec<u8>,
+    /// When the value is exactly a sum of 2-bit pushes: its counts, thresholds
+    /// and the number of pushes, for lossless code-count pulls.
+    value_pos: Vec<u8>,
+    value_neg: Vec<u8>,
+    value_counts: Option<(Thresholds, usize)>,
+    /// The encoded pull payload of the current value, made on the first pull.
+    pull_cache: Option<(Vec<u8>, u16)>,
     /// Workers that pushed in the current sync round: (node id, request id).
     pushed: Vec<(i32, u64)>,
 }
@@ -47,7 +70,7 @@ fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
             Vec::new()
         }
     };
-    (to.sender, Message { meta, data })
+    (to.sender, Message { meta, data: Payload::from(data) })
 }
 
 impl Server {
@@ -64,6 +87,15 @@ impl Server {
                 Ok(replies) => replies,
                 Err(e) => vec![response(&meta, self.my_id, Err(e))],
             },
+            Command::Pull => {
+                let (result, flags) = match self.pull(&meta) {
+                    Ok((bytes, flags)) => (Ok(bytes), flags),
+                    Err(e) => (Err(e), 0),
+                };
+                let (to, mut reply) = response(&meta, self.my_id, result);
+                reply.meta.flags = flags;
+                vec![(to, reply)]
+            }
             _ => {
                 let result = self.other(msg);
                 vec![response(&meta, self.my_id, result)]
@@ -99,16 +131,43 @@ impl Server {
                 if value.len() as u64 != meta.len {
                     return Err(Error::Key { key: key.to_string(), problem: format!("init carries {} values for a slice of {}", value.len(), meta.len) });
                 }
-                self.slots.insert(key, Slot { offset: meta.offset, merge: vec![0.0; value.len()], value, pushed: Vec::new() });
+                let n = value.len();
+                self.slots.insert(
+                    key,
+                    Slot {
+                        offset: meta.offset,
+                        merge: vec![0.0; n],
+                        value,
+                        round: Round::Empty,
+                        round_pos: vec![0; n],
+                        round_neg: vec![0; n],
+                        value_pos: Vec::new(),
+                        value_neg: Vec::new(),
+                        value_counts: None,
+                        pull_cache: None,
+                        pushed: Vec::new(),
+                    },
+                );
                 Ok(Vec::new())
             }
-            Command::Pull => {
-                let key = Self::key_of(meta)?;
-                let slot = self.slot(&key, meta)?;
-                Ok(f32s_to_bytes(&slot.value))
-            }
+            Command::Pull => unreachable!("handled by pull()"),
             other => Err(Error::Transport(format!("a server does not answer {other:?}"))),
         }
+    }
+
+    /// The value of a slice: lossless code counts when it is a counted sum,
+    /// else float32; encoded once per value and copied for each puller.
+    fn pull(&mut self, meta: &Meta) -> Result<(Vec<u8>, u16)> {
+        let key = Self::key_of(meta)?;
+        self.slot(&key, meta)?;
+        let slot = self.slots.get_mut(&key).unwrap();
+        if slot.pull_cache.is_none() {
+            slot.pull_cache = Some(match slot.value_counts {
+                Some((th, pushes)) if pushes <= 255 => (counts::encode(&slot.value_pos, &slot.value_neg, th, counts::bits_for(pushes)), FLAG_CODE_COUNTS),
+                _ => (f32s_to_bytes(&slot.value), 0),
+            });
+        }
+        Ok(slot.pull_cache.clone().unwrap())
     }
 
     fn slot(&self, key: &Key, meta: &Meta) -> Result<&Slot> {
@@ -132,36 +191,78 @@ impl Server {
         if slot.pushed.iter().any(|(s, _)| *s == meta.sender) {
             return Err(Error::Key { key: key.to_string(), problem: format!("node {} pushed twice in one sync round", meta.sender) });
         }
-        let first = slot.pushed.is_empty() || asynchronous;
-        let payload = bytes_to_f32s(&msg.data)?;
-        if meta.flags & FLAG_COMPRESSED != 0 {
-            // check_compressed inside validates length, header and codes before writing.
-            if first {
-                codec::dequantize_2bit(&payload, &mut slot.merge)?;
-            } else {
-                codec::dequantize_2bit_add(&payload, &mut slot.merge)?;
-            }
+        let payload = f32_view(&msg.data)?;
+        // Validate first: a bad push changes nothing.
+        let compressed = meta.flags & FLAG_COMPRESSED != 0;
+        let th = if compressed {
+            Some(codec::check_compressed(&payload, slot.merge.len())?)
         } else {
             if payload.len() != slot.merge.len() {
                 return Err(Error::Key { key: key.to_string(), problem: format!("pushed {} values for a slice of {}", payload.len(), slot.merge.len()) });
             }
-            if first {
-                slot.merge.copy_from_slice(&payload);
-            } else {
-                slot.merge.iter_mut().zip(&payload).for_each(|(m, p)| *m += *p);
-            }
+            None
+        };
+        if asynchronous {
+            slot.round = Round::Empty;
         }
+        slot.round = match (slot.round, th) {
+            (Round::Empty, Some(th)) => {
+                counts::add_codes(&payload, &mut slot.round_pos, &mut slot.round_neg, true);
+                Round::Counts(th)
+            }
+            (Round::Counts(t0), Some(th)) if t0 == th && slot.pushed.len() < 255 => {
+                counts::add_codes(&payload, &mut slot.round_pos, &mut slot.round_neg, false);
+                Round::Counts(th)
+            }
+            (round, th) => {
+                // Mixed thresholds or float32 pushes: sum in float32 from here on.
+                match round {
+                    Round::Counts(t0) => counts::values(&slot.round_pos, &slot.round_neg, t0, &mut slot.merge),
+                    Round::Empty => slot.merge.fill(0.0),
+                    Round::Float => {}
+                }
+                let first = round == Round::Empty;
+                match th {
+                    Some(_) if first => codec::dequantize_2bit(&payload, &mut slot.merge)?,
+                    Some(_) => codec::dequantize_2bit_add(&payload, &mut slot.merge)?,
+                    None if first => slot.merge.copy_from_slice(&payload),
+                    None => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m += *p),
+                }
+                Round::Float
+            }
+        };
         slot.pushed.push((meta.sender, meta.request_id));
         if !asynchronous && slot.pushed.len() < num_workers {
             return Ok(Vec::new()); // answered when the round completes
         }
-        let result = match &self.optimizer {
-            Some(o) => o.update(&key, &slot.merge, &mut slot.value),
-            None => {
-                slot.value.copy_from_slice(&slot.merge);
+        let pushes = slot.pushed.len();
+        slot.pull_cache = None;
+        let result = match (&self.optimizer, slot.round) {
+            (None, Round::Counts(th)) => {
+                // The value is exactly the counted sum: keep the counts for lossless pulls.
+                counts::values(&slot.round_pos, &slot.round_neg, th, &mut slot.value);
+                std::mem::swap(&mut slot.round_pos, &mut slot.value_pos);
+                std::mem::swap(&mut slot.round_neg, &mut slot.value_neg);
+                slot.round_pos.resize(slot.value.len(), 0);
+                slot.round_neg.resize(slot.value.len(), 0);
+                slot.value_counts = Some((th, pushes));
                 Ok(())
             }
+            (opt, round) => {
+                if let Round::Counts(th) = round {
+                    counts::values(&slot.round_pos, &slot.round_neg, th, &mut slot.merge);
+                }
+                slot.value_counts = None;
+                match opt {
+                    Some(o) => o.update(&key, &slot.merge, &mut slot.value),
+                    None => {
+                        slot.value.copy_from_slice(&slot.merge);
+                        Ok(())
+                    }
+                }
+            }
         };
+        slot.round = Round::Empty;
         let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
         Ok(waiting
             .into_iter()

@@ -48,7 +48,10 @@ pub fn local_address_towards(peer: &str, port: u16) -> String {
 
 impl Van {
     pub fn new() -> Van {
-        Van { ctx: zmq::Context::new(), senders: Mutex::default(), traffic: Traffic::default() }
+        let ctx = zmq::Context::new();
+        // Two I/O threads: sends to and receives from several peers overlap.
+        let _ = ctx.set_io_threads(2);
+        Van { ctx, senders: Mutex::default(), traffic: Traffic::default() }
     }
 
     /// Binds the receiving socket on `host:port` (port 0: any free port) and
@@ -106,17 +109,26 @@ impl Receiver {
         if ready == 0 {
             return Ok(None);
         }
-        let frames = self.socket.recv_multipart(0).map_err(|e| zmq_error("receiving", e))?;
+        // Frames stay in ZeroMQ's buffers: no copy of the payload.
+        let mut frames = Vec::with_capacity(3);
+        loop {
+            let frame = self.socket.recv_msg(0).map_err(|e| zmq_error("receiving", e))?;
+            let more = frame.get_more();
+            frames.push(frame);
+            if !more {
+                break;
+            }
+        }
         traffic.received.fetch_add(frames.iter().skip(1).map(|f| f.len() as u64).sum(), Ordering::Relaxed);
         // ROUTER prepends the peer's identity frame.
         if frames.len() != 3 {
             return Ok(Some(Err(Error::Transport(format!("malformed message: {} frames, expected identity, header and payload", frames.len())))));
         }
-        let mut frames = frames.into_iter().skip(1);
-        let meta = match Meta::decode(&frames.next().unwrap()) {
+        let data = frames.pop().unwrap();
+        let meta = match Meta::decode(&frames[1]) {
             Ok(m) => m,
             Err(e) => return Ok(Some(Err(e))),
         };
-        Ok(Some(Ok(Message { meta, data: frames.next().unwrap() })))
+        Ok(Some(Ok(Message { meta, data: data.into() })))
     }
 }

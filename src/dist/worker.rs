@@ -10,9 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::{Config, Role};
-use super::message::{bytes_to_f32s, encode_pairs, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
+use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
 use super::postoffice::Postoffice;
-use super::server::FLAG_ASYNC;
+use super::counts;
+use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
@@ -234,8 +235,15 @@ impl DistWorker {
             }
         }
         let n: usize = e.shape.iter().product();
-        e.merge.resize(n, 0.0);
-        for (i, v) in values.iter().enumerate() {
+        // One float32 device: push straight from its array, no merge copy.
+        let single = match values {
+            [Array { data: Grad::F32(g), .. }] => Some(*g),
+            _ => None,
+        };
+        if single.is_none() {
+            e.merge.resize(n, 0.0);
+        }
+        for (i, v) in values.iter().enumerate().filter(|_| single.is_none()) {
             let add = |m: &mut f32, x: f32| if i == 0 { *m = x } else { *m += x };
             match v.data {
                 Grad::F32(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x)),
@@ -252,7 +260,10 @@ impl DistWorker {
             if self.asynchronous {
                 m.flags |= FLAG_ASYNC;
             }
-            let part = &e.merge[s.offset..s.offset + s.len];
+            let part = match single {
+                Some(g) => &g[s.offset..s.offset + s.len],
+                None => &e.merge[s.offset..s.offset + s.len],
+            };
             let payload = match compression {
                 Compression::None => f32s_to_bytes(part),
                 Compression::TwoBit(th) => {
@@ -291,22 +302,40 @@ impl DistWorker {
             .collect();
         let replies = self.post.request(parts)?;
         let n: usize = e.shape.iter().product();
-        let mut value = vec![0f32; n];
+        // Check every reply before writing any output.
+        let mut views = Vec::with_capacity(replies.len());
         let mut covered = 0;
-        for r in replies {
+        for r in &replies {
             let (lo, len) = (r.meta.offset as usize, r.meta.len as usize);
-            let vals = bytes_to_f32s(&r.data)?;
-            if vals.len() != len || lo + len > n {
-                return Err(Error::Transport(format!("malformed message: pull reply for key {key} has {} values for {lo}..{}", vals.len(), lo + len)));
+            if lo + len > n {
+                return Err(Error::Transport(format!("malformed message: pull reply for key {key} covers {lo}..{} of {n}", lo + len)));
             }
-            value[lo..lo + len].copy_from_slice(&vals);
+            let vals = if r.meta.flags & FLAG_CODE_COUNTS != 0 {
+                counts::validate(&r.data, len)?;
+                None
+            } else {
+                let v = f32_view(&r.data)?;
+                if v.len() != len {
+                    return Err(Error::Transport(format!("malformed message: pull reply for key {key} has {} values for {len}", v.len())));
+                }
+                Some(v)
+            };
             covered += len;
+            views.push((lo, len, vals, &r.data));
         }
         if covered != n {
             return Err(Error::Transport(format!("pull of key {key} covered {covered} of {n} elements")));
         }
-        for o in outs.iter_mut() {
-            o.data.copy_from_slice(&value);
+        let (first, rest) = outs.split_first_mut().unwrap();
+        for (lo, len, vals, data) in &views {
+            let dst = &mut first.data[*lo..*lo + *len];
+            match vals {
+                Some(v) => dst.copy_from_slice(v),
+                None => counts::decode(data, dst)?, // validated above
+            }
+        }
+        for o in rest {
+            o.data.copy_from_slice(first.data);
         }
         Ok(())
     }

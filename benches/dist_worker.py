@@ -1,0 +1,56 @@
+"""Worker of benches/kvstore_dist.py: times push+pull of one large key on a
+dist_sync store (gradpack's or MXNet's), writes rank 0's figures as JSON.
+
+argv: impl(gradpack|mxnet) compress(0|1) elements iterations out.json"""
+import json
+import sys
+import time
+
+import numpy as np
+
+impl, compress, n, iters, out_path = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+grad_np = np.random.default_rng(0).uniform(-1, 1, n).astype(np.float32)
+
+if impl == "gradpack":
+    import gradpack
+    kv = gradpack.kv.create("dist_sync")
+    if compress:
+        kv.set_compress({"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5})
+    kv.init(0, np.zeros(n, np.float32))
+    out = np.empty(n, np.float32)
+
+    def step():
+        kv.push(0, grad_np)
+        kv.pull(0, out=out)
+
+    def sent():
+        return kv.stats()["bytes_sent"]
+else:
+    import mxnet as mx
+    kv = mx.kv.create("dist_sync")
+    if compress:
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init(0, mx.nd.zeros(n))
+    grad = mx.nd.array(grad_np)
+    out = mx.nd.empty(n)
+
+    def step():
+        kv.push(0, grad)
+        kv.pull(0, out=out)
+        out.wait_to_read()
+
+    def sent():
+        return 0
+
+step()  # warm-up: allocations, residuals, connections
+kv.barrier() if impl == "gradpack" else kv._barrier()
+times = []
+before = sent()
+for _ in range(iters):
+    t0 = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t0)
+per_iter_bytes = (sent() - before) / iters
+if kv.rank == 0:
+    with open(out_path, "w") as f:
+        json.dump({"median_s": float(np.median(times)), "times": times, "bytes_sent_per_iter": per_iter_bytes}, f)
