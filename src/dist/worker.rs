@@ -16,8 +16,8 @@ use super::counts;
 use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
-use crate::error::{Dtype, Error, Result};
-use crate::kvstore::{Array, ArrayMut, Key};
+use crate::error::{Error, Result};
+use crate::kvstore::{check_push, check_shape, key_error, Array, ArrayMut, Key};
 
 /// One server's part of a key.
 #[derive(Clone, Debug, PartialEq)]
@@ -68,20 +68,6 @@ pub struct DistWorker {
     keys: RwLock<HashMap<Key, Arc<Mutex<WorkerKey>>>>,
     str_keys: Mutex<Option<bool>>,
     closed: AtomicBool,
-}
-
-fn key_error(key: &Key, problem: impl Into<String>) -> Error {
-    Error::Key { key: key.to_string(), problem: problem.into() }
-}
-
-fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
-    if shape.iter().product::<usize>() != len {
-        return Err(key_error(key, format!("{what} has shape {shape:?} but {len} elements")));
-    }
-    if shape != want {
-        return Err(key_error(key, format!("{what} has shape {shape:?}, expected {want:?}")));
-    }
-    Ok(())
 }
 
 impl DistWorker {
@@ -225,15 +211,7 @@ impl DistWorker {
         let compression = *self.compression.read().unwrap();
         let mut guard = entry.lock().unwrap();
         let e = &mut *guard;
-        if values.is_empty() {
-            return Err(key_error(key, "push of an empty list of values"));
-        }
-        for (i, v) in values.iter().enumerate() {
-            check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), &e.shape)?;
-            if compression.is_none() && v.data.dtype() != Dtype::F32 {
-                return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must be float32", v.data.dtype())));
-            }
-        }
+        check_push(key, values, &e.shape, compression)?;
         let n: usize = e.shape.iter().product();
         // One float32 device: push straight from its array, no merge copy.
         let single = match values {

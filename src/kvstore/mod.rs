@@ -110,16 +110,31 @@ pub struct KVStore {
     wire_bytes: AtomicU64,
 }
 
-fn key_error(key: &Key, problem: impl Into<String>) -> Error {
+pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
     Error::Key { key: key.to_string(), problem: problem.into() }
 }
 
-fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
+pub(crate) fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
     if shape.iter().product::<usize>() != len {
         return Err(key_error(key, format!("{what} has shape {shape:?} but {len} elements")));
     }
     if shape != want {
         return Err(key_error(key, format!("{what} has shape {shape:?}, expected {want:?}")));
+    }
+    Ok(())
+}
+
+/// The checks of a push, shared by every store: values present, each of the
+/// key's shape, float32 unless compressing.
+pub(crate) fn check_push(key: &Key, values: &[Array], shape: &[usize], compression: Compression) -> Result<()> {
+    if values.is_empty() {
+        return Err(key_error(key, "push of an empty list of values"));
+    }
+    for (i, v) in values.iter().enumerate() {
+        check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), shape)?;
+        if compression.is_none() && v.data.dtype() != Dtype::F32 {
+            return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must be float32", v.data.dtype())));
+        }
     }
     Ok(())
 }
@@ -269,16 +284,7 @@ impl KVStore {
         let updater = self.updater.read().unwrap().clone();
         let mut guard = entry.lock().unwrap();
         let e = &mut *guard;
-        // Every check before anything is written.
-        if values.is_empty() {
-            return Err(key_error(key, "push of an empty list of values"));
-        }
-        for (i, v) in values.iter().enumerate() {
-            check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), &e.shape)?;
-            if compression.is_none() && v.data.dtype() != Dtype::F32 {
-                return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must be float32", v.data.dtype())));
-            }
-        }
+        check_push(key, values, &e.shape, compression)?; // every check before anything is written
         let n = e.value.len();
         e.merge_buf.resize(n, 0.0);
         match compression {
