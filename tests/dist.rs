@@ -217,3 +217,25 @@ fn a_dead_server_fails_pending_requests_within_the_timeout() {
     drop(w);
     server.join().unwrap();
 }
+
+#[test]
+fn dist_sync_device_merges_local_devices_before_one_push() {
+    let results = job(2, 2, "dist_sync_device", |_, w| {
+        let (c, p) = two_bit();
+        w.set_compress(c, &p).unwrap();
+        let shape = [1500];
+        w.init(&Key::Int(0), Array { shape: &shape, data: Grad::F32(&[0.0; 1500]) }).unwrap();
+        // Two local devices of 0.2 each: merged 0.4 -> nothing; then 0.8 -> 0.5 per worker.
+        let dev = vec![0.2f32; 1500];
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            w.push(&Key::Int(0), &[Array { shape: &shape, data: Grad::F32(&dev) }, Array { shape: &shape, data: Grad::F32(&dev) }]).unwrap();
+            seen.push(pull(w, &Key::Int(0), &shape));
+        }
+        seen
+    });
+    for seen in results {
+        assert!(seen[0].iter().all(|&x| x == 0.0));
+        assert!(seen[1].iter().all(|&x| x == 1.0), "2 workers x 0.5");
+    }
+}
