@@ -323,7 +323,6 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                         m.body = reason.clone();
                         let _ = van.send(other.id, message(m));
                     }
-                    std::thread::sleep(Duration::from_millis(200)); // let the news leave before the sockets close
                     return Err(Error::JobFailed(reason));
                 }
             }
@@ -421,7 +420,6 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                         }
                     }
                     log(&config, &who, 1, "every worker is done; the job ends");
-                    std::thread::sleep(Duration::from_millis(200));
                     return Ok(());
                 }
             }

@@ -73,7 +73,9 @@ impl Van {
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
     pub fn connect(&self, id: i32, host: &str, port: u16) -> Result<()> {
         let socket = self.ctx.socket(zmq::DEALER).map_err(|e| zmq_error("creating a socket", e))?;
-        socket.set_linger(0).map_err(|e| zmq_error("setting linger", e))?;
+        // Closing waits up to 2 s for queued messages (a worker's "done", the
+        // scheduler's "terminate") to leave, instead of dropping them.
+        socket.set_linger(2000).map_err(|e| zmq_error("setting linger", e))?;
         socket.set_sndhwm(0).map_err(|e| zmq_error("setting the send high-water mark", e))?;
         let endpoint = format!("tcp://{host}:{port}");
         socket.connect(&endpoint).map_err(|e| zmq_error(&format!("connecting to {endpoint}"), e))?;

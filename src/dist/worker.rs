@@ -331,8 +331,7 @@ impl DistWorker {
     /// Leaves the job: the scheduler ends it once every worker has left.
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::SeqCst) {
-            self.post.worker_done();
-            std::thread::sleep(std::time::Duration::from_millis(50)); // let the message leave
+            self.post.worker_done(); // delivered even as the sockets close (linger)
             self.post.stop();
         }
     }
