@@ -11,6 +11,7 @@ pub mod dist;
 pub mod error;
 pub mod kvstore;
 pub mod optimizer;
+pub mod quant;
 
 pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, Thresholds};
 pub use error::{Dtype, Error, Result};

@@ -1,0 +1,257 @@
+//! Max-norm QSGD: with a scale `M` shared by every worker (at least `max|g|`
+//! over all of them) and `s = 2^bits - 1` levels, element `g` becomes the
+//! integer code `sign(g) * (floor(l) + Bernoulli(l - floor(l)))`, `l = |g| s / M`,
+//! in `[-s, s]`: unbiased, `E[code] * M / s = g`. Codes of several workers are
+//! summed as integers (in an `i32` accumulator, wide enough for
+//! `max_workers(bits)` workers) and decoded once: `sum * M / s`.
+//!
+//! On the wire each code takes `bits + 1` bits (sign and magnitude), not the
+//! int8/int32 of the paper's code. Rounding noise comes from a counter-based
+//! generator keyed by the caller's seed, so a worker's codes are reproducible
+//! and different workers (different seeds) round independently.
+
+use crate::error::{Error, Result};
+
+/// The largest `bits` accepted: codes stay far inside an `i32` accumulator.
+pub const MAX_BITS: u32 = 15;
+
+fn bad(key: &str, problem: String) -> Error {
+    Error::InvalidParam { key: key.to_string(), problem }
+}
+
+/// Levels for `bits`: `2^bits - 1`.
+pub fn levels(bits: u32) -> Result<u32> {
+    if !(1..=MAX_BITS).contains(&bits) {
+        return Err(bad("bits", format!("must be between 1 and {MAX_BITS}, got {bits}")));
+    }
+    Ok((1u32 << bits) - 1)
+}
+
+/// How many workers' codes an `i32` accumulator can sum without overflow.
+pub fn max_workers(bits: u32) -> Result<u64> {
+    Ok(i32::MAX as u64 / levels(bits)? as u64)
+}
+
+/// A uniform float in [0, 1) for element `i` under `seed` (splitmix64 of the pair).
+#[inline(always)]
+fn uniform(seed: u64, i: u64) -> f32 {
+    let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// Quantizes `grad` against the shared `scale` into `codes`. Errors (before
+/// writing) for a bad `bits`, a scale that is not finite and >= 0, a scale
+/// below `max|g|` (codes would leave `[-s, s]`), or mismatched lengths.
+pub fn quantize(grad: &[f32], scale: f32, bits: u32, seed: u64, codes: &mut [i32]) -> Result<()> {
+    let s = levels(bits)?;
+    if codes.len() != grad.len() {
+        return Err(Error::SizeMismatch { what: "codes", expected: grad.len(), got: codes.len() });
+    }
+    if !scale.is_finite() || scale < 0.0 {
+        return Err(bad("scale", format!("must be finite and >= 0, got {scale}")));
+    }
+    // f32::max skips NaN, so look for non-finite values explicitly.
+    if let Some(i) = grad.iter().position(|g| !g.is_finite()) {
+        return Err(bad("gradient", format!("element {i} is {}", grad[i])));
+    }
+    let max = grad.iter().fold(0f32, |m, g| m.max(g.abs()));
+    if max > scale {
+        return Err(bad("scale", format!("{scale} is below the gradient's max |g| = {max}")));
+    }
+    if scale == 0.0 {
+        codes.fill(0); // an all-zero gradient everywhere: nothing to send
+        return Ok(());
+    }
+    let factor = s as f32 / scale;
+    for (i, (c, &g)) in codes.iter_mut().zip(grad).enumerate() {
+        let l = (g.abs() * factor).min(s as f32);
+        let floor = l.floor();
+        let level = floor as i32 + (uniform(seed, i as u64) < l - floor) as i32;
+        *c = if g < 0.0 { -level } else { level };
+    }
+    Ok(())
+}
+
+/// Adds codes into an integer accumulator (the reduction servers or an
+/// all-reduce perform).
+pub fn accumulate(codes: &[i32], acc: &mut [i32]) -> Result<()> {
+    if codes.len() != acc.len() {
+        return Err(Error::SizeMismatch { what: "accumulator", expected: codes.len(), got: acc.len() });
+    }
+    for (a, &c) in acc.iter_mut().zip(codes) {
+        *a = a.checked_add(c).ok_or_else(|| bad("workers", "too many workers for the code accumulator".into()))?;
+    }
+    Ok(())
+}
+
+/// Decodes summed codes: `out = sum * scale / s`.
+pub fn decode(sum: &[i32], scale: f32, bits: u32, out: &mut [f32]) -> Result<()> {
+    let s = levels(bits)?;
+    if sum.len() != out.len() {
+        return Err(Error::SizeMismatch { what: "output", expected: sum.len(), got: out.len() });
+    }
+    let step = scale / s as f32;
+    out.iter_mut().zip(sum).for_each(|(o, &c)| *o = c as f32 * step);
+    Ok(())
+}
+
+/// Packs codes in `bits + 1` bits each (sign bit above the magnitude).
+pub fn pack(codes: &[i32], bits: u32) -> Result<Vec<u8>> {
+    let s = levels(bits)? as i32;
+    let width = bits as usize + 1;
+    let mut out = vec![0u8; (codes.len() * width).div_ceil(8)];
+    for (i, &c) in codes.iter().enumerate() {
+        if c.abs() > s {
+            return Err(bad("codes", format!("code {c} at {i} is outside [-{s}, {s}]")));
+        }
+        let v = (c.unsigned_abs() as u64) | (((c < 0) as u64) << bits);
+        for b in 0..width {
+            if v >> b & 1 == 1 {
+                let bit = i * width + b;
+                out[bit / 8] |= 1 << (bit % 8);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Unpacks `n` codes of `bits + 1` bits; errors on a wrong length.
+pub fn unpack(packed: &[u8], n: usize, bits: u32) -> Result<Vec<i32>> {
+    levels(bits)?;
+    let width = bits as usize + 1;
+    if packed.len() != (n * width).div_ceil(8) {
+        return Err(Error::SizeMismatch { what: "packed codes (bytes)", expected: (n * width).div_ceil(8), got: packed.len() });
+    }
+    Ok((0..n)
+        .map(|i| {
+            let mut v = 0u32;
+            for b in 0..width {
+                let bit = i * width + b;
+                v |= ((packed[bit / 8] >> (bit % 8)) as u32 & 1) << b;
+            }
+            let magnitude = (v & ((1 << bits) - 1)) as i32;
+            if v >> bits & 1 == 1 {
+                -magnitude
+            } else {
+                magnitude
+            }
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grad(n: usize, seed: u64) -> Vec<f32> {
+        (0..n).map(|i| (uniform(seed, i as u64) - 0.5) * 2.0).collect()
+    }
+
+    #[test]
+    fn unbiased_mean_approaches_the_input() {
+        let g = grad(200, 1);
+        let scale = g.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for bits in [1, 2, 4] {
+            let s = levels(bits).unwrap() as f64;
+            let trials = 4000;
+            let mut mean = vec![0f64; g.len()];
+            let mut codes = vec![0i32; g.len()];
+            for t in 0..trials {
+                quantize(&g, scale, bits, 1000 + t, &mut codes).unwrap();
+                mean.iter_mut().zip(&codes).for_each(|(m, &c)| *m += c as f64 * scale as f64 / s / trials as f64);
+            }
+            // per element the standard error is at most (M/s)/2/sqrt(trials)
+            let tol = 5.0 * (scale as f64 / s) / 2.0 / (trials as f64).sqrt();
+            for (m, &x) in mean.iter().zip(&g) {
+                assert!((m - x as f64).abs() < tol, "bits={bits}: mean {m} vs {x} (tol {tol})");
+            }
+        }
+    }
+
+    #[test]
+    fn variance_within_the_max_norm_bound() {
+        // E||Q(g) - g||^2 = sum (M/s)^2 p(1-p) <= n (M/s)^2 / 4.
+        let g = grad(1000, 2);
+        let scale = 1.0;
+        for bits in [1, 3, 8] {
+            let step = scale / levels(bits).unwrap() as f32;
+            let mut codes = vec![0i32; g.len()];
+            let mut total = 0f64;
+            let trials = 200;
+            for t in 0..trials {
+                quantize(&g, scale, bits, t, &mut codes).unwrap();
+                total += g.iter().zip(&codes).map(|(&x, &c)| ((c as f32 * step - x) as f64).powi(2)).sum::<f64>();
+            }
+            let bound = g.len() as f64 * (step as f64).powi(2) / 4.0;
+            assert!(total / trials as f64 <= bound * 1.05, "bits={bits}: {} > {bound}", total / trials as f64);
+        }
+    }
+
+    #[test]
+    fn codes_sum_exactly_and_every_worker_decodes_alike() {
+        let bits = 4;
+        let workers: Vec<Vec<f32>> = (0..5).map(|w| grad(333, 10 + w)).collect();
+        let scale = workers.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        let mut acc = vec![0i32; 333];
+        let mut direct = vec![0i32; 333];
+        for (w, g) in workers.iter().enumerate() {
+            let mut codes = vec![0i32; 333];
+            quantize(g, scale, bits, 77 + w as u64, &mut codes).unwrap();
+            assert!(codes.iter().all(|c| c.abs() <= 15));
+            let wire = pack(&codes, bits).unwrap();
+            assert_eq!(wire.len(), (333 * 5usize).div_ceil(8)); // 5 bits a code
+            accumulate(&unpack(&wire, 333, bits).unwrap(), &mut acc).unwrap();
+            direct.iter_mut().zip(&codes).for_each(|(d, c)| *d += c);
+        }
+        assert_eq!(acc, direct);
+        let (mut a, mut b) = (vec![0f32; 333], vec![0f32; 333]);
+        decode(&acc, scale, bits, &mut a).unwrap();
+        decode(&direct, scale, bits, &mut b).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn no_overflow_at_the_largest_worker_count() {
+        let bits = MAX_BITS;
+        let s = levels(bits).unwrap() as i32;
+        let workers = max_workers(bits).unwrap();
+        let mut acc = vec![0i32; 2];
+        for _ in 0..workers {
+            accumulate(&[s, -s], &mut acc).unwrap();
+        }
+        assert_eq!(acc, vec![s * workers as i32, -s * workers as i32]);
+        assert!(accumulate(&[s, 0], &mut acc).unwrap_err().to_string().contains("too many workers"));
+    }
+
+    #[test]
+    fn deterministic_given_the_seed() {
+        let g = grad(500, 3);
+        let (mut a, mut b, mut c) = (vec![0i32; 500], vec![0i32; 500], vec![0i32; 500]);
+        quantize(&g, 1.0, 2, 9, &mut a).unwrap();
+        quantize(&g, 1.0, 2, 9, &mut b).unwrap();
+        quantize(&g, 1.0, 2, 10, &mut c).unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn bad_parameters_are_errors_and_touch_nothing() {
+        let g = vec![0.5f32, -2.0];
+        let mut codes = vec![7i32; 2];
+        for (bits, scale, want) in [(0, 2.0, "'bits'"), (16, 2.0, "'bits'"), (2, 1.0, "below the gradient's max"), (2, f32::NAN, "'scale'"), (2, -1.0, "'scale'")] {
+            let err = quantize(&g, scale, bits, 0, &mut codes).unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+            assert_eq!(codes, vec![7, 7]);
+        }
+        assert!(quantize(&[f32::NAN], 1.0, 2, 0, &mut [0]).is_err());
+        assert!(unpack(&[0u8; 4], 8, 2).is_err()); // 8 codes of 3 bits take 3 bytes
+        assert_eq!(unpack(&[0u8; 3], 8, 2).unwrap(), vec![0; 8]);
+        assert!(pack(&[4], 2).is_err());
+        let mut zeros = vec![5i32; 3];
+        quantize(&[0.0; 3], 0.0, 4, 0, &mut zeros).unwrap();
+        assert_eq!(zeros, vec![0; 3]);
+    }
+}
