@@ -11,6 +11,8 @@ pub enum Compression {
     #[default]
     None,
     TwoBit(Thresholds),
+    /// Max-norm QSGD (`quant::qsgd`): `bits` per magnitude, rounding noise from `seed`.
+    Qsgd { bits: u32, seed: u64 },
 }
 
 impl Compression {
@@ -35,8 +37,9 @@ impl Compression {
         let allowed: &[&str] = match kind.1.trim().to_ascii_lowercase().as_str() {
             "none" => &[],
             "2bit" => &["pos_threshold", "neg_threshold", "threshold"],
+            "qsgd_mn" => &["bits", "seed"],
             other => {
-                return Err(param_error(kind.0, &format!("unknown compression type '{other}' (known: 'none', '2bit')")));
+                return Err(param_error(kind.0, &format!("unknown compression type '{other}' (known: 'none', '2bit', 'qsgd_mn')")));
             }
         };
         for (k, _) in &params {
@@ -46,6 +49,21 @@ impl Compression {
         }
         if allowed.is_empty() {
             return Ok(Compression::None);
+        }
+        if allowed.contains(&"bits") {
+            for (k, _) in &params {
+                if *k != kind.0 && !allowed.contains(k) {
+                    return Err(param_error(k, "unknown key for compression 'qsgd_mn'"));
+                }
+            }
+            let bits_text = get("bits").ok_or_else(|| param_error("bits", "missing for 'qsgd_mn'"))?;
+            let bits = bits_text.trim().parse::<u32>().map_err(|_| param_error("bits", &format!("must be a whole number, got '{bits_text}'")))?;
+            crate::quant::qsgd::levels(bits)?;
+            let seed = match get("seed") {
+                Some(t) => t.trim().parse::<u64>().map_err(|_| param_error("seed", &format!("must be a whole number >= 0, got '{t}'")))?,
+                None => 0,
+            };
+            return Ok(Compression::Qsgd { bits, seed });
         }
         let th = match (get("threshold"), get("pos_threshold"), get("neg_threshold")) {
             (Some(t), None, None) => {
@@ -81,6 +99,8 @@ impl Compression {
         match self {
             Compression::None => 4 * n,
             Compression::TwoBit(_) => 4 * crate::codec::compressed_len(n),
+            // the scale, then bits + 1 bits a code
+            Compression::Qsgd { bits, .. } => 4 + (n * (*bits as usize + 1)).div_ceil(8),
         }
     }
 }
@@ -114,6 +134,8 @@ mod tests {
         assert_eq!(parse(&[("compress", "2bit"), ("pos_threshold", "0.5"), ("neg_threshold", "-0.5")]).unwrap(), Compression::TwoBit(th));
         assert_eq!(parse(&[("type", "2bit"), ("threshold", "0.5")]).unwrap(), Compression::TwoBit(th));
         assert_eq!(parse(&[("compress", "2bit"), ("pos_threshold", " 1 "), ("neg_threshold", "-0.25")]).unwrap(), Compression::TwoBit(Thresholds::new(-0.25, 1.0).unwrap()));
+        assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "4")]).unwrap(), Compression::Qsgd { bits: 4, seed: 0 });
+        assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "8"), ("seed", "7")]).unwrap(), Compression::Qsgd { bits: 8, seed: 7 });
     }
 
     #[test]
@@ -132,6 +154,11 @@ mod tests {
             (&[("compress", "none"), ("pos_threshold", "0.5")], "'pos_threshold': unknown key"),
             (&[("compress", "2bit"), ("threshold", "0.5"), ("bits", "2")], "'bits': unknown key"),
             (&[("compress", "2bit"), ("type", "2bit"), ("threshold", "1")], "'type'"),
+            (&[("compress", "qsgd_mn")], "'bits': missing"),
+            (&[("compress", "qsgd_mn"), ("bits", "0")], "'bits': must be between 1 and 15"),
+            (&[("compress", "qsgd_mn"), ("bits", "2.5")], "'bits': must be a whole number"),
+            (&[("compress", "qsgd_mn"), ("bits", "4"), ("seed", "-1")], "'seed'"),
+            (&[("compress", "qsgd_mn"), ("bits", "4"), ("threshold", "1")], "'threshold': unknown key"),
         ];
         for (params, want) in cases {
             let err = parse(params).unwrap_err().to_string();

@@ -143,6 +143,8 @@ fn bad_requests_get_errors_and_change_nothing() {
         let (c, p) = two_bit();
         assert!(w.set_compress(c, &p).unwrap_err().to_string().contains("before initializing"));
         assert!(w.set_optimizer("rmsprop", &[]).unwrap_err().to_string().contains("unknown optimizer"));
+        let qsgd = Compression::Qsgd { bits: 4, seed: 0 };
+        assert!(w.set_compress(qsgd, &[]).unwrap_err().to_string().contains("'qsgd_mn' compression is not available on a 'dist_sync' store yet"));
         assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);
     });
 }

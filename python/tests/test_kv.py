@@ -315,3 +315,24 @@ def test_optimizers_equal_mxnet_update_operators(name, params):
             mx.nd.adam_update(w, gm, mean, var, lr=lr_t, beta1=b1, beta2=b2,
                               epsilon=params.get("epsilon", 1e-8), out=w, **common)
         np.testing.assert_array_equal(pulled(kv, 0, (257,)), w.asnumpy(), err_msg="step %d" % t)
+
+
+def test_qsgd_on_a_device_store_is_unbiased():
+    kv = gradpack.kv.create("device")
+    kv.set_compress({"compress": "qsgd_mn", "bits": "2", "seed": 1})
+    rng = np.random.default_rng(5)
+    grads = [rng.uniform(-1, 1, 64).astype(np.float32) for _ in range(2)]
+    kv.init(0, np.zeros(64, np.float32))
+    trials = 400
+    mean = np.zeros(64)
+    for _ in range(trials):
+        kv.push(0, grads)
+        mean += pulled(kv, 0, (64,)) / trials
+    scale = max(np.abs(g).max() for g in grads)
+    sigma = scale / 3 / 2 / np.sqrt(trials) * np.sqrt(2)  # (M/s)/2 per device, 2 devices
+    np.testing.assert_allclose(mean, grads[0] + grads[1], atol=5 * sigma)
+    assert kv.stats()["wire_bytes"] == trials * 2 * (4 + 64 * 3 // 8)
+    with pytest.raises(gradpack.Error, match="'bits': must be between 1 and 15"):
+        kv.set_compress({"compress": "qsgd_mn", "bits": 16})
+    with pytest.raises(gradpack.Error, match="create a 'device' store"):
+        gradpack.kv.create("local").set_compress({"compress": "qsgd_mn", "bits": 4})

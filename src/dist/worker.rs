@@ -39,17 +39,8 @@ pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize) -
             .map(|(server, lo, hi)| Slice { server, offset: lo, len: hi - lo })
             .collect()
     } else {
-        vec![Slice { server: servers[(fnv1a(key) % servers.len() as u64) as usize], offset: 0, len: n }]
+        vec![Slice { server: servers[(key.stable_hash() % servers.len() as u64) as usize], offset: 0, len: n }]
     }
-}
-
-/// FNV-1a: a hash every worker computes alike (std's hasher is seeded per process).
-fn fnv1a(key: &Key) -> u64 {
-    let bytes: Vec<u8> = match key {
-        Key::Int(k) => k.to_le_bytes().to_vec(),
-        Key::Str(s) => s.as_bytes().to_vec(),
-    };
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 struct WorkerKey {
@@ -139,6 +130,9 @@ impl DistWorker {
     /// Sets compression on every worker; rank 0 also tells the servers. Must
     /// come before the first init, as in MXNet.
     pub fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
+        if let Compression::Qsgd { .. } = compression {
+            return Err(Error::Store(format!("'qsgd_mn' compression is not available on a '{}' store yet (only on 'device')", self.type_name)));
+        }
         if !self.keys.read().unwrap().is_empty() {
             return Err(Error::Store("set the gradient compression before initializing any key".into()));
         }
@@ -243,6 +237,7 @@ impl DistWorker {
                 None => &e.merge[s.offset..s.offset + s.len],
             };
             let payload = match compression {
+                Compression::Qsgd { .. } => unreachable!("refused by set_compress"),
                 Compression::None => f32s_to_bytes(part),
                 Compression::TwoBit(th) => {
                     residual.resize(s.len, 0.0);

@@ -12,6 +12,16 @@ impl Key {
     pub fn is_str(&self) -> bool {
         matches!(self, Key::Str(_))
     }
+
+    /// FNV-1a of the key: the same on every worker and process (std's hasher
+    /// is seeded per process), for placing keys on servers and seeding noise.
+    pub fn stable_hash(&self) -> u64 {
+        let bytes: Vec<u8> = match self {
+            Key::Int(k) => k.to_le_bytes().to_vec(),
+            Key::Str(s) => s.as_bytes().to_vec(),
+        };
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    }
 }
 
 impl fmt::Display for Key {

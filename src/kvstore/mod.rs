@@ -26,6 +26,7 @@ use crate::codec::{self, CHUNK};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 use crate::optimizer::Optimizer;
+use crate::quant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreType {
@@ -85,6 +86,8 @@ struct Entry {
     merge_buf: Vec<f32>,
     /// What each device sent on the last compressed push (one per device).
     compr_bufs: Vec<Vec<f32>>,
+    /// Compressed pushes so far (seeds QSGD's rounding noise).
+    pushes: u64,
 }
 
 #[derive(Default)]
@@ -137,6 +140,15 @@ pub(crate) fn check_push(key: &Key, values: &[Array], shape: &[usize], compressi
         }
     }
     Ok(())
+}
+
+/// A gradient as float32 (exact for every supported dtype).
+fn widen(g: Grad) -> Vec<f32> {
+    match g {
+        Grad::F32(g) => g.to_vec(),
+        Grad::F16(g) => g.iter().map(|x| x.to_f32()).collect(),
+        Grad::Bf16(g) => g.iter().map(|x| x.to_f32()).collect(),
+    }
 }
 
 /// `dst = src`, in parallel chunks for large arrays.
@@ -271,7 +283,7 @@ impl KVStore {
         if keys.map.contains_key(key) {
             return Err(key_error(key, "already initialized"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new() };
+        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), pushes: 0 };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
         keys.str_keys = Some(key.is_str());
         Ok(())
@@ -308,6 +320,22 @@ impl KVStore {
                 let mut residuals: Vec<&mut [f32]> = e.residuals.iter_mut().take(devices).map(|r| &mut r[..]).collect();
                 let mut comprs: Vec<&mut [f32]> = e.compr_bufs.iter_mut().take(devices).map(|c| &mut c[..]).collect();
                 codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th)?;
+            }
+            Compression::Qsgd { bits, seed } => {
+                // One shared scale (a MAX over devices), integer codes summed, decoded once.
+                let widened: Vec<Vec<f32>> = values.iter().map(|v| widen(v.data)).collect();
+                if let Some((d, i)) = widened.iter().enumerate().find_map(|(d, g)| g.iter().position(|x| !x.is_finite()).map(|i| (d, i))) {
+                    return Err(key_error(key, format!("pushed value {d} holds {} at element {i}", widened[d][i])));
+                }
+                let scale = widened.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+                let mut acc = vec![0i32; n];
+                let mut codes = vec![0i32; n];
+                for (d, g) in widened.iter().enumerate() {
+                    quant::qsgd::quantize(g, scale, bits, quant::qsgd::stream_seed(seed, e.pushes, key.stable_hash(), d as u64), &mut codes)?;
+                    quant::qsgd::accumulate(&codes, &mut acc)?;
+                }
+                quant::qsgd::decode(&acc, scale, bits, &mut e.merge_buf)?;
+                e.pushes += 1;
             }
         }
         let devices = values.len() as u64;

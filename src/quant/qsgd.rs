@@ -42,6 +42,18 @@ fn uniform(seed: u64, i: u64) -> f32 {
     (z >> 40) as f32 / (1u64 << 24) as f32
 }
 
+/// The noise seed of one quantization: the configured `seed`, the key's push
+/// count, the key and the device (or worker), mixed so that every
+/// (step, key, device) gets its own independent stream.
+pub fn stream_seed(seed: u64, step: u64, key_hash: u64, device: u64) -> u64 {
+    [step, key_hash, device].iter().fold(seed, |h, &x| {
+        let mut z = (h ^ x).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    })
+}
+
 /// Quantizes `grad` against the shared `scale` into `codes`. Errors (before
 /// writing) for a bad `bits`, a scale that is not finite and >= 0, a scale
 /// below `max|g|` (codes would leave `[-s, s]`), or mismatched lengths.
