@@ -17,7 +17,7 @@ use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::{check_push, check_shape, key_error, Array, ArrayMut, Key};
+use crate::kvstore::{check_outputs, check_push, check_shape, key_error, Array, ArrayMut, Key};
 
 /// One server's part of a key.
 #[derive(Clone, Debug, PartialEq)]
@@ -256,12 +256,7 @@ impl DistWorker {
     pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
         let entry = self.entry(key)?;
         let e = entry.lock().unwrap();
-        if outs.is_empty() {
-            return Err(key_error(key, "pull into an empty list of outputs"));
-        }
-        for (i, o) in outs.iter().enumerate() {
-            check_shape(key, &format!("pull output {i}"), o.shape, o.data.len(), &e.shape)?;
-        }
+        check_outputs(key, "pull", outs, &e.shape)?;
         let parts = e
             .slices
             .iter()

@@ -142,6 +142,17 @@ pub(crate) fn check_push(key: &Key, values: &[Array], shape: &[usize], compressi
     Ok(())
 }
 
+/// The checks of a pull: outputs present, each of the key's shape.
+pub(crate) fn check_outputs(key: &Key, what: &str, outs: &[ArrayMut], shape: &[usize]) -> Result<()> {
+    if outs.is_empty() {
+        return Err(key_error(key, format!("{what} into an empty list of outputs")));
+    }
+    for (i, o) in outs.iter().enumerate() {
+        check_shape(key, &format!("{what} output {i}"), o.shape, o.data.len(), shape)?;
+    }
+    Ok(())
+}
+
 /// A gradient as float32 (exact for every supported dtype).
 fn widen(g: Grad) -> Vec<f32> {
     match g {
@@ -357,12 +368,7 @@ impl KVStore {
     pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
         let entry = self.entry(key)?;
         let e = entry.lock().unwrap();
-        if outs.is_empty() {
-            return Err(key_error(key, "pull into an empty list of outputs"));
-        }
-        for (i, o) in outs.iter().enumerate() {
-            check_shape(key, &format!("pull output {i}"), o.shape, o.data.len(), &e.shape)?;
-        }
+        check_outputs(key, "pull", outs, &e.shape)?;
         for o in outs.iter_mut() {
             copy_into(o.data, &e.value);
         }
