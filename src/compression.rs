@@ -13,6 +13,8 @@ pub enum Compression {
     TwoBit(Thresholds),
     /// Max-norm QSGD (`quant::qsgd`): `bits` per magnitude, rounding noise from `seed`.
     Qsgd { bits: u32, seed: u64 },
+    /// MXNet 2.0's 1-bit scheme (`quant::onebit`).
+    OneBit { threshold: f32 },
 }
 
 impl Compression {
@@ -38,8 +40,9 @@ impl Compression {
             "none" => &[],
             "2bit" => &["pos_threshold", "neg_threshold", "threshold"],
             "qsgd_mn" => &["bits", "seed"],
+            "1bit" => &["threshold"],
             other => {
-                return Err(param_error(kind.0, &format!("unknown compression type '{other}' (known: 'none', '2bit', 'qsgd_mn')")));
+                return Err(param_error(kind.0, &format!("unknown compression type '{other}' (known: 'none', '2bit', 'qsgd_mn', '1bit')")));
             }
         };
         for (k, _) in &params {
@@ -49,6 +52,18 @@ impl Compression {
         }
         if allowed.is_empty() {
             return Ok(Compression::None);
+        }
+        if kind.1.trim().eq_ignore_ascii_case("1bit") {
+            for (k, _) in &params {
+                if *k != kind.0 && !allowed.contains(k) {
+                    return Err(param_error(k, "unknown key for compression '1bit'"));
+                }
+            }
+            let threshold = match get("threshold") {
+                Some(t) => crate::quant::onebit::check_threshold(parse_f32("threshold", t)?)?,
+                None => 0.0, // MXNet 2.0's default
+            };
+            return Ok(Compression::OneBit { threshold });
         }
         if allowed.contains(&"bits") {
             for (k, _) in &params {
@@ -101,6 +116,7 @@ impl Compression {
             Compression::TwoBit(_) => 4 * crate::codec::compressed_len(n),
             // the scale, then bits + 1 bits a code
             Compression::Qsgd { bits, .. } => 4 + (n * (*bits as usize + 1)).div_ceil(8),
+            Compression::OneBit { .. } => 4 + n.div_ceil(8),
         }
     }
 }
@@ -136,6 +152,8 @@ mod tests {
         assert_eq!(parse(&[("compress", "2bit"), ("pos_threshold", " 1 "), ("neg_threshold", "-0.25")]).unwrap(), Compression::TwoBit(Thresholds::new(-0.25, 1.0).unwrap()));
         assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "4")]).unwrap(), Compression::Qsgd { bits: 4, seed: 0 });
         assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "8"), ("seed", "7")]).unwrap(), Compression::Qsgd { bits: 8, seed: 7 });
+        assert_eq!(parse(&[("compress", "1bit")]).unwrap(), Compression::OneBit { threshold: 0.0 });
+        assert_eq!(parse(&[("compress", "1bit"), ("threshold", "0.5")]).unwrap(), Compression::OneBit { threshold: 0.5 });
     }
 
     #[test]
@@ -155,6 +173,8 @@ mod tests {
             (&[("compress", "2bit"), ("threshold", "0.5"), ("bits", "2")], "'bits': unknown key"),
             (&[("compress", "2bit"), ("type", "2bit"), ("threshold", "1")], "'type'"),
             (&[("compress", "qsgd_mn")], "'bits': missing"),
+            (&[("compress", "1bit"), ("threshold", "inf")], "'threshold': must be finite"),
+            (&[("compress", "1bit"), ("bits", "1")], "'bits': unknown key for compression '1bit'"),
             (&[("compress", "qsgd_mn"), ("bits", "0")], "'bits': must be between 1 and 15"),
             (&[("compress", "qsgd_mn"), ("bits", "2.5")], "'bits': must be a whole number"),
             (&[("compress", "qsgd_mn"), ("bits", "4"), ("seed", "-1")], "'seed'"),

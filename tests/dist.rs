@@ -145,6 +145,7 @@ fn bad_requests_get_errors_and_change_nothing() {
         assert!(w.set_optimizer("rmsprop", &[]).unwrap_err().to_string().contains("unknown optimizer"));
         let qsgd = Compression::Qsgd { bits: 4, seed: 0 };
         assert!(w.set_compress(qsgd, &[]).unwrap_err().to_string().contains("'qsgd_mn' compression is not available on a 'dist_sync' store yet"));
+        assert!(w.set_compress(Compression::OneBit { threshold: 0.0 }, &[]).unwrap_err().to_string().contains("'1bit'"));
         assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);
     });
 }

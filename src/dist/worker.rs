@@ -130,8 +130,13 @@ impl DistWorker {
     /// Sets compression on every worker; rank 0 also tells the servers. Must
     /// come before the first init, as in MXNet.
     pub fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
-        if let Compression::Qsgd { .. } = compression {
-            return Err(Error::Store(format!("'qsgd_mn' compression is not available on a '{}' store yet (only on 'device')", self.type_name)));
+        let scheme = match compression {
+            Compression::Qsgd { .. } => Some("qsgd_mn"),
+            Compression::OneBit { .. } => Some("1bit"),
+            _ => None,
+        };
+        if let Some(scheme) = scheme {
+            return Err(Error::Store(format!("'{scheme}' compression is not available on a '{}' store yet (only on 'device')", self.type_name)));
         }
         if !self.keys.read().unwrap().is_empty() {
             return Err(Error::Store("set the gradient compression before initializing any key".into()));
@@ -237,7 +242,7 @@ impl DistWorker {
                 None => &e.merge[s.offset..s.offset + s.len],
             };
             let payload = match compression {
-                Compression::Qsgd { .. } => unreachable!("refused by set_compress"),
+                Compression::Qsgd { .. } | Compression::OneBit { .. } => unreachable!("refused by set_compress"),
                 Compression::None => f32s_to_bytes(part),
                 Compression::TwoBit(th) => {
                     residual.resize(s.len, 0.0);

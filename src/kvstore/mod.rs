@@ -348,6 +348,16 @@ impl KVStore {
                 quant::qsgd::decode(&acc, scale, bits, &mut e.merge_buf)?;
                 e.pushes += 1;
             }
+            Compression::OneBit { threshold } => {
+                if e.residuals.len() < values.len() {
+                    e.residuals.resize_with(values.len(), Vec::new);
+                }
+                for (d, v) in values.iter().enumerate() {
+                    let residual = &mut e.residuals[d];
+                    residual.resize(n, 0.0);
+                    quant::onebit::quantize_add(&widen(v.data), residual, threshold, &mut e.merge_buf, d == 0);
+                }
+            }
         }
         let devices = values.len() as u64;
         self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);

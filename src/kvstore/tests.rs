@@ -244,3 +244,16 @@ fn qsgd_device_store_sums_integer_codes_with_one_scale() {
     assert!(err.contains("pushed value 0 holds NaN"), "{err}");
     assert!(KVStore::new("local").unwrap().set_compress(Compression::Qsgd { bits: 3, seed: 0 }).is_err());
 }
+
+#[test]
+fn one_bit_device_store_sums_plus_minus_one_with_per_device_residuals() {
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(Compression::OneBit { threshold: 0.0 }).unwrap();
+    let k = Key::Int(2);
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
+    push_all(&kv, &k, 0.5, 3); // r = 0.5 > 0 on each device: +1 each, r = -0.5
+    assert_eq!(pulled(&kv, &k), vec![3.0; N]);
+    push_all(&kv, &k, 0.25, 3); // r = -0.25: -1 each, r = 0.75
+    assert_eq!(pulled(&kv, &k), vec![-3.0; N]);
+    assert_eq!(kv.residual(&k, 2).unwrap(), vec![0.75; N]);
+}

@@ -1,0 +1,68 @@
+//! MXNet 2.0's 1-bit compression with error feedback: `r += g`; if
+//! `r > threshold` the bit is 1, the element decodes to +1 and `r -= 1`; else
+//! the bit is 0, it decodes to -1 and `r += 1`. One bit per element on the wire.
+
+use crate::error::{Error, Result};
+
+/// Quantizes one device's gradient, updating its residual, and adds the
+/// decoded ±1 values into `sum` (or sets them when `first`). Lengths are the
+/// caller's to check.
+pub fn quantize_add(grad: &[f32], residual: &mut [f32], threshold: f32, sum: &mut [f32], first: bool) {
+    for ((g, r), s) in grad.iter().zip(residual.iter_mut()).zip(sum.iter_mut()) {
+        let x = *r + *g;
+        let v = if x > threshold {
+            *r = x - 1.0;
+            1.0
+        } else {
+            *r = x + 1.0;
+            -1.0
+        };
+        if first {
+            *s = v;
+        } else {
+            *s += v;
+        }
+    }
+}
+
+/// A threshold must be finite.
+pub fn check_threshold(threshold: f32) -> Result<f32> {
+    if threshold.is_finite() {
+        Ok(threshold)
+    } else {
+        Err(Error::InvalidParam { key: "threshold".into(), problem: format!("must be finite, got {threshold}") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_feedback_keeps_the_running_sum() {
+        let grads = [0.3f32, -0.7, 0.2, 0.9, -0.1];
+        let mut r = [0f32];
+        let (mut sent, mut total) = (0f32, 0f32);
+        let mut s = [0f32];
+        for g in grads.iter().cycle().take(50) {
+            quantize_add(&[*g], &mut r, 0.0, &mut s, true);
+            sent += s[0];
+            total += g;
+            // what was not sent stays in the residual
+            assert!((total - sent - r[0]).abs() < 1e-4);
+            assert!(r[0].abs() <= 2.0);
+        }
+    }
+
+    #[test]
+    fn steps_by_hand() {
+        let mut r = [0f32, 0.0];
+        let mut s = [0f32; 2];
+        quantize_add(&[0.5, -0.5], &mut r, 0.0, &mut s, true);
+        assert_eq!((s, r), ([1.0, -1.0], [-0.5, 0.5]));
+        quantize_add(&[0.25, 0.25], &mut r, 0.0, &mut s, false);
+        // r: -0.25 -> bit 0 (-1), r = 0.75; 0.75 -> bit 1 (+1), r = -0.25
+        assert_eq!((s, r), ([0.0, 0.0], [0.75, -0.25]));
+        assert!(check_threshold(f32::NAN).is_err());
+    }
+}
