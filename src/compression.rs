@@ -36,7 +36,8 @@ impl Compression {
             (None, Some(k)) => ("type", k),
             (None, None) => return Err(param_error("compress", "missing (e.g. {'compress': '2bit', 'pos_threshold': 0.5, 'neg_threshold': -0.5})")),
         };
-        let allowed: &[&str] = match kind.1.trim().to_ascii_lowercase().as_str() {
+        let name = kind.1.trim().to_ascii_lowercase();
+        let allowed: &[&str] = match name.as_str() {
             "none" => &[],
             "2bit" => &["pos_threshold", "neg_threshold", "threshold"],
             "qsgd_mn" => &["bits", "seed"],
@@ -50,35 +51,26 @@ impl Compression {
                 return Err(param_error(k, &format!("unknown key for compression '{}'", kind.1)));
             }
         }
-        if allowed.is_empty() {
-            return Ok(Compression::None);
-        }
-        if kind.1.trim().eq_ignore_ascii_case("1bit") {
-            for (k, _) in &params {
-                if *k != kind.0 && !allowed.contains(k) {
-                    return Err(param_error(k, "unknown key for compression '1bit'"));
-                }
+        match name.as_str() {
+            "none" => return Ok(Compression::None),
+            "1bit" => {
+                let threshold = match get("threshold") {
+                    Some(t) => crate::quant::onebit::check_threshold(parse_f32("threshold", t)?)?,
+                    None => 0.0, // MXNet 2.0's default
+                };
+                return Ok(Compression::OneBit { threshold });
             }
-            let threshold = match get("threshold") {
-                Some(t) => crate::quant::onebit::check_threshold(parse_f32("threshold", t)?)?,
-                None => 0.0, // MXNet 2.0's default
-            };
-            return Ok(Compression::OneBit { threshold });
-        }
-        if allowed.contains(&"bits") {
-            for (k, _) in &params {
-                if *k != kind.0 && !allowed.contains(k) {
-                    return Err(param_error(k, "unknown key for compression 'qsgd_mn'"));
-                }
+            "qsgd_mn" => {
+                let bits_text = get("bits").ok_or_else(|| param_error("bits", "missing for 'qsgd_mn'"))?;
+                let bits = bits_text.trim().parse::<u32>().map_err(|_| param_error("bits", &format!("must be a whole number, got '{bits_text}'")))?;
+                crate::quant::qsgd::levels(bits)?;
+                let seed = match get("seed") {
+                    Some(t) => t.trim().parse::<u64>().map_err(|_| param_error("seed", &format!("must be a whole number >= 0, got '{t}'")))?,
+                    None => 0,
+                };
+                return Ok(Compression::Qsgd { bits, seed });
             }
-            let bits_text = get("bits").ok_or_else(|| param_error("bits", "missing for 'qsgd_mn'"))?;
-            let bits = bits_text.trim().parse::<u32>().map_err(|_| param_error("bits", &format!("must be a whole number, got '{bits_text}'")))?;
-            crate::quant::qsgd::levels(bits)?;
-            let seed = match get("seed") {
-                Some(t) => t.trim().parse::<u64>().map_err(|_| param_error("seed", &format!("must be a whole number >= 0, got '{t}'")))?,
-                None => 0,
-            };
-            return Ok(Compression::Qsgd { bits, seed });
+            _ => {} // 2bit, below
         }
         let th = match (get("threshold"), get("pos_threshold"), get("neg_threshold")) {
             (Some(t), None, None) => {

@@ -146,6 +146,12 @@ def _array_out(key, a, what):
     return _ArrayMut(a.ctypes.data, a.ndim, shape), shape
 
 
+def _c_strings(items):
+    """A ctypes array of byte strings (at least one slot, as C wants a valid pointer)."""
+    items = list(items)
+    return (ctypes.c_char_p * max(len(items), 1))(*items)
+
+
 def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
@@ -281,9 +287,7 @@ class KVStore(object):
             raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
         keys = [str(k).encode() for k in compress_params]
         vals = [str(v).encode() for v in compress_params.values()]
-        n = len(keys)
-        self._call(LIB.gp_kvstore_set_compress(self.handle, (ctypes.c_char_p * max(n, 1))(*keys),
-                                               (ctypes.c_char_p * max(n, 1))(*vals), n))
+        self._call(LIB.gp_kvstore_set_compress(self.handle, _c_strings(keys), _c_strings(vals), len(keys)))
 
     def set_gradient_compression(self, compression_params):
         """MXNet 1.x's spelling of set_compress."""
@@ -302,10 +306,8 @@ class KVStore(object):
         keys = [k.encode() for k in params]
         vals = [("none" if v is None else repr(float(v)) if not isinstance(v, str) else v).encode()
                 for v in params.values()]
-        n = len(keys)
-        self._call(LIB.gp_kvstore_set_optimizer(self.handle, optimizer.encode(),
-                                                (ctypes.c_char_p * max(n, 1))(*keys),
-                                                (ctypes.c_char_p * max(n, 1))(*vals), n))
+        self._call(LIB.gp_kvstore_set_optimizer(self.handle, optimizer.encode(), _c_strings(keys),
+                                                _c_strings(vals), len(keys)))
 
     def set_rates(self, key, learning_rate, wd):
         """One key's learning rate and weight decay for the optimizer set here

@@ -17,7 +17,7 @@ use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::{check_outputs, check_push, check_shape, key_error, Array, ArrayMut, Key};
+use crate::kvstore::{check_outputs, check_push, check_shape, key_error, sum_into, Array, ArrayMut, Key};
 
 /// One server's part of a key.
 #[derive(Clone, Debug, PartialEq)]
@@ -25,6 +25,17 @@ pub struct Slice {
     pub server: i32,
     pub offset: usize,
     pub len: usize,
+}
+
+impl Slice {
+    /// The header of a request about this slice of `key`.
+    fn meta(&self, command: Command, key: &Key) -> Meta {
+        let mut m = Meta::new(command, 0);
+        m.key = Some(key.clone());
+        m.offset = self.offset as u64;
+        m.len = self.len as u64;
+        m
+    }
 }
 
 /// Where each part of a key of `n` elements lives.
@@ -188,13 +199,7 @@ impl DistWorker {
         if self.rank() == 0 {
             let parts = slices
                 .iter()
-                .map(|s| {
-                    let mut m = Meta::new(Command::Init, 0);
-                    m.key = Some(key.clone());
-                    m.offset = s.offset as u64;
-                    m.len = s.len as u64;
-                    (s.server, m, f32s_to_bytes(&data[s.offset..s.offset + s.len]))
-                })
+                .map(|s| (s.server, s.meta(Command::Init, key), f32s_to_bytes(&data[s.offset..s.offset + s.len])))
                 .collect();
             self.post.request(parts)?;
         }
@@ -219,21 +224,12 @@ impl DistWorker {
         };
         if single.is_none() {
             e.merge.resize(n, 0.0);
-        }
-        for (i, v) in values.iter().enumerate().filter(|_| single.is_none()) {
-            let add = |m: &mut f32, x: f32| if i == 0 { *m = x } else { *m += x };
-            match v.data {
-                Grad::F32(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x)),
-                Grad::F16(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x.to_f32())),
-                Grad::Bf16(g) => e.merge.iter_mut().zip(g).for_each(|(m, &x)| add(m, x.to_f32())),
-            }
+            let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
+            sum_into(&mut e.merge, &grads);
         }
         let mut parts = Vec::with_capacity(e.slices.len());
         for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
-            let mut m = Meta::new(Command::Push, 0);
-            m.key = Some(key.clone());
-            m.offset = s.offset as u64;
-            m.len = s.len as u64;
+            let mut m = s.meta(Command::Push, key);
             if self.asynchronous {
                 m.flags |= FLAG_ASYNC;
             }
@@ -265,13 +261,7 @@ impl DistWorker {
         let parts = e
             .slices
             .iter()
-            .map(|s| {
-                let mut m = Meta::new(Command::Pull, 0);
-                m.key = Some(key.clone());
-                m.offset = s.offset as u64;
-                m.len = s.len as u64;
-                (s.server, m, Vec::new())
-            })
+            .map(|s| (s.server, s.meta(Command::Pull, key), Vec::new()))
             .collect();
         let replies = self.post.request(parts)?;
         let n: usize = e.shape.iter().product();

@@ -171,14 +171,17 @@ fn copy_into(dst: &mut [f32], src: &[f32]) {
     }
 }
 
-/// `dst = srcs[0] + srcs[1] + ...`, left to right per element, in parallel chunks.
-fn sum_into(dst: &mut [f32], srcs: &[&[f32]]) {
+/// `dst = grads[0] + grads[1] + ...` in float32 (half-precision gradients
+/// widened exactly), left to right per element, in parallel chunks.
+pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad]) {
     let chunk = |offset: usize, d: &mut [f32]| {
         let range = offset..offset + d.len();
-        d.copy_from_slice(&srcs[0][range.clone()]);
-        for s in &srcs[1..] {
-            for (x, y) in d.iter_mut().zip(&s[range.clone()]) {
-                *x += *y;
+        for (i, g) in grads.iter().enumerate() {
+            let add = |x: &mut f32, y: f32| if i == 0 { *x = y } else { *x += y };
+            match g.slice(range.clone()) {
+                Grad::F32(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y)),
+                Grad::F16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
+                Grad::Bf16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
             }
         }
     };
@@ -312,8 +315,8 @@ impl KVStore {
         e.merge_buf.resize(n, 0.0);
         match compression {
             Compression::None => {
-                let srcs: Vec<&[f32]> = values.iter().map(|v| if let Grad::F32(d) = v.data { d } else { unreachable!() }).collect();
-                sum_into(&mut e.merge_buf, &srcs);
+                let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
+                sum_into(&mut e.merge_buf, &grads);
             }
             Compression::TwoBit(th) => {
                 let devices = values.len();

@@ -15,6 +15,7 @@ import mxnet as mx
 import numpy as np
 
 from .. import kv as _kv
+from ..kv import _as_list
 from ..base import Error
 
 __all__ = ["GradpackStore", "create"]
@@ -47,10 +48,6 @@ def _np_view(arr, key, what, write):
         return np.zeros(arr.shape, dtype)
     buf = (ctypes.c_char * nbytes).from_address(ptr.value)
     return np.frombuffer(buf, dtype=dtype).reshape(arr.shape)
-
-
-def _as_list(v):
-    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def _views(key, value, what, write):
