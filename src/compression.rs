@@ -11,10 +11,64 @@ pub enum Compression {
     #[default]
     None,
     TwoBit(Thresholds),
-    /// Max-norm QSGD (`quant::qsgd`): `bits` per magnitude, rounding noise from `seed`.
-    Qsgd { bits: u32, seed: u64 },
+    /// Max-norm QSGD and its multi-scale and random-K forms (`quant::scheme`).
+    Qsgd(Qsgd),
+    /// PowerSGD: rank-`rank` approximations with error feedback (`quant::powersgd`).
+    PowerSgd { rank: u32, seed: u64 },
     /// MXNet 2.0's 1-bit scheme (`quant::onebit`).
     OneBit { threshold: f32 },
+}
+
+/// The most scales a multi-scale QSGD takes.
+pub const MAX_SCALES: usize = 8;
+
+/// `qsgd_mn` (one scale), `qsgd_mn_ts` (two), `qsgd_mn_ms` (two or more), and
+/// `grandk_mn` / `grandk_mn_ts` (the same on `k` coordinates).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Qsgd {
+    /// The name it was configured by, for messages.
+    pub name: &'static str,
+    /// Bits per magnitude of each scale, ascending; `count` of them used.
+    bits: [u8; MAX_SCALES],
+    count: u8,
+    pub seed: u64,
+    /// Random-K: coordinates quantized per push (all of them when `None`).
+    pub k: Option<u64>,
+    /// Random-K: unselected coordinates keep each worker's own gradient (the
+    /// paper's code) instead of zero.
+    pub keep_local: bool,
+}
+
+impl Qsgd {
+    pub fn new(name: &'static str, bits: &[u32], seed: u64, k: Option<u64>, keep_local: bool) -> Result<Qsgd> {
+        if bits.is_empty() || bits.len() > MAX_SCALES {
+            return Err(param_error("bits", &format!("give 1 to {MAX_SCALES} values, got {}", bits.len())));
+        }
+        for &b in bits {
+            crate::quant::qsgd::levels(b)?;
+        }
+        if bits.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(param_error("bits", &format!("scales must be ascending and distinct, got {bits:?}")));
+        }
+        let mut arr = [0u8; MAX_SCALES];
+        bits.iter().enumerate().for_each(|(i, &b)| arr[i] = b as u8);
+        Ok(Qsgd { name, bits: arr, count: bits.len() as u8, seed, k, keep_local })
+    }
+
+    /// Bits per magnitude of each scale, ascending.
+    pub fn bits(&self) -> Vec<u32> {
+        self.bits[..self.count as usize].iter().map(|&b| b as u32).collect()
+    }
+
+    /// Levels `2^bits - 1` of each scale, ascending.
+    pub fn levels(&self) -> Vec<u32> {
+        self.bits().iter().map(|&b| (1u32 << b) - 1).collect()
+    }
+
+    /// Coordinates sent for an array of `n` elements.
+    pub fn selected(&self, n: usize) -> usize {
+        self.k.map_or(n, |k| (k as usize).min(n))
+    }
 }
 
 impl Compression {
@@ -40,10 +94,15 @@ impl Compression {
         let allowed: &[&str] = match name.as_str() {
             "none" => &[],
             "2bit" => &["pos_threshold", "neg_threshold", "threshold"],
-            "qsgd_mn" => &["bits", "seed"],
+            "qsgd_mn" | "qsgd_mn_ts" | "qsgd_mn_ms" => &["bits", "seed"],
+            "grandk_mn" | "grandk_mn_ts" => &["bits", "seed", "k", "unselected"],
+            "powersgd" => &["rank", "seed"],
             "1bit" => &["threshold"],
             other => {
-                return Err(param_error(kind.0, &format!("unknown compression type '{other}' (known: 'none', '2bit', 'qsgd_mn', '1bit')")));
+                return Err(param_error(
+                    kind.0,
+                    &format!("unknown compression type '{other}' (known: 'none', '2bit', 'qsgd_mn', 'qsgd_mn_ts', 'qsgd_mn_ms', 'grandk_mn', 'grandk_mn_ts', 'powersgd', '1bit')"),
+                ));
             }
         };
         for (k, _) in &params {
@@ -60,15 +119,45 @@ impl Compression {
                 };
                 return Ok(Compression::OneBit { threshold });
             }
-            "qsgd_mn" => {
-                let bits_text = get("bits").ok_or_else(|| param_error("bits", "missing for 'qsgd_mn'"))?;
-                let bits = bits_text.trim().parse::<u32>().map_err(|_| param_error("bits", &format!("must be a whole number, got '{bits_text}'")))?;
-                crate::quant::qsgd::levels(bits)?;
-                let seed = match get("seed") {
-                    Some(t) => t.trim().parse::<u64>().map_err(|_| param_error("seed", &format!("must be a whole number >= 0, got '{t}'")))?,
-                    None => 0,
+            "qsgd_mn" | "qsgd_mn_ts" | "qsgd_mn_ms" | "grandk_mn" | "grandk_mn_ts" => {
+                let name: &'static str = ["qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts"].into_iter().find(|n| *n == name).unwrap();
+                let bits_text = get("bits").ok_or_else(|| param_error("bits", &format!("missing for '{name}'")))?;
+                let bits = parse_bits(bits_text)?;
+                let want = match name {
+                    "qsgd_mn" | "grandk_mn" => "one value",
+                    "qsgd_mn_ts" | "grandk_mn_ts" => "two values [lo, hi]",
+                    _ => "two or more values",
                 };
-                return Ok(Compression::Qsgd { bits, seed });
+                let fits = match name {
+                    "qsgd_mn" | "grandk_mn" => bits.len() == 1,
+                    "qsgd_mn_ts" | "grandk_mn_ts" => bits.len() == 2,
+                    _ => bits.len() >= 2,
+                };
+                if !fits {
+                    return Err(param_error("bits", &format!("'{name}' takes {want}, got '{bits_text}'")));
+                }
+                let seed = parse_seed(get("seed"))?;
+                let (k, keep_local) = if name.starts_with("grandk") {
+                    let k_text = get("k").ok_or_else(|| param_error("k", &format!("missing for '{name}' (coordinates per push)")))?;
+                    let k = k_text.trim().parse::<u64>().ok().filter(|&k| k >= 1).ok_or_else(|| param_error("k", &format!("must be a whole number >= 1, got '{k_text}'")))?;
+                    let keep_local = match get("unselected").map(|v| v.trim().to_ascii_lowercase()) {
+                        None => false,
+                        Some(v) if v == "zero" => false,
+                        Some(v) if v == "local" => true,
+                        Some(v) => return Err(param_error("unselected", &format!("must be 'zero' (default) or 'local', got '{v}'"))),
+                    };
+                    (Some(k), keep_local)
+                } else {
+                    (None, false)
+                };
+                return Ok(Compression::Qsgd(Qsgd::new(name, &bits, seed, k, keep_local)?));
+            }
+            "powersgd" => {
+                let rank = match get("rank") {
+                    None => 1,
+                    Some(t) => t.trim().parse::<u32>().ok().filter(|&r| (1..=1024).contains(&r)).ok_or_else(|| param_error("rank", &format!("must be a whole number from 1 to 1024, got '{t}'")))?,
+                };
+                return Ok(Compression::PowerSgd { rank, seed: parse_seed(get("seed"))? });
             }
             _ => {} // 2bit, below
         }
@@ -101,15 +190,56 @@ impl Compression {
         matches!(self, Compression::None)
     }
 
-    /// Bytes on the wire for `n` float32 elements.
-    pub fn wire_bytes(&self, n: usize) -> usize {
+    /// The name `compress_params` gave it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::TwoBit(_) => "2bit",
+            Compression::Qsgd(q) => q.name,
+            Compression::PowerSgd { .. } => "powersgd",
+            Compression::OneBit { .. } => "1bit",
+        }
+    }
+
+    /// Bytes one worker sends for one push of an array of `shape` (scales,
+    /// masks and codes; for PowerSGD its two factors).
+    pub fn wire_bytes(&self, shape: &[usize]) -> usize {
+        let n: usize = shape.iter().product();
         match self {
             Compression::None => 4 * n,
             Compression::TwoBit(_) => 4 * crate::codec::compressed_len(n),
-            // the scale, then bits + 1 bits a code
-            Compression::Qsgd { bits, .. } => 4 + (n * (*bits as usize + 1)).div_ceil(8),
-            Compression::OneBit { .. } => 4 + n.div_ceil(8),
+            Compression::Qsgd(q) => {
+                let k = q.selected(n);
+                let mask = if q.count > 1 { crate::quant::lanes::width_for(q.count as u64 - 1) as usize } else { 0 };
+                4 + (k * (mask + q.bits[0] as usize + 1)).div_ceil(8)
+            }
+            Compression::PowerSgd { rank, .. } => match crate::quant::powersgd::factors(shape, *rank as usize) {
+                Some((rows, cols, r)) => 4 * r * (rows + cols),
+                None => 4 * n,
+            },
+            Compression::OneBit { .. } => n.div_ceil(8),
         }
+    }
+
+    /// Schemes that reduce through `quant::scheme` (everything but none and 2bit).
+    pub fn is_scheme(&self) -> bool {
+        matches!(self, Compression::Qsgd(_) | Compression::PowerSgd { .. } | Compression::OneBit { .. })
+    }
+}
+
+/// `bits` as one number or a list: `4`, `[6, 10]`, `(6, 10)` or `6,10`.
+fn parse_bits(text: &str) -> Result<Vec<u32>> {
+    let inner = text.trim().trim_start_matches(['[', '(']).trim_end_matches([']', ')']);
+    inner
+        .split(',')
+        .map(|t| t.trim().parse::<u32>().map_err(|_| param_error("bits", &format!("must be a whole number or a list of them, got '{text}'"))))
+        .collect()
+}
+
+fn parse_seed(text: Option<&str>) -> Result<u64> {
+    match text {
+        Some(t) => t.trim().parse::<u64>().map_err(|_| param_error("seed", &format!("must be a whole number >= 0, got '{t}'"))),
+        None => Ok(0),
     }
 }
 
@@ -142,8 +272,16 @@ mod tests {
         assert_eq!(parse(&[("compress", "2bit"), ("pos_threshold", "0.5"), ("neg_threshold", "-0.5")]).unwrap(), Compression::TwoBit(th));
         assert_eq!(parse(&[("type", "2bit"), ("threshold", "0.5")]).unwrap(), Compression::TwoBit(th));
         assert_eq!(parse(&[("compress", "2bit"), ("pos_threshold", " 1 "), ("neg_threshold", "-0.25")]).unwrap(), Compression::TwoBit(Thresholds::new(-0.25, 1.0).unwrap()));
-        assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "4")]).unwrap(), Compression::Qsgd { bits: 4, seed: 0 });
-        assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "8"), ("seed", "7")]).unwrap(), Compression::Qsgd { bits: 8, seed: 7 });
+        assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "4")]).unwrap(), Compression::Qsgd(Qsgd::new("qsgd_mn", &[4], 0, None, false).unwrap()));
+        assert_eq!(parse(&[("compress", "qsgd_mn"), ("bits", "8"), ("seed", "7")]).unwrap(), Compression::Qsgd(Qsgd::new("qsgd_mn", &[8], 7, None, false).unwrap()));
+        assert_eq!(parse(&[("compress", "qsgd_mn_ts"), ("bits", "[6, 10]")]).unwrap(), Compression::Qsgd(Qsgd::new("qsgd_mn_ts", &[6, 10], 0, None, false).unwrap()));
+        assert_eq!(parse(&[("compress", "qsgd_mn_ms"), ("bits", "(2,4,8)")]).unwrap(), Compression::Qsgd(Qsgd::new("qsgd_mn_ms", &[2, 4, 8], 0, None, false).unwrap()));
+        assert_eq!(
+            parse(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "100"), ("unselected", "local")]).unwrap(),
+            Compression::Qsgd(Qsgd::new("grandk_mn", &[4], 0, Some(100), true).unwrap())
+        );
+        assert_eq!(parse(&[("compress", "powersgd")]).unwrap(), Compression::PowerSgd { rank: 1, seed: 0 });
+        assert_eq!(parse(&[("compress", "powersgd"), ("rank", "2"), ("seed", "3")]).unwrap(), Compression::PowerSgd { rank: 2, seed: 3 });
         assert_eq!(parse(&[("compress", "1bit")]).unwrap(), Compression::OneBit { threshold: 0.0 });
         assert_eq!(parse(&[("compress", "1bit"), ("threshold", "0.5")]).unwrap(), Compression::OneBit { threshold: 0.5 });
     }
@@ -171,6 +309,18 @@ mod tests {
             (&[("compress", "qsgd_mn"), ("bits", "2.5")], "'bits': must be a whole number"),
             (&[("compress", "qsgd_mn"), ("bits", "4"), ("seed", "-1")], "'seed'"),
             (&[("compress", "qsgd_mn"), ("bits", "4"), ("threshold", "1")], "'threshold': unknown key"),
+            (&[("compress", "qsgd_mn"), ("bits", "[2, 4]")], "'bits': 'qsgd_mn' takes one value"),
+            (&[("compress", "qsgd_mn_ts"), ("bits", "4")], "'bits': 'qsgd_mn_ts' takes two values"),
+            (&[("compress", "qsgd_mn_ts"), ("bits", "[8, 4]")], "ascending"),
+            (&[("compress", "qsgd_mn_ms"), ("bits", "[2, 2, 4]")], "ascending and distinct"),
+            (&[("compress", "qsgd_mn_ms"), ("bits", "[2, x]")], "'bits': must be a whole number or a list"),
+            (&[("compress", "qsgd_mn_ms"), ("bits", "[2, 16]")], "'bits': must be between 1 and 15"),
+            (&[("compress", "grandk_mn"), ("bits", "4")], "'k': missing"),
+            (&[("compress", "grandk_mn"), ("bits", "4"), ("k", "0")], "'k': must be a whole number >= 1"),
+            (&[("compress", "grandk_mn"), ("bits", "4"), ("k", "5"), ("unselected", "keep")], "'unselected'"),
+            (&[("compress", "qsgd_mn"), ("bits", "4"), ("k", "5")], "'k': unknown key for compression 'qsgd_mn'"),
+            (&[("compress", "powersgd"), ("rank", "0")], "'rank': must be a whole number from 1"),
+            (&[("compress", "powersgd"), ("bits", "2")], "'bits': unknown key"),
         ];
         for (params, want) in cases {
             let err = parse(params).unwrap_err().to_string();

@@ -143,7 +143,7 @@ fn bad_requests_get_errors_and_change_nothing() {
         let (c, p) = two_bit();
         assert!(w.set_compress(c, &p).unwrap_err().to_string().contains("before initializing"));
         assert!(w.set_optimizer("rmsprop", &[]).unwrap_err().to_string().contains("unknown optimizer"));
-        let qsgd = Compression::Qsgd { bits: 4, seed: 0 };
+        let qsgd = Compression::Qsgd(gradpack::compression::Qsgd::new("qsgd_mn", &[4], 0, None, false).unwrap());
         assert!(w.set_compress(qsgd, &[]).unwrap_err().to_string().contains("'qsgd_mn' compression is not available on a 'dist_sync' store yet"));
         assert!(w.set_compress(Compression::OneBit { threshold: 0.0 }, &[]).unwrap_err().to_string().contains("'1bit'"));
         assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);

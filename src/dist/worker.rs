@@ -141,13 +141,8 @@ impl DistWorker {
     /// Sets compression on every worker; rank 0 also tells the servers. Must
     /// come before the first init, as in MXNet.
     pub fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
-        let scheme = match compression {
-            Compression::Qsgd { .. } => Some("qsgd_mn"),
-            Compression::OneBit { .. } => Some("1bit"),
-            _ => None,
-        };
-        if let Some(scheme) = scheme {
-            return Err(Error::Store(format!("'{scheme}' compression is not available on a '{}' store yet (only on 'device')", self.type_name)));
+        if compression.is_scheme() {
+            return Err(Error::Store(format!("'{}' compression is not available on a '{}' store yet (only on 'device')", compression.name(), self.type_name)));
         }
         if !self.keys.read().unwrap().is_empty() {
             return Err(Error::Store("set the gradient compression before initializing any key".into()));
@@ -238,7 +233,6 @@ impl DistWorker {
                 None => &e.merge[s.offset..s.offset + s.len],
             };
             let payload = match compression {
-                Compression::Qsgd { .. } | Compression::OneBit { .. } => unreachable!("refused by set_compress"),
                 Compression::None => f32s_to_bytes(part),
                 Compression::TwoBit(th) => {
                     residual.resize(s.len, 0.0);
@@ -247,6 +241,7 @@ impl DistWorker {
                     m.flags |= FLAG_COMPRESSED;
                     f32s_to_bytes(&compr)
                 }
+                _ => unreachable!("refused by set_compress"),
             };
             parts.push((s.server, m, payload));
         }

@@ -26,7 +26,7 @@ use crate::codec::{self, CHUNK};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 use crate::optimizer::Optimizer;
-use crate::quant;
+use crate::quant::{collective, scheme};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreType {
@@ -86,7 +86,9 @@ struct Entry {
     merge_buf: Vec<f32>,
     /// What each device sent on the last compressed push (one per device).
     compr_bufs: Vec<Vec<f32>>,
-    /// Compressed pushes so far (seeds QSGD's rounding noise).
+    /// Scheme state per device (`quant::scheme`), allocated on first use.
+    states: Vec<scheme::State>,
+    /// Compressed pushes so far (seeds the schemes' random choices).
     pushes: u64,
 }
 
@@ -240,7 +242,9 @@ impl KVStore {
         let mut current = self.compression.write().unwrap();
         if *current != compression {
             for entry in self.keys.read().unwrap().map.values() {
-                entry.lock().unwrap().residuals.clear();
+                let mut e = entry.lock().unwrap();
+                e.residuals.clear();
+                e.states.clear();
             }
         }
         *current = compression;
@@ -297,7 +301,7 @@ impl KVStore {
         if keys.map.contains_key(key) {
             return Err(key_error(key, "already initialized"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), pushes: 0 };
+        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), pushes: 0 };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
         keys.str_keys = Some(key.is_str());
         Ok(())
@@ -335,36 +339,41 @@ impl KVStore {
                 let mut comprs: Vec<&mut [f32]> = e.compr_bufs.iter_mut().take(devices).map(|c| &mut c[..]).collect();
                 codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th)?;
             }
-            Compression::Qsgd { bits, seed } => {
-                // One shared scale (a MAX over devices), integer codes summed, decoded once.
+            c if c.is_scheme() => {
+                // One member per device, on its own thread, through the same
+                // scheme code the distributed stores run.
                 let widened: Vec<Vec<f32>> = values.iter().map(|v| widen(v.data)).collect();
-                if let Some((d, i)) = widened.iter().enumerate().find_map(|(d, g)| g.iter().position(|x| !x.is_finite()).map(|i| (d, i))) {
-                    return Err(key_error(key, format!("pushed value {d} holds {} at element {i}", widened[d][i])));
+                if let Compression::Qsgd(_) = c {
+                    if let Some((d, i)) = widened.iter().enumerate().find_map(|(d, g)| g.iter().position(|x| !x.is_finite()).map(|i| (d, i))) {
+                        return Err(key_error(key, format!("pushed value {d} holds {} at element {i}", widened[d][i])));
+                    }
                 }
-                let scale = widened.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
-                let mut acc = vec![0i32; n];
-                let mut codes = vec![0i32; n];
-                for (d, g) in widened.iter().enumerate() {
-                    quant::qsgd::quantize(g, scale, bits, quant::qsgd::stream_seed(seed, e.pushes, key.stable_hash(), d as u64), &mut codes)?;
-                    quant::qsgd::accumulate(&codes, &mut acc)?;
+                let devices = values.len();
+                if e.states.len() < devices {
+                    e.states.resize_with(devices, Default::default);
                 }
-                quant::qsgd::decode(&acc, scale, bits, &mut e.merge_buf)?;
+                // Work on copies: a failed push leaves every residual as it was.
+                let states: Vec<Mutex<scheme::State>> = e.states[..devices].iter().map(|s| Mutex::new(s.clone())).collect();
+                let (shape, key_hash) = (&e.shape[..], key.stable_hash());
+                let step = e.pushes;
+                let mut outs = collective::run_group(devices, |d, member| {
+                    let ctx = scheme::Ctx { shape, step, key_hash, member: d as u64, workers: devices };
+                    let mut out = vec![0f32; n];
+                    scheme::allreduce(&c, &mut states[d].lock().unwrap(), &widened[d], &ctx, member, &mut out)?;
+                    Ok(out)
+                })?;
+                debug_assert!(outs.iter().all(|o| o == &outs[0]), "every device decodes the same aggregate");
+                e.merge_buf = outs.swap_remove(0);
+                for (dst, src) in e.states.iter_mut().zip(states) {
+                    *dst = src.into_inner().unwrap();
+                }
                 e.pushes += 1;
             }
-            Compression::OneBit { threshold } => {
-                if e.residuals.len() < values.len() {
-                    e.residuals.resize_with(values.len(), Vec::new);
-                }
-                for (d, v) in values.iter().enumerate() {
-                    let residual = &mut e.residuals[d];
-                    residual.resize(n, 0.0);
-                    quant::onebit::quantize_add(&widen(v.data), residual, threshold, &mut e.merge_buf, d == 0);
-                }
-            }
+            _ => unreachable!("every compression is handled above"),
         }
         let devices = values.len() as u64;
         self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
-        self.wire_bytes.fetch_add(devices * compression.wire_bytes(n) as u64, Ordering::Relaxed);
+        self.wire_bytes.fetch_add(devices * compression.wire_bytes(&e.shape) as u64, Ordering::Relaxed);
         match updater.as_deref() {
             // The merged sum becomes the value; the old value's buffer is reused next push.
             None => std::mem::swap(&mut e.value, &mut e.merge_buf),
@@ -418,9 +427,12 @@ impl KVStore {
         Ok(self.entry(key)?.lock().unwrap().value.clone())
     }
 
-    /// The residual of a key on one device (a copy; empty if never compressed).
+    /// The residual of a key on one device (a copy; empty if never compressed):
+    /// 2-bit's, or a scheme's error-feedback residual.
     pub fn residual(&self, key: &Key, device: usize) -> Result<Vec<f32>> {
-        Ok(self.entry(key)?.lock().unwrap().residuals.get(device).cloned().unwrap_or_default())
+        let e = self.entry(key)?;
+        let e = e.lock().unwrap();
+        Ok(e.residuals.get(device).or_else(|| e.states.get(device).map(|s| &s.residual)).cloned().unwrap_or_default())
     }
 }
 

@@ -218,10 +218,14 @@ fn large_keys_reduce_exactly() {
     }
 }
 
+fn qsgd(bits: u32, seed: u64) -> Compression {
+    Compression::Qsgd(crate::compression::Qsgd::new("qsgd_mn", &[bits], seed, None, false).unwrap())
+}
+
 #[test]
 fn qsgd_device_store_sums_integer_codes_with_one_scale() {
     let kv = KVStore::new("device").unwrap();
-    kv.set_compress(Compression::Qsgd { bits: 3, seed: 5 }).unwrap();
+    kv.set_compress(qsgd(3, 5)).unwrap();
     let k = Key::Str("w".into());
     kv.init(&k, f32s(&[0.0; N])).unwrap();
     let a: Vec<f32> = (0..N).map(|i| (i as f32 - 8.0) * 0.1).collect();
@@ -233,16 +237,16 @@ fn qsgd_device_store_sums_integer_codes_with_one_scale() {
         let mut acc = vec![0i32; N];
         for (d, g) in [&a, &b].iter().enumerate() {
             let mut codes = vec![0i32; N];
-            quant::qsgd::quantize(g, scale, 3, quant::qsgd::stream_seed(5, step, k.stable_hash(), d as u64), &mut codes).unwrap();
-            quant::qsgd::accumulate(&codes, &mut acc).unwrap();
+            crate::quant::qsgd::quantize(g, scale, 3, crate::quant::qsgd::stream_seed(5, step, k.stable_hash(), d as u64), &mut codes).unwrap();
+            crate::quant::qsgd::accumulate(&codes, &mut acc).unwrap();
         }
         let mut want = vec![0f32; N];
-        quant::qsgd::decode(&acc, scale, 3, &mut want).unwrap();
+        crate::quant::qsgd::decode(&acc, scale, 3, &mut want).unwrap();
         assert_eq!(pulled(&kv, &k), want, "step {step}");
     }
     let err = kv.push(&k, &[f32s(&[f32::NAN; N])]).unwrap_err().to_string();
     assert!(err.contains("pushed value 0 holds NaN"), "{err}");
-    assert!(KVStore::new("local").unwrap().set_compress(Compression::Qsgd { bits: 3, seed: 0 }).is_err());
+    assert!(KVStore::new("local").unwrap().set_compress(qsgd(3, 0)).is_err());
 }
 
 #[test]

@@ -1,11 +1,17 @@
-//! Quantizers for all-reduce-compatible compression (issue 6, in progress).
+//! All-reduce-compatible compression (issue 6): the quantizers, the
+//! reductions they need, and the schemes built from both.
 //!
-//! `onebit`: MXNet 2.0's 1-bit scheme with error feedback.
-//! `qsgd`: max-norm QSGD codes that workers can sum as integers without
-//! decoding. Both work on `device` stores through `compress_params`; the
-//! distributed integration (scale exchange, server accumulators, the MPI
-//! store) is the next step; see
-//! docs/research/issue6-schemes.md.
+//! `qsgd`: max-norm QSGD codes (one or several scales) that workers sum as
+//! integers. `onebit`: MXNet 2.0's 1-bit scheme. `powersgd`: low-rank
+//! factors. `lanes`: the packed wire form of codes and masks. `collective`:
+//! the reductions (MAX, MIN, SUM) a scheme asks of its job, and the
+//! in-process group of a `device` store. `scheme`: every scheme as
+//! encode -> sum -> decode over a `Collective`, shared by the device,
+//! all-reduce and parameter-server stores. See docs/research/issue6-schemes.md.
 
+pub mod collective;
+pub mod lanes;
 pub mod onebit;
+pub mod powersgd;
 pub mod qsgd;
+pub mod scheme;

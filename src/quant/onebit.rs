@@ -4,23 +4,17 @@
 
 use crate::error::{Error, Result};
 
-/// Quantizes one device's gradient, updating its residual, and adds the
-/// decoded ±1 values into `sum` (or sets them when `first`). Lengths are the
-/// caller's to check.
-pub fn quantize_add(grad: &[f32], residual: &mut [f32], threshold: f32, sum: &mut [f32], first: bool) {
-    for ((g, r), s) in grad.iter().zip(residual.iter_mut()).zip(sum.iter_mut()) {
+/// Quantizes one worker's gradient into bits (0 or 1, decoding to -1 or +1),
+/// updating its residual. Lengths are the caller's to check.
+pub fn quantize(grad: &[f32], residual: &mut [f32], threshold: f32, bits: &mut [i32]) {
+    for ((g, r), b) in grad.iter().zip(residual.iter_mut()).zip(bits.iter_mut()) {
         let x = *r + *g;
-        let v = if x > threshold {
+        if x > threshold {
             *r = x - 1.0;
-            1.0
+            *b = 1;
         } else {
             *r = x + 1.0;
-            -1.0
-        };
-        if first {
-            *s = v;
-        } else {
-            *s += v;
+            *b = 0;
         }
     }
 }
@@ -43,10 +37,10 @@ mod tests {
         let grads = [0.3f32, -0.7, 0.2, 0.9, -0.1];
         let mut r = [0f32];
         let (mut sent, mut total) = (0f32, 0f32);
-        let mut s = [0f32];
+        let mut b = [0i32];
         for g in grads.iter().cycle().take(50) {
-            quantize_add(&[*g], &mut r, 0.0, &mut s, true);
-            sent += s[0];
+            quantize(&[*g], &mut r, 0.0, &mut b);
+            sent += (2 * b[0] - 1) as f32;
             total += g;
             // what was not sent stays in the residual
             assert!((total - sent - r[0]).abs() < 1e-4);
@@ -57,12 +51,12 @@ mod tests {
     #[test]
     fn steps_by_hand() {
         let mut r = [0f32, 0.0];
-        let mut s = [0f32; 2];
-        quantize_add(&[0.5, -0.5], &mut r, 0.0, &mut s, true);
-        assert_eq!((s, r), ([1.0, -1.0], [-0.5, 0.5]));
-        quantize_add(&[0.25, 0.25], &mut r, 0.0, &mut s, false);
+        let mut b = [0i32; 2];
+        quantize(&[0.5, -0.5], &mut r, 0.0, &mut b);
+        assert_eq!((b, r), ([1, 0], [-0.5, 0.5]));
+        quantize(&[0.25, 0.25], &mut r, 0.0, &mut b);
         // r: -0.25 -> bit 0 (-1), r = 0.75; 0.75 -> bit 1 (+1), r = -0.25
-        assert_eq!((s, r), ([0.0, 0.0], [0.75, -0.25]));
+        assert_eq!((b, r), ([0, 1], [0.75, -0.25]));
         assert!(check_threshold(f32::NAN).is_err());
     }
 }

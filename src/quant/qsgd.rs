@@ -34,7 +34,7 @@ pub fn max_workers(bits: u32) -> Result<u64> {
 
 /// A uniform float in [0, 1) for element `i` under `seed` (splitmix64 of the pair).
 #[inline(always)]
-fn uniform(seed: u64, i: u64) -> f32 {
+pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
     let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -58,7 +58,36 @@ pub fn stream_seed(seed: u64, step: u64, key_hash: u64, device: u64) -> u64 {
 /// writing) for a bad `bits`, a scale that is not finite and >= 0, a scale
 /// below `max|g|` (codes would leave `[-s, s]`), or mismatched lengths.
 pub fn quantize(grad: &[f32], scale: f32, bits: u32, seed: u64, codes: &mut [i32]) -> Result<()> {
-    let s = levels(bits)?;
+    quantize_at(grad, scale, &[levels(bits)?], None, seed, codes)
+}
+
+/// The per-element factor `s_j / M` of level `j` (0 for an all-zero scale).
+#[inline(always)]
+fn factor(s: u32, scale: f32) -> f32 {
+    if scale == 0.0 {
+        0.0
+    } else {
+        s as f32 / scale
+    }
+}
+
+/// Multi-scale QSGD: for every element, the index of the finest level `j`
+/// (`levels` ascending) whose largest possible code `ceil(|g| s_j / M)` still
+/// fits the coarsest range `s_0`. The choice depends on `g` only, never on
+/// rounding noise, so each element's estimate stays unbiased.
+pub fn fit_levels(grad: &[f32], scale: f32, levels: &[u32], out: &mut [u8]) {
+    let s0 = levels[0] as f32;
+    let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
+    for (o, &g) in out.iter_mut().zip(grad) {
+        let a = g.abs();
+        *o = factors.iter().rposition(|&f| (a * f).ceil() <= s0).unwrap_or(0) as u8;
+    }
+}
+
+/// Quantizes every element at its level (`level_of[i]`, or level 0 for all
+/// when `None`): codes in `[-s_j, s_j]`, and within `[-s_0, s_0]` whenever the
+/// levels came from `fit_levels` (or a MIN of several workers' choices).
+pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) -> Result<()> {
     if codes.len() != grad.len() {
         return Err(Error::SizeMismatch { what: "codes", expected: grad.len(), got: codes.len() });
     }
@@ -73,16 +102,41 @@ pub fn quantize(grad: &[f32], scale: f32, bits: u32, seed: u64, codes: &mut [i32
     if max > scale {
         return Err(bad("scale", format!("{scale} is below the gradient's max |g| = {max}")));
     }
-    if scale == 0.0 {
-        codes.fill(0); // an all-zero gradient everywhere: nothing to send
-        return Ok(());
+    if let Some(l) = level_of {
+        if l.len() != grad.len() {
+            return Err(Error::SizeMismatch { what: "levels", expected: grad.len(), got: l.len() });
+        }
+        if let Some(i) = l.iter().position(|&j| j as usize >= levels.len()) {
+            return Err(bad("levels", format!("element {i} names level {} of {}", l[i], levels.len())));
+        }
     }
-    let factor = s as f32 / scale;
+    let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
     for (i, (c, &g)) in codes.iter_mut().zip(grad).enumerate() {
-        let l = (g.abs() * factor).min(s as f32);
+        let j = level_of.map_or(0, |l| l[i] as usize);
+        let l = (g.abs() * factors[j]).min(levels[j] as f32);
         let floor = l.floor();
         let level = floor as i32 + (uniform(seed, i as u64) < l - floor) as i32;
         *c = if g < 0.0 { -level } else { level };
+    }
+    Ok(())
+}
+
+/// Decodes summed codes at their levels: `out[i] = sum[i] * M / s_j`.
+pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, out: &mut [f32]) -> Result<()> {
+    if sum.len() != out.len() {
+        return Err(Error::SizeMismatch { what: "output", expected: sum.len(), got: out.len() });
+    }
+    let steps: Vec<f32> = levels.iter().map(|&s| scale / s as f32).collect();
+    match level_of {
+        None => out.iter_mut().zip(sum).for_each(|(o, &c)| *o = c as f32 * steps[0]),
+        Some(l) => {
+            if l.len() != sum.len() {
+                return Err(Error::SizeMismatch { what: "levels", expected: sum.len(), got: l.len() });
+            }
+            for ((o, &c), &j) in out.iter_mut().zip(sum).zip(l) {
+                *o = c as f32 * *steps.get(j as usize).ok_or_else(|| bad("levels", format!("level {j} of {}", levels.len())))?;
+            }
+        }
     }
     Ok(())
 }
@@ -101,13 +155,7 @@ pub fn accumulate(codes: &[i32], acc: &mut [i32]) -> Result<()> {
 
 /// Decodes summed codes: `out = sum * scale / s`.
 pub fn decode(sum: &[i32], scale: f32, bits: u32, out: &mut [f32]) -> Result<()> {
-    let s = levels(bits)?;
-    if sum.len() != out.len() {
-        return Err(Error::SizeMismatch { what: "output", expected: sum.len(), got: out.len() });
-    }
-    let step = scale / s as f32;
-    out.iter_mut().zip(sum).for_each(|(o, &c)| *o = c as f32 * step);
-    Ok(())
+    decode_at(sum, scale, &[levels(bits)?], None, out)
 }
 
 /// Packs codes in `bits + 1` bits each (sign bit above the magnitude).

@@ -1,0 +1,332 @@
+//! The all-reduce-compatible schemes, written once over `Collective`.
+//!
+//! A push is `encode` (local work plus the exchanges a scheme needs: the
+//! shared scale, the scale masks, PowerSGD's `P`), a SUM of the final
+//! contribution (integer codes or float32), then `decode`, which needs only
+//! the exchanged values and the sum, never a worker's own data: a parameter
+//! server holding those runs the same `decode` and gets the same bits.
+//!
+//! | scheme | exchanges | final contribution | decode |
+//! |---|---|---|---|
+//! | qsgd_mn | MAX scale | codes in [-s, s] | sum M/s |
+//! | qsgd_mn_ts / _ms | MAX scale, MIN scale index | codes in [-s_0, s_0] | sum M/s_j |
+//! | grandk_mn / _ts | as above, on k coordinates from (seed, step, key) | codes | scattered, zeros elsewhere |
+//! | powersgd | SUM of P = M Q | Q = M^T orth(P) | orth(P) Q^T |
+//! | 1bit | none | bits | 2 sum - workers |
+//!
+//! All aggregates are sums over workers, as every KVStore push is.
+
+use std::collections::HashSet;
+
+use super::collective::Collective;
+use super::{lanes, onebit, powersgd, qsgd};
+use crate::compression::{Compression, Qsgd};
+use crate::error::{Error, Result};
+
+/// Where and when a push happens.
+#[derive(Clone, Copy, Debug)]
+pub struct Ctx<'a> {
+    pub shape: &'a [usize],
+    /// The key's push count (the same on every worker).
+    pub step: u64,
+    pub key_hash: u64,
+    /// This worker's (or device's) index: its own rounding noise.
+    pub member: u64,
+    pub workers: usize,
+}
+
+/// A buffer exchanged or summed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Part {
+    F32(Vec<f32>),
+    /// Scale indices below `count`.
+    Levels { levels: Vec<u8>, count: u8 },
+    /// Integer codes, each worker's in `lo..=hi` (sums: `workers` times that).
+    Codes { codes: Vec<i32>, lo: i32, hi: i32 },
+}
+
+/// One worker's state for one key: error-feedback residual, PowerSGD's
+/// warm-started `Q`, the push count.
+#[derive(Clone, Debug, Default)]
+pub struct State {
+    pub residual: Vec<f32>,
+    pub q: Vec<f32>,
+    pub step: u64,
+}
+
+fn bad(key: &str, problem: String) -> Error {
+    Error::InvalidParam { key: key.to_string(), problem }
+}
+
+/// The `k` coordinates of a random-K push: sorted, distinct, chosen from
+/// (seed, step, key) alone, so every worker and server picks the same ones
+/// without sending them. `None` when every coordinate is sent.
+pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Vec<usize>> {
+    let k = q.selected(n);
+    if k >= n {
+        return None;
+    }
+    // Floyd's sampling: k distinct indices in O(k).
+    let seed = qsgd::stream_seed(q.seed, step, key_hash, u64::MAX);
+    let mut chosen = HashSet::with_capacity(k);
+    for (draw, j) in (n - k..n).enumerate() {
+        let t = (qsgd::uniform(seed, draw as u64) as f64 * (j + 1) as f64) as usize;
+        let t = t.min(j);
+        if !chosen.insert(t) {
+            chosen.insert(j);
+        }
+    }
+    let mut idx: Vec<usize> = chosen.into_iter().collect();
+    idx.sort_unstable();
+    Some(idx)
+}
+
+/// Runs the exchanges and returns (exchanged values, final contribution).
+/// `grad` is this worker's (device-merged) gradient; `state` its state for the key.
+pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
+    match c {
+        Compression::Qsgd(q) => encode_qsgd(q, grad, ctx, coll),
+        Compression::PowerSgd { rank, seed } => {
+            let Some((rows, cols, r)) = powersgd::factors(ctx.shape, *rank as usize) else {
+                return Ok((Vec::new(), Part::F32(grad.to_vec())));
+            };
+            if state.q.len() != cols * r {
+                state.q = powersgd::initial_q(cols, r, qsgd::stream_seed(*seed, 0, ctx.key_hash, u64::MAX));
+            }
+            // Error feedback: compress g + e; e keeps what the approximation missed.
+            state.residual.resize(grad.len(), 0.0);
+            let m = &mut state.residual;
+            m.iter_mut().zip(grad).for_each(|(e, g)| *e += g);
+            let mut p = vec![0f32; rows * r];
+            powersgd::m_times_q(m, &state.q, rows, cols, r, &mut p);
+            coll.sum_f32(&mut p)?;
+            let mut p_hat = p.clone();
+            powersgd::orthogonalize(&mut p_hat, rows, r);
+            let mut q_local = vec![0f32; cols * r];
+            powersgd::mt_times_p(m, &p_hat, rows, cols, r, &mut q_local);
+            powersgd::p_times_qt(&p_hat, &q_local, rows, cols, r, m, true);
+            Ok((vec![Part::F32(p)], Part::F32(q_local)))
+        }
+        Compression::OneBit { threshold } => {
+            state.residual.resize(grad.len(), 0.0);
+            let mut codes = vec![0i32; grad.len()];
+            onebit::quantize(grad, &mut state.residual, *threshold, &mut codes);
+            Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
+        }
+        Compression::None | Compression::TwoBit(_) => Ok((Vec::new(), Part::F32(grad.to_vec()))),
+    }
+}
+
+fn encode_qsgd(q: &Qsgd, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
+    let levels = q.levels();
+    let s0 = levels[0];
+    if ctx.workers as u64 > qsgd::max_workers(q.bits()[0])? {
+        return Err(bad("bits", format!("{} workers could overflow the code sum at {} bits", ctx.workers, q.bits()[0])));
+    }
+    let idx = selection(q, grad.len(), ctx.step, ctx.key_hash);
+    let x: Vec<f32> = match &idx {
+        Some(idx) => idx.iter().map(|&i| grad[i]).collect(),
+        None => grad.to_vec(),
+    };
+    // A non-finite gradient anywhere poisons the shared scale, so every
+    // worker fails this push together instead of waiting on the others.
+    let finite = x.iter().all(|v| v.is_finite());
+    let mut scale = [if finite { x.iter().fold(0f32, |m, v| m.max(v.abs())) } else { f32::INFINITY }];
+    coll.max_f32(&mut scale)?;
+    if !scale[0].is_finite() {
+        return Err(bad("gradient", "a worker pushed a non-finite value (inf or NaN); nothing was applied".into()));
+    }
+    let mut exchanged = vec![Part::F32(scale.to_vec())];
+    let level_of = if levels.len() > 1 {
+        let mut l = vec![0u8; x.len()];
+        qsgd::fit_levels(&x, scale[0], &levels, &mut l);
+        coll.min_u8(&mut l, levels.len() as u8)?;
+        exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
+        match exchanged.last() {
+            Some(Part::Levels { levels, .. }) => Some(levels.as_slice()),
+            _ => None,
+        }
+    } else {
+        None
+    };
+    let mut codes = vec![0i32; x.len()];
+    let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member);
+    qsgd::quantize_at(&x, scale[0], &levels, level_of, seed, &mut codes)?;
+    Ok((exchanged, Part::Codes { codes, lo: -(s0 as i32), hi: s0 as i32 }))
+}
+
+/// The aggregate (a sum over workers) from the exchanged values and the
+/// summed final contribution. Checks every length: a server calls this on
+/// what it received.
+pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &mut [f32]) -> Result<()> {
+    let n = out.len();
+    let malformed = |what: &str| Error::Transport(format!("malformed {} exchange: {what}", c.name()));
+    match (c, sum) {
+        (Compression::Qsgd(q), Part::Codes { codes, .. }) => {
+            let levels = q.levels();
+            let scale = match exchanged.first() {
+                Some(Part::F32(s)) if s.len() == 1 => s[0],
+                _ => return Err(malformed("no scale")),
+            };
+            let level_of = match (levels.len(), exchanged.get(1)) {
+                (1, None) => None,
+                (_, Some(Part::Levels { levels: l, .. })) if l.len() == codes.len() => Some(l.as_slice()),
+                _ => return Err(malformed("scale indices missing or of the wrong length")),
+            };
+            match selection(q, n, ctx.step, ctx.key_hash) {
+                None => qsgd::decode_at(codes, scale, &levels, level_of, out),
+                Some(idx) => {
+                    let mut vals = vec![0f32; idx.len()];
+                    qsgd::decode_at(codes, scale, &levels, level_of, &mut vals)?;
+                    out.fill(0.0);
+                    idx.iter().zip(vals).for_each(|(&i, v)| out[i] = v);
+                    Ok(())
+                }
+            }
+        }
+        (Compression::PowerSgd { rank, .. }, Part::F32(q_sum)) => match powersgd::factors(ctx.shape, *rank as usize) {
+            None if q_sum.len() == n => {
+                out.copy_from_slice(q_sum);
+                Ok(())
+            }
+            Some((rows, cols, r)) if q_sum.len() == cols * r && rows * cols == n => {
+                let mut p_hat = match exchanged.first() {
+                    Some(Part::F32(p)) if p.len() == rows * r => p.clone(),
+                    _ => return Err(malformed("P missing or of the wrong length")),
+                };
+                powersgd::orthogonalize(&mut p_hat, rows, r);
+                powersgd::p_times_qt(&p_hat, q_sum, rows, cols, r, out, false);
+                Ok(())
+            }
+            _ => Err(malformed(&format!("Q of {} values for shape {:?}", q_sum.len(), ctx.shape))),
+        },
+        (Compression::OneBit { .. }, Part::Codes { codes, .. }) if codes.len() == n => {
+            let w = ctx.workers as i32;
+            out.iter_mut().zip(codes).for_each(|(o, &c)| *o = (2 * c - w) as f32);
+            Ok(())
+        }
+        (Compression::None | Compression::TwoBit(_), Part::F32(s)) if s.len() == n => {
+            out.copy_from_slice(s);
+            Ok(())
+        }
+        _ => Err(malformed("final sum of the wrong kind or length")),
+    }
+}
+
+/// After a push: PowerSGD warm-starts from the summed `Q` (the same on every
+/// worker); every scheme counts the step.
+pub fn finish(c: &Compression, state: &mut State, sum: &Part) {
+    if let (Compression::PowerSgd { .. }, Part::F32(q)) = (c, sum) {
+        if q.len() == state.q.len() {
+            state.q.copy_from_slice(q);
+        }
+    }
+    state.step += 1;
+}
+
+/// Sums the final contribution through `coll`.
+pub fn sum_final(part: &mut Part, coll: &mut dyn Collective) -> Result<()> {
+    match part {
+        Part::F32(x) => coll.sum_f32(x),
+        Part::Codes { codes, lo, hi } => coll.sum_codes(codes, *lo, *hi),
+        Part::Levels { .. } => Err(Error::Internal("scale indices are never a final contribution".into())),
+    }
+}
+
+/// A whole push on a store whose members all decode: encode, sum, decode,
+/// finish. With `keep_local` random-K, unselected coordinates take `grad`.
+pub fn allreduce(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective, out: &mut [f32]) -> Result<()> {
+    let (exchanged, mut part) = encode(c, state, grad, ctx, coll)?;
+    sum_final(&mut part, coll)?;
+    decode(c, &exchanged, &part, ctx, out)?;
+    if let Compression::Qsgd(q) = c {
+        if q.keep_local {
+            if let Some(idx) = selection(q, grad.len(), ctx.step, ctx.key_hash) {
+                let mut selected = vec![false; grad.len()];
+                idx.iter().for_each(|&i| selected[i] = true);
+                out.iter_mut().zip(grad).zip(selected).filter(|(_, s)| !s).for_each(|((o, &g), _)| *o = g);
+            }
+        }
+    }
+    finish(c, state, &part);
+    Ok(())
+}
+
+/// Wire form of a part (a header, then payload): float32 bytes, or lanes of
+/// the narrowest width that holds `hi - lo` (codes) or `count - 1` (scale
+/// indices). Summed codes travel with lanes wide enough for their sum.
+pub fn to_wire(part: &Part) -> Vec<u8> {
+    let mut out = Vec::new();
+    match part {
+        Part::F32(x) => {
+            out.push(0);
+            out.extend((x.len() as u64).to_le_bytes());
+            x.iter().for_each(|v| out.extend(v.to_le_bytes()));
+        }
+        Part::Levels { levels, count } => {
+            out.push(1);
+            out.extend((levels.len() as u64).to_le_bytes());
+            out.push(*count);
+            let width = lanes::width_for(*count as u64 - 1);
+            out.extend(lanes::to_bytes(&lanes::pack(levels.iter().map(|&l| l as u64), width)));
+        }
+        Part::Codes { codes, lo, hi } => {
+            out.push(2);
+            out.extend((codes.len() as u64).to_le_bytes());
+            out.extend(lo.to_le_bytes());
+            out.extend(hi.to_le_bytes());
+            let width = lanes::width_for((*hi as i64 - *lo as i64) as u64);
+            out.extend(lanes::to_bytes(&lanes::pack(codes.iter().map(|&c| (c as i64 - *lo as i64) as u64), width)));
+        }
+    }
+    out
+}
+
+/// Parses a wire part, checking every length and range.
+pub fn from_wire(bytes: &[u8]) -> Result<Part> {
+    let malformed = |what: &str| Error::Transport(format!("malformed message: {what}"));
+    if bytes.len() < 9 {
+        return Err(malformed("truncated exchange header"));
+    }
+    let n = u64::from_le_bytes(bytes[1..9].try_into().unwrap()) as usize;
+    let rest = &bytes[9..];
+    match bytes[0] {
+        0 => {
+            if rest.len() != n.checked_mul(4).ok_or_else(|| malformed("length overflows"))? {
+                return Err(malformed(&format!("{} bytes for {n} float32", rest.len())));
+            }
+            Ok(Part::F32(rest.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()))
+        }
+        1 => {
+            let (&count, words) = rest.split_first().ok_or_else(|| malformed("truncated scale indices"))?;
+            if count == 0 {
+                return Err(malformed("zero scales"));
+            }
+            let levels: Vec<u8> = lanes::unpack(&lanes::from_bytes(words)?, n, lanes::width_for(count as u64 - 1))?.map(|v| v as u8).collect();
+            if levels.iter().any(|&l| l >= count) {
+                return Err(malformed(&format!("a scale index is not below {count}")));
+            }
+            Ok(Part::Levels { levels, count })
+        }
+        2 => {
+            if rest.len() < 8 {
+                return Err(malformed("truncated code range"));
+            }
+            let lo = i32::from_le_bytes(rest[0..4].try_into().unwrap());
+            let hi = i32::from_le_bytes(rest[4..8].try_into().unwrap());
+            if hi < lo {
+                return Err(malformed(&format!("code range {lo}..={hi}")));
+            }
+            let span = (hi as i64 - lo as i64) as u64;
+            let codes: Vec<i64> = lanes::unpack(&lanes::from_bytes(&rest[8..])?, n, lanes::width_for(span))?.map(|v| v as i64).collect();
+            if codes.iter().any(|&v| v as u64 > span) {
+                return Err(malformed(&format!("a code is outside {lo}..={hi}")));
+            }
+            Ok(Part::Codes { codes: codes.into_iter().map(|v| (v + lo as i64) as i32).collect(), lo, hi })
+        }
+        t => Err(malformed(&format!("unknown exchange kind {t}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests;
