@@ -2,8 +2,10 @@
 
 When the target Python can import mxnet, the library also carries gradpack's
 MXNet operator library (Cargo feature `mxnet`). GRADPACK_MXNET=0/1 overrides
-the detection."""
+the detection. GRADPACK_MPI=0/1 does the same for the MPI all-reduce store
+(Cargo feature `mpi`, needs Open MPI's headers)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,6 +38,11 @@ if choice != "0":
         features.append("mxnet")
     elif choice == "1":
         sys.exit("GRADPACK_MXNET=1 but mxnet is not importable by %s" % sys.executable)
+
+# The MPI all-reduce store: GRADPACK_MPI=1 (or auto: when mpicc is on PATH).
+mpi_choice = os.environ.get("GRADPACK_MPI", "auto")
+if mpi_choice == "1" or (mpi_choice == "auto" and shutil.which("mpicc")):
+    features.append("mpi")
 
 setup(
     rust_extensions=[

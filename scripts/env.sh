@@ -17,5 +17,6 @@ if [ ! -f "$stamp" ]; then
 fi
 export PATH="$venv/bin:$PATH"
 export PYTHON="$venv/bin/python"
-# gradpack with its MXNet operator library (mxnet is importable in the venv).
-PYTHONWARNINGS=ignore GRADPACK_MXNET=1 "$venv/bin/pip" install -q --no-build-isolation --no-deps "$root"
+# gradpack with its MXNet operator library (mxnet is importable in the venv)
+# and the MPI all-reduce store.
+PYTHONWARNINGS=ignore GRADPACK_MXNET=1 GRADPACK_MPI=1 "$venv/bin/pip" install -q --no-build-isolation --no-deps "$root"

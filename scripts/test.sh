@@ -3,11 +3,13 @@
 # example, then the Python tests against the installed package, real MXNet
 # 1.9.1 included (a missing MXNet fails, not skips).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-cargo test --release
-cargo build --release  # libgradpack.a for the C++ programs
+# Feature mpi: the all-reduce store (its tests run themselves under mpirun).
+cargo test --release --features mpi
+cargo build --release --features mpi  # libgradpack.a for the C++ programs
 cxx=(g++ -std=c++17 -Wall -Werror -Iinclude -Itarget/cxxbridge)
-"${cxx[@]}" tests/cpp/kvstore_test.cc target/release/libgradpack.a -lpthread -ldl -o target/cpp_kvstore_test
-"${cxx[@]}" examples/cpp/kvstore_example.cc target/release/libgradpack.a -lpthread -ldl -o target/kvstore_example
+libs=(target/release/libgradpack.a $(pkg-config --libs ompi-c) -lpthread -ldl)
+"${cxx[@]}" tests/cpp/kvstore_test.cc "${libs[@]}" -o target/cpp_kvstore_test
+"${cxx[@]}" examples/cpp/kvstore_example.cc "${libs[@]}" -o target/kvstore_example
 target/cpp_kvstore_test
 target/kvstore_example > /dev/null
 GRADPACK_REQUIRE_MXNET=1 "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning python/tests

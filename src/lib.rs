@@ -4,6 +4,7 @@
 //! MXNet operator library) are thin edges that convert errors once.
 
 mod bridge;
+pub mod allreduce;
 pub mod capi;
 pub mod codec;
 pub mod compression;

@@ -81,15 +81,19 @@ _DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 DIST_TYPES = ("dist_sync", "dist_async", "dist_sync_device", "dist_device_sync")
+# MXNet's name for its MPI store: workers only, launched with mpirun; each
+# worker updates its own replica, so it behaves like a local store otherwise.
+ALLREDUCE_TYPE = "dist_sync_allreduce"
 
 
 def create(name="local"):
-    """Create a KVStore: 'local', 'device', or one of the distributed types
-    ('dist_sync', 'dist_async', 'dist_sync_device', 'dist_device_sync').
+    """Create a KVStore: 'local', 'device', one of the parameter-server types
+    ('dist_sync', 'dist_async', 'dist_sync_device', 'dist_device_sync'), or
+    'dist_sync_allreduce' (MPI: run the script with mpirun).
 
     As in MXNet, a process launched with DMLC_ROLE=server or scheduler serves
     as soon as it creates a distributed store, and exits when the job ends."""
-    if isinstance(name, str) and name.startswith("dist"):
+    if isinstance(name, str) and name in DIST_TYPES:
         role = os.environ.get("DMLC_ROLE", "worker")
         if role in ("server", "scheduler"):
             serve_and_exit()
@@ -180,7 +184,7 @@ class KVStore(object):
         handle = ctypes.c_void_p()
         check_call(LIB.gp_kvstore_new(name.encode(), ctypes.byref(handle)))
         self.handle = handle
-        self._dist = name.startswith("dist")
+        self._dist = name in DIST_TYPES
         if self._dist:
             _open_stores.add(self)
         self._updater = None
@@ -370,7 +374,8 @@ class KVStore(object):
 
     def stats(self):
         """Traffic. Local stores: bytes pushes moved between devices as float32
-        ('raw_bytes') and as sent ('wire_bytes'). Distributed workers: this
+        ('raw_bytes') and as sent ('wire_bytes'); 'dist_sync_allreduce': the
+        same for what this worker handed to MPI. Parameter-server workers: this
         node's transport payload bytes ('bytes_sent', 'bytes_received')."""
         a, b = ctypes.c_uint64(), ctypes.c_uint64()
         self._call(LIB.gp_kvstore_stats(self.handle, ctypes.byref(a), ctypes.byref(b)))

@@ -195,7 +195,7 @@ pub unsafe extern "C" fn gp_kvstore_new(type_name: *const c_char, out: *mut *mut
             return Err(Error::NullPointer { what: "out" });
         }
         let name = cstr(type_name, "type")?;
-        let store = if name.starts_with("dist") {
+        let store = if name.starts_with("dist") && name != crate::allreduce::TYPE_NAME {
             gp_kvstore_t::Dist(DistWorker::start(name, Config::from_env()?)?)
         } else {
             gp_kvstore_t::Local(KVStore::new(name)?)
@@ -226,6 +226,7 @@ pub unsafe extern "C" fn gp_kvstore_type(store: *const gp_kvstore_t) -> *const c
         Some(gp_kvstore_t::Local(s)) => match s.store_type() {
             crate::kvstore::StoreType::Local => c"local".as_ptr(),
             crate::kvstore::StoreType::Device => c"device".as_ptr(),
+            crate::kvstore::StoreType::Allreduce => c"dist_sync_allreduce".as_ptr(),
         },
         Some(gp_kvstore_t::Dist(w)) => match w.type_name() {
             "dist_sync" => c"dist_sync".as_ptr(),

@@ -23,6 +23,7 @@ pub use key::Key;
 
 pub use crate::codec::Grad;
 use crate::codec::{self, CHUNK};
+use crate::allreduce::{self, World};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 use crate::optimizer::Optimizer;
@@ -35,6 +36,10 @@ pub enum StoreType {
     /// Reduces on a merge device; with compression every pushed array is
     /// quantized with its own residual, then dequantized and summed.
     Device,
+    /// `dist_sync_allreduce`: one worker of an MPI job (`crate::allreduce`);
+    /// its devices are merged, then reduced with every other worker's by MPI,
+    /// and each worker updates its own replica.
+    Allreduce,
 }
 
 impl StoreType {
@@ -42,7 +47,8 @@ impl StoreType {
         match name {
             "local" => Ok(StoreType::Local),
             "device" => Ok(StoreType::Device),
-            other => Err(Error::Store(format!("unknown KVStore type '{other}' (this store supports 'local' and 'device')"))),
+            allreduce::TYPE_NAME => Ok(StoreType::Allreduce),
+            other => Err(Error::Store(format!("unknown KVStore type '{other}' (this store supports 'local', 'device' and '{}')", allreduce::TYPE_NAME))),
         }
     }
 
@@ -50,6 +56,7 @@ impl StoreType {
         match self {
             StoreType::Local => "local",
             StoreType::Device => "device",
+            StoreType::Allreduce => allreduce::TYPE_NAME,
         }
     }
 }
@@ -113,6 +120,11 @@ pub struct KVStore {
     updater: RwLock<Option<Arc<Updater>>>,
     raw_bytes: AtomicU64,
     wire_bytes: AtomicU64,
+    /// The MPI job of an `Allreduce` store.
+    world: Option<World>,
+    /// Held for a whole init or push on an `Allreduce` store: one process
+    /// issues its collectives one key at a time.
+    collective_order: Mutex<()>,
 }
 
 pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
@@ -164,6 +176,20 @@ fn widen(g: Grad) -> Vec<f32> {
     }
 }
 
+/// Applies the updater to the merged gradient, or makes it the value.
+fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<()> {
+    match updater {
+        // The merged sum becomes the value; the old value's buffer is reused next push.
+        None => std::mem::swap(&mut e.value, &mut e.merge_buf),
+        Some(Updater::Optimizer(o)) => o.update(key, &e.merge_buf, &mut e.value)?,
+        Some(Updater::Custom(f)) => f(key, &e.merge_buf, &mut e.value).map_err(|err| match err {
+            Error::Updater { .. } => err,
+            other => Error::Updater { key: key.to_string(), message: other.to_string() },
+        })?,
+    }
+    Ok(())
+}
+
 /// `dst = src`, in parallel chunks for large arrays.
 fn copy_into(dst: &mut [f32], src: &[f32]) {
     if dst.len() > CHUNK {
@@ -196,8 +222,11 @@ pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad]) {
 
 impl KVStore {
     pub fn new(type_name: &str) -> Result<KVStore> {
+        let kind = StoreType::parse(type_name)?;
         Ok(KVStore {
-            kind: StoreType::parse(type_name)?,
+            world: if kind == StoreType::Allreduce { Some(World::join()?) } else { None },
+            collective_order: Mutex::new(()),
+            kind,
             keys: RwLock::default(),
             compression: RwLock::default(),
             updater: RwLock::default(),
@@ -211,15 +240,19 @@ impl KVStore {
     }
 
     pub fn rank(&self) -> usize {
-        0
+        self.world.as_ref().map_or(0, |w| w.rank())
     }
 
     pub fn num_workers(&self) -> usize {
-        1
+        self.world.as_ref().map_or(1, |w| w.size())
     }
 
-    /// A no-op: a single process has nobody to wait for.
-    pub fn barrier(&self) {}
+    /// Waits for every worker of an MPI job; a no-op for one process.
+    pub fn barrier(&self) {
+        if let Some(w) = &self.world {
+            w.barrier();
+        }
+    }
 
     pub fn stats(&self) -> Stats {
         Stats { raw_bytes: self.raw_bytes.load(Ordering::Relaxed), wire_bytes: self.wire_bytes.load(Ordering::Relaxed) }
@@ -286,13 +319,38 @@ impl KVStore {
         })
     }
 
-    /// Stores `value` under a new key; init is never lossy.
+    /// Stores `value` under a new key; init is never lossy. On an `Allreduce`
+    /// store every worker takes rank 0's value (as a dist store does).
     pub fn init(&self, key: &Key, value: Array) -> Result<()> {
+        let _order = self.collective_order.lock().unwrap();
+        let checked = self.check_init(key, value);
+        let mut data = match (&self.world, checked) {
+            (None, checked) => checked?,
+            (Some(world), checked) => {
+                let n = value.data.len() as u64;
+                allreduce::check_agree(world, &format!("the init of key {key}"), &[key.stable_hash(), n, checked.is_ok() as u64])?;
+                let mut data = checked?;
+                world.broadcast_f32(&mut data);
+                data
+            }
+        };
+        let mut keys = self.keys.write().unwrap();
+        if keys.map.contains_key(key) {
+            return Err(key_error(key, "already initialized"));
+        }
+        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), pushes: 0 };
+        keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
+        keys.str_keys = Some(key.is_str());
+        Ok(())
+    }
+
+    /// The checks of an init; the value as float32.
+    fn check_init(&self, key: &Key, value: Array) -> Result<Vec<f32>> {
         let Grad::F32(data) = value.data else {
             return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
         };
         check_shape(key, "init value", value.shape, data.len(), value.shape)?;
-        let mut keys = self.keys.write().unwrap();
+        let keys = self.keys.read().unwrap();
         if let Some(s) = keys.str_keys {
             if s != key.is_str() {
                 return Err(key_error(key, format!("this store uses {} keys; int and string keys cannot be mixed", if s { "string" } else { "int" })));
@@ -301,10 +359,7 @@ impl KVStore {
         if keys.map.contains_key(key) {
             return Err(key_error(key, "already initialized"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: data.to_vec(), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), pushes: 0 };
-        keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
-        keys.str_keys = Some(key.is_str());
-        Ok(())
+        Ok(data.to_vec())
     }
 
     /// Sums `values` (one per device) and applies the updater, or stores the sum.
@@ -312,10 +367,17 @@ impl KVStore {
         let entry = self.entry(key)?;
         let compression = self.compression();
         let updater = self.updater.read().unwrap().clone();
+        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap());
         let mut guard = entry.lock().unwrap();
         let e = &mut *guard;
-        check_push(key, values, &e.shape, compression)?; // every check before anything is written
+        let checked = check_push(key, values, &e.shape, compression);
         let n = e.value.len();
+        if let Some(world) = &self.world {
+            allreduce::check_agree(world, &format!("the push of key {key}"), &[key.stable_hash(), n as u64, e.pushes, checked.is_ok() as u64])?;
+            checked?;
+            return self.push_allreduce(world, key, e, values, compression, updater.as_deref());
+        }
+        checked?; // every check before anything is written
         e.merge_buf.resize(n, 0.0);
         match compression {
             Compression::None => {
@@ -374,16 +436,33 @@ impl KVStore {
         let devices = values.len() as u64;
         self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
         self.wire_bytes.fetch_add(devices * compression.wire_bytes(&e.shape) as u64, Ordering::Relaxed);
-        match updater.as_deref() {
-            // The merged sum becomes the value; the old value's buffer is reused next push.
-            None => std::mem::swap(&mut e.value, &mut e.merge_buf),
-            Some(Updater::Optimizer(o)) => o.update(key, &e.merge_buf, &mut e.value)?,
-            Some(Updater::Custom(f)) => f(key, &e.merge_buf, &mut e.value).map_err(|err| match err {
-                Error::Updater { .. } => err,
-                other => Error::Updater { key: key.to_string(), message: other.to_string() },
-            })?,
+        apply_update(key, e, updater.as_deref())
+    }
+
+    /// A push on an `Allreduce` store (checks done, agreed by every worker):
+    /// merge the devices, reduce with every worker through MPI, update.
+    fn push_allreduce(&self, world: &World, key: &Key, e: &mut Entry, values: &[Array], compression: Compression, updater: Option<&Updater>) -> Result<()> {
+        let n = e.value.len();
+        let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
+        e.merge_buf.resize(n, 0.0);
+        sum_into(&mut e.merge_buf, &grads);
+        let sent = world.bytes_sent();
+        let mut member = world;
+        if compression.is_none() {
+            collective::Collective::sum_f32(&mut member, &mut e.merge_buf)?;
+        } else {
+            if e.states.is_empty() {
+                e.states.push(scheme::State::default());
+            }
+            let ctx = scheme::Ctx { shape: &e.shape, step: e.pushes, key_hash: key.stable_hash(), member: world.rank() as u64, workers: world.size() };
+            let mut out = vec![0f32; n];
+            scheme::allreduce(&compression, &mut e.states[0], &e.merge_buf, &ctx, &mut member, &mut out)?;
+            e.merge_buf = out;
         }
-        Ok(())
+        e.pushes += 1;
+        self.raw_bytes.fetch_add(4 * n as u64, Ordering::Relaxed);
+        self.wire_bytes.fetch_add(world.bytes_sent() - sent, Ordering::Relaxed);
+        apply_update(key, e, updater)
     }
 
     /// Copies the stored value into every output.

@@ -13,6 +13,7 @@
 //! | grandk_mn / _ts | as above, on k coordinates from (seed, step, key) | codes | scattered, zeros elsewhere |
 //! | powersgd | SUM of P = M Q | Q = M^T orth(P) | orth(P) Q^T |
 //! | 1bit | none | bits | 2 sum - workers |
+//! | 2bit | none | +pos and neg indicators | p pos + q neg |
 //!
 //! All aggregates are sums over workers, as every KVStore push is.
 
@@ -113,7 +114,20 @@ pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll:
             onebit::quantize(grad, &mut state.residual, *threshold, &mut codes);
             Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
         }
-        Compression::None | Compression::TwoBit(_) => Ok((Vec::new(), Part::F32(grad.to_vec()))),
+        Compression::TwoBit(th) => {
+            // Codes counted, not decoded: n indicators of +pos, then n of neg.
+            state.residual.resize(grad.len(), 0.0);
+            let n = grad.len();
+            let mut codes = vec![0i32; 2 * n];
+            for (i, (&g, r)) in grad.iter().zip(state.residual.iter_mut()).enumerate() {
+                let (code, next) = crate::codec::reference::quantize_one(*r, g, *th);
+                *r = next;
+                codes[i] = (code == 0b01) as i32;
+                codes[n + i] = (code == 0b10) as i32;
+            }
+            Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
+        }
+        Compression::None => Ok((Vec::new(), Part::F32(grad.to_vec()))),
     }
 }
 
@@ -205,7 +219,13 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
             out.iter_mut().zip(codes).for_each(|(o, &c)| *o = (2 * c - w) as f32);
             Ok(())
         }
-        (Compression::None | Compression::TwoBit(_), Part::F32(s)) if s.len() == n => {
+        (Compression::TwoBit(th), Part::Codes { codes, .. }) if codes.len() == 2 * n => {
+            // p pos + q neg, as the parameter server's code counts.
+            let (p, q) = codes.split_at(n);
+            out.iter_mut().zip(p.iter().zip(q)).for_each(|(o, (&p, &q))| *o = p as f32 * th.pos() + q as f32 * th.neg());
+            Ok(())
+        }
+        (Compression::None, Part::F32(s)) if s.len() == n => {
             out.copy_from_slice(s);
             Ok(())
         }

@@ -20,7 +20,7 @@ from ..base import Error
 
 __all__ = ["GradpackStore", "create"]
 
-_LOCAL_TYPES = ("local", "device")
+_LOCAL_TYPES = ("local", "device", _kv.ALLREDUCE_TYPE)
 _STORE_TYPES = _LOCAL_TYPES + _kv.DIST_TYPES
 
 
@@ -259,7 +259,7 @@ for _t in _STORE_TYPES:
 def create(name="local"):
     """``mx.kv.create`` after ``install()``: gradpack's store of that type
     ('local', 'device', 'dist_sync', 'dist_async', 'dist_sync_device',
-    'dist_device_sync', also spelled 'gradpack_<type>')."""
+    'dist_device_sync', 'dist_sync_allreduce', also spelled 'gradpack_<type>')."""
     if not isinstance(name, str):
         raise TypeError("name must be a string")
     lowered = name.lower()

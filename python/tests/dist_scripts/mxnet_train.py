@@ -1,6 +1,7 @@
-"""A worker of test_dist_mxnet.py: a Gluon Trainer or a Module on a dist_sync
-gradpack store with 2-bit compression, one context per worker; every gradient
-is 0.3 before each update; writes the weights after each step."""
+"""A worker of test_dist_mxnet.py and test_allreduce.py: a Gluon Trainer or a
+Module on a dist_sync (or argv[3]) gradpack store with 2-bit compression, one
+context per worker; every gradient is 0.3 before each update; writes the
+weights after each step."""
 import json
 import os
 import sys
@@ -9,12 +10,13 @@ import mxnet as mx
 import gradpack.mxnet as gpmx
 
 api, update_on_kvstore = sys.argv[1], sys.argv[2] == "1"
+store_type = sys.argv[3] if len(sys.argv) > 3 else "dist_sync"
 TWO_BIT = {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5}
 seen = []
 if api == "trainer":
     net = mx.gluon.nn.Dense(1, use_bias=False, in_units=4)
     net.initialize(mx.init.One(), ctx=mx.cpu(0))
-    trainer = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 1.0}, kvstore="dist_sync",
+    trainer = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 1.0}, kvstore=store_type,
                            update_on_kvstore=update_on_kvstore, compress_params=TWO_BIT)
     for _ in range(4):
         with mx.autograd.record():
@@ -31,7 +33,7 @@ else:
     mod = gpmx.Module(out, data_names=["data"], label_names=None, context=mx.cpu(0), compress_params=TWO_BIT)
     mod.bind(data_shapes=[("data", (1, 4))])
     mod.init_params(mx.init.One())
-    mod.init_optimizer(kvstore="dist_sync", optimizer="sgd",
+    mod.init_optimizer(kvstore=store_type, optimizer="sgd",
                        optimizer_params={"learning_rate": 1.0, "rescale_grad": 1.0})
     for _ in range(4):
         mod.forward_backward(mx.io.DataBatch([mx.nd.ones((1, 4))]))
@@ -41,6 +43,6 @@ else:
         mod.update()
         seen.append(mod.get_params()[0]["fc_weight"].asnumpy().ravel().tolist())
     rank, store = mod._kvstore.rank, mod._kvstore
-assert isinstance(store, gpmx.GradpackStore) and store.type == "dist_sync"
+assert isinstance(store, gpmx.GradpackStore) and store.type == store_type
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
     json.dump({"weights": seen, "stats": store.stats()}, f)

@@ -1,0 +1,63 @@
+"""A worker of test_allreduce.py (run by mpirun): every compression scheme on
+gradpack.kv's 'dist_sync_allreduce' store against a 'device' store in this
+process with one device per worker; writes what it saw."""
+import json
+import os
+import sys
+
+import numpy as np
+
+import gradpack
+import gradpack.kv as kv
+
+SCHEMES = [
+    {"compress": "none"},
+    {"compress": "2bit", "threshold": 0.3},
+    {"compress": "qsgd_mn", "bits": 2, "seed": 4},
+    {"compress": "qsgd_mn_ts", "bits": [2, 6]},
+    {"compress": "qsgd_mn_ms", "bits": [1, 3, 8]},
+    {"compress": "grandk_mn", "bits": 4, "k": 17},
+    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 30},
+    {"compress": "powersgd", "rank": 2},
+    {"compress": "1bit", "threshold": 0.1},
+]
+
+
+def grad(rank, step, shape):
+    rng = np.random.default_rng(1000 * rank + step)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+store = kv.create("dist_sync_allreduce")
+rank, workers = store.rank, store.num_workers
+shape = (8, 12)
+report = {"rank": rank, "workers": workers, "schemes": {}}
+for i, params in enumerate(SCHEMES):
+    store.set_compress(params)
+    device = kv.create("device")
+    if params["compress"] != "none":
+        device.set_compress(params)
+    store.init(i, np.zeros(shape, np.float32))
+    device.init(i, np.zeros(shape, np.float32))
+    before = store.stats()
+    worst = 0.0
+    for step in range(3):
+        store.push(i, grad(rank, step, shape))
+        device.push(i, [grad(w, step, shape) for w in range(workers)])
+        got, want = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        store.pull(i, out=got)
+        device.pull(i, out=want)
+        worst = max(worst, float(np.abs(got - want).max()))
+    after = store.stats()
+    report["schemes"][params["compress"]] = {
+        "max_diff": worst,
+        "raw": after["raw_bytes"] - before["raw_bytes"],
+        "wire": after["wire_bytes"] - before["wire_bytes"],
+    }
+try:
+    store.set_compress({"compress": "qsgd_mn_ts", "bits": 4})
+except gradpack.Error as e:
+    report["bad_params"] = str(e)
+store.barrier()
+with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
+    json.dump(report, f)

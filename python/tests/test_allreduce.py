@@ -1,0 +1,51 @@
+"""The MPI all-reduce store 'dist_sync_allreduce' in real processes started by
+mpirun: gradpack.kv against an in-process 'device' store for every scheme,
+and Gluon Trainer / Module through MXNet 1.9.1."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Open MPI refuses root without these; --oversubscribe allows more ranks than cores.
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+
+
+def mpirun(n, script, args, tmp_path, timeout=240):
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path))
+    out = subprocess.run(MPIRUN + ["-n", str(n), sys.executable, os.path.join(HERE, "dist_scripts", script)] + args,
+                         env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
+    results = []
+    for rank in range(n):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_every_scheme_matches_the_device_store(tmp_path, workers):
+    for res in mpirun(workers, "allreduce_kv.py", [], tmp_path):
+        assert res["workers"] == workers
+        for name, s in res["schemes"].items():
+            # quantized codes are summed exactly; float32 sums (none, powersgd) up to rounding
+            limit = 1e-5 if name in ("none", "powersgd") else 0.0
+            assert s["max_diff"] <= limit, (name, s)
+            if name not in ("none", "powersgd"):
+                assert s["wire"] * 3 < s["raw"], (name, s)
+        assert res["schemes"]["none"]["wire"] == res["schemes"]["none"]["raw"]
+        assert "'bits': 'qsgd_mn_ts' takes two values" in res["bad_params"]
+
+
+@pytest.mark.parametrize("api", ["trainer", "module"])
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_trainer_and_module_with_two_bit(tmp_path, api, update_on_kvstore):
+    from mxnet_required import mxnet
+    mxnet()
+    results = mpirun(2, "mxnet_train.py", [api, "1" if update_on_kvstore else "0", "dist_sync_allreduce"], tmp_path)
+    for res in results:
+        # each worker: 0.3 -> nothing, 0.6 -> sends 0.5, 0.4 -> nothing, 0.7 -> 0.5; summed over 2 workers
+        assert res["weights"] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [-1.0] * 4], res
+        assert 0 < res["stats"]["wire_bytes"] < res["stats"]["raw_bytes"]

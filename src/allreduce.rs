@@ -1,0 +1,246 @@
+//! The all-reduce store's transport (`dist_sync_allreduce`, MXNet's name for
+//! its MPI store): no servers; every worker reduces through MPI collectives
+//! and updates its own replica. Open MPI through the `mpi` crate, behind the
+//! Cargo feature `mpi`; without it `World::join` says how to get it.
+//!
+//! Packed codes are summed by MPI itself: each worker sends `code - lo` in
+//! lanes wide enough for the sum over every worker (`quant::lanes`), and an
+//! MPI SUM of 64-bit words adds every lane exactly. Scale indices are packed
+//! the same way and reduced with a lane-wise MIN (an MPI user operation).
+//!
+//! Launch with `mpirun -n <workers> python train.py` (as root, Open MPI also
+//! needs `--allow-run-as-root`, and `--oversubscribe` for more processes than
+//! cores). MPI is initialised on the first join and finalised at exit.
+
+use crate::error::{Error, Result};
+
+#[cfg(feature = "mpi")]
+mod imp {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Mutex;
+
+    use mpi::collective::{SystemOperation, UserOperation};
+    use mpi::environment::Universe;
+    use mpi::topology::SimpleCommunicator;
+    use mpi::traits::*;
+
+    use crate::error::{Error, Result};
+    use crate::quant::collective::Collective;
+    use crate::quant::lanes;
+
+    /// Statics never drop: MPI is finalised by the exit hook, once.
+    static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
+
+    extern "C" {
+        fn atexit(cb: extern "C" fn()) -> std::ffi::c_int;
+    }
+
+    extern "C" fn finalize_at_exit() {
+        if let Ok(mut u) = UNIVERSE.lock() {
+            drop(u.take()); // Universe's drop calls MPI_Finalize
+        }
+    }
+
+    /// This process's place in the MPI job.
+    pub struct World {
+        comm: Mutex<SimpleCommunicator>,
+        rank: usize,
+        size: usize,
+        sent: AtomicU64,
+    }
+
+    // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (checked in join),
+    // and every use of the communicator goes through the mutex.
+    unsafe impl Send for World {}
+    unsafe impl Sync for World {}
+
+    impl World {
+        pub fn join() -> Result<World> {
+            let mut u = UNIVERSE.lock().unwrap();
+            if u.is_none() {
+                let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+                    .ok_or_else(|| Error::Store("MPI was already initialised (or finalised) by someone else in this process".into()))?;
+                if level != mpi::Threading::Multiple {
+                    return Err(Error::Store(format!("this MPI grants thread level {level:?}; gradpack needs Multiple")));
+                }
+                *u = Some(universe);
+                // SAFETY: registering a plain extern "C" function with libc's atexit.
+                unsafe { atexit(finalize_at_exit) };
+            }
+            let comm = u.as_ref().unwrap().world();
+            let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+            Ok(World { comm: Mutex::new(comm), rank, size, sent: AtomicU64::new(0) })
+        }
+
+        pub fn rank(&self) -> usize {
+            self.rank
+        }
+
+        pub fn size(&self) -> usize {
+            self.size
+        }
+
+        /// Bytes this worker handed to MPI reductions and broadcasts.
+        pub fn bytes_sent(&self) -> u64 {
+            self.sent.load(Ordering::Relaxed)
+        }
+
+        pub fn barrier(&self) {
+            self.comm.lock().unwrap().barrier();
+        }
+
+        /// Rank 0's `x` everywhere.
+        pub fn broadcast_f32(&self, x: &mut [f32]) {
+            if self.rank == 0 {
+                self.sent.fetch_add(4 * x.len() as u64, Ordering::Relaxed);
+            }
+            self.comm.lock().unwrap().process_at_rank(0).broadcast_into(x);
+        }
+
+        /// Rank 0's `x` everywhere (small metadata: shapes, checks).
+        pub fn broadcast_u64(&self, x: &mut [u64]) {
+            self.comm.lock().unwrap().process_at_rank(0).broadcast_into(x);
+        }
+
+        fn reduce<T: Equivalence + Copy>(&self, x: &mut [T], op: impl mpi::collective::Operation) {
+            // The mpi crate has no MPI_IN_PLACE: reduce from a copy.
+            let send = x.to_vec();
+            self.sent.fetch_add(std::mem::size_of_val(x) as u64, Ordering::Relaxed);
+            self.comm.lock().unwrap().all_reduce_into(&send[..], x, op);
+        }
+    }
+
+    impl Collective for &World {
+        fn workers(&self) -> usize {
+            self.size
+        }
+
+        fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
+            self.reduce(x, SystemOperation::max());
+            Ok(())
+        }
+
+        fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
+            self.reduce(x, SystemOperation::sum());
+            Ok(())
+        }
+
+        fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
+            let width = lanes::width_for(count.saturating_sub(1) as u64);
+            let mut words = lanes::pack(x.iter().map(|&v| v as u64), width);
+            let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
+            let per = 64 / width;
+            let lane_min = UserOperation::commutative(move |a, b| {
+                let a: &[u64] = a.downcast().expect("u64 words");
+                let b: &mut [u64] = b.downcast().expect("u64 words");
+                for (w, &v) in b.iter_mut().zip(a) {
+                    let mut out = 0u64;
+                    for l in 0..per {
+                        let s = l * width;
+                        out |= ((*w >> s) & mask).min((v >> s) & mask) << s;
+                    }
+                    *w = out;
+                }
+            });
+            self.reduce(&mut words, &lane_min);
+            let n = x.len();
+            x.iter_mut().zip(lanes::unpack(&words, n, width)?).for_each(|(o, v)| *o = v as u8);
+            Ok(())
+        }
+
+        fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
+            let span = (hi as i64 - lo as i64) as u64;
+            let total = span.checked_mul(self.size as u64).filter(|&t| t <= i32::MAX as u64).ok_or_else(|| {
+                Error::InvalidParam { key: "workers".into(), problem: format!("{} workers overflow a sum of codes in {lo}..={hi}", self.size) }
+            })?;
+            let width = lanes::width_for(total);
+            let mut words = lanes::pack(x.iter().map(|&c| (c as i64 - lo as i64) as u64), width);
+            self.reduce(&mut words, SystemOperation::sum());
+            let base = lo as i64 * self.size as i64;
+            let n = x.len();
+            x.iter_mut().zip(lanes::unpack(&words, n, width)?).for_each(|(o, v)| *o = (v as i64 + base) as i32);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+mod imp {
+    use crate::error::{Error, Result};
+    use crate::quant::collective::Collective;
+
+    /// The stand-in of a build without MPI: joining says how to get it.
+    pub struct World {
+        never: std::convert::Infallible,
+    }
+
+    impl World {
+        pub fn join() -> Result<World> {
+            Err(Error::Store(
+                "'dist_sync_allreduce' needs gradpack built with MPI (Cargo feature `mpi`; Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev; pip: GRADPACK_MPI=1)".into(),
+            ))
+        }
+        pub fn rank(&self) -> usize {
+            match self.never {}
+        }
+        pub fn size(&self) -> usize {
+            match self.never {}
+        }
+        pub fn bytes_sent(&self) -> u64 {
+            match self.never {}
+        }
+        pub fn barrier(&self) {
+            match self.never {}
+        }
+        pub fn broadcast_f32(&self, _: &mut [f32]) {
+            match self.never {}
+        }
+        pub fn broadcast_u64(&self, _: &mut [u64]) {
+            match self.never {}
+        }
+    }
+
+    impl Collective for &World {
+        fn workers(&self) -> usize {
+            match self.never {}
+        }
+        fn max_f32(&mut self, _: &mut [f32]) -> Result<()> {
+            match self.never {}
+        }
+        fn sum_f32(&mut self, _: &mut [f32]) -> Result<()> {
+            match self.never {}
+        }
+        fn min_u8(&mut self, _: &mut [u8], _: u8) -> Result<()> {
+            match self.never {}
+        }
+        fn sum_codes(&mut self, _: &mut [i32], _: i32, _: i32) -> Result<()> {
+            match self.never {}
+        }
+    }
+}
+
+pub use imp::World;
+
+/// Whether this build can join an MPI job.
+pub const AVAILABLE: bool = cfg!(feature = "mpi");
+
+/// The name MXNet gives its MPI store.
+pub const TYPE_NAME: &str = "dist_sync_allreduce";
+
+/// Checks that every worker holds the same metadata (a key's hash, its size,
+/// its push count) before collectives that depend on it, in one MAX
+/// reduction of the values and their negations (16-bit pieces, exact in
+/// float32): a mismatch is an error on every worker, never a hang or garbage.
+pub fn check_agree(world: &World, what: &str, values: &[u64]) -> Result<()> {
+    let pieces: Vec<f32> = values.iter().flat_map(|&v| (0..4).map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32)).collect();
+    let mut both: Vec<f32> = pieces.iter().copied().chain(pieces.iter().map(|p| -p)).collect();
+    crate::quant::collective::Collective::max_f32(&mut &*world, &mut both)?;
+    let (max, neg_min) = both.split_at(pieces.len());
+    if max.iter().zip(neg_min).any(|(a, b)| *a != -*b) {
+        return Err(Error::Store(format!(
+            "workers disagree on {what} (rank {} has {values:?}); every worker must init and push the same keys, with the same shapes, in the same order",
+            world.rank()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! The MPI all-reduce store (`dist_sync_allreduce`) in real processes: the
+//! test re-runs itself under `mpirun -n 3`, and each rank checks its results
+//! against a `device` store with one device per worker, which runs the same
+//! schemes in one process.
+#![cfg(feature = "mpi")]
+
+use std::process::Command;
+
+use gradpack::compression::Compression;
+use gradpack::kvstore::{Array, ArrayMut, Grad, KVStore, Key};
+
+const WORKERS: usize = 3;
+
+fn under_mpi() -> bool {
+    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some()
+}
+
+/// Runs test `name` of this binary on `WORKERS` ranks; panics with their output on failure.
+fn mpirun(name: &str) {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-n", &WORKERS.to_string()])
+        .arg(exe)
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .output()
+        .expect("mpirun (Debian: openmpi-bin) must be on PATH");
+    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "mpirun failed:\n{text}");
+    assert_eq!(text.matches("rank done").count(), WORKERS, "{text}");
+    text.lines().filter(|l| l.contains("bytes sent")).for_each(|l| println!("{l}"));
+}
+
+fn params(p: &[(&str, &str)]) -> Compression {
+    Compression::from_params(p.iter().copied()).unwrap()
+}
+
+fn grad(rank: usize, step: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i * 31 + rank * 17 + step * 7) % 23) as f32 - 11.0) * 0.05 * (1.0 + rank as f32)).collect()
+}
+
+fn f32s<'a>(shape: &'a [usize], v: &'a [f32]) -> Array<'a> {
+    Array { shape, data: Grad::F32(v) }
+}
+
+fn pull(kv: &KVStore, key: &Key, shape: &[usize]) -> Vec<f32> {
+    let mut out = vec![0f32; shape.iter().product()];
+    kv.pull(key, &mut [ArrayMut { shape, data: &mut out }]).unwrap();
+    out
+}
+
+#[test]
+fn every_scheme_matches_the_device_store_bit_for_bit() {
+    if !under_mpi() {
+        return mpirun("every_scheme_matches_the_device_store_bit_for_bit");
+    }
+    let kv = KVStore::new("dist_sync_allreduce").unwrap();
+    let (rank, workers) = (kv.rank(), kv.num_workers());
+    assert_eq!(workers, WORKERS);
+    let shape = [6usize, 10];
+    let n = 60;
+    // init: every worker takes rank 0's value
+    let mine = vec![rank as f32; n];
+    kv.init(&Key::Int(0), f32s(&shape, &mine)).unwrap();
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![0.0; n]);
+
+    // uncompressed: the exact sum over workers and their two devices
+    let a = vec![rank as f32 + 1.0; n];
+    kv.push(&Key::Int(0), &[f32s(&shape, &a), f32s(&shape, &a)]).unwrap();
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![12.0; n]); // 2 * (1 + 2 + 3)
+
+    let schemes = [
+        params(&[("compress", "2bit"), ("threshold", "0.3")]),
+        params(&[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "4")]),
+        params(&[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")]),
+        params(&[("compress", "qsgd_mn_ms"), ("bits", "[1, 3, 8]")]),
+        params(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "17")]),
+        params(&[("compress", "grandk_mn_ts"), ("bits", "[2, 4]"), ("k", "30")]),
+        params(&[("compress", "powersgd"), ("rank", "2")]),
+        params(&[("compress", "1bit"), ("threshold", "0.1")]),
+    ];
+    for (s, c) in schemes.iter().enumerate() {
+        let key = Key::Int(10 + s as i64);
+        kv.set_compress(*c).unwrap();
+        kv.init(&key, f32s(&shape, &vec![0.0; n])).unwrap();
+        let device = KVStore::new("device").unwrap();
+        device.set_compress(*c).unwrap();
+        device.init(&key, f32s(&shape, &vec![0.0; n])).unwrap();
+        let raw = kv.stats();
+        for step in 0..4 {
+            let g = grad(rank, step, n);
+            kv.push(&key, &[f32s(&shape, &g)]).unwrap();
+            let all: Vec<Vec<f32>> = (0..workers).map(|w| grad(w, step, n)).collect();
+            let arrays: Vec<Array> = all.iter().map(|g| f32s(&shape, g)).collect();
+            device.push(&key, &arrays).unwrap();
+            let (got, want) = (pull(&kv, &key, &shape), pull(&device, &key, &shape));
+            if let Compression::PowerSgd { .. } = c {
+                // float32 sums in MPI's order: equal to rounding
+                for (x, y) in got.iter().zip(&want) {
+                    assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{} step {step}: {x} vs {y}", c.name());
+                }
+            } else {
+                assert_eq!(got, want, "{} step {step}", c.name());
+            }
+        }
+        let stats = kv.stats();
+        let (raw_b, wire_b) = (stats.raw_bytes - raw.raw_bytes, stats.wire_bytes - raw.wire_bytes);
+        if rank == 0 {
+            println!("{:>13}: {wire_b} bytes sent for {raw_b} float32 bytes ({:.1}x)", c.name(), raw_b as f64 / wire_b as f64);
+        }
+        if !matches!(c, Compression::PowerSgd { .. }) {
+            assert!(wire_b * 3 < raw_b, "{}: {wire_b} of {raw_b}", c.name());
+        }
+    }
+    println!("rank done");
+}
+
+#[test]
+fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
+    if !under_mpi() {
+        return mpirun("mismatched_pushes_fail_on_every_worker_and_the_store_recovers");
+    }
+    let kv = KVStore::new("dist_sync_allreduce").unwrap();
+    let rank = kv.rank();
+    let shape = [8usize];
+    for k in 0..2 {
+        kv.init(&Key::Int(k), f32s(&shape, &[1.0; 8])).unwrap();
+    }
+    kv.set_compress(params(&[("compress", "qsgd_mn"), ("bits", "4")])).unwrap();
+    // rank 1 pushes another key: nobody hangs, everyone gets the error
+    let key = Key::Int(if rank == 1 { 1 } else { 0 });
+    let err = kv.push(&key, &[f32s(&shape, &[0.5; 8])]).unwrap_err().to_string();
+    assert!(err.contains("workers disagree on the push of key"), "{err}");
+    // a bad shape on one worker: that worker says why, the others that someone disagreed
+    let bad = [if rank == 2 { 4usize } else { 8 }];
+    let err = kv.push(&Key::Int(0), &[f32s(&bad, &vec![0.5; bad[0]])]).unwrap_err().to_string();
+    assert!(err.contains("disagree") || err.contains("shape"), "{err}");
+    // a non-finite gradient on one worker fails the push everywhere, values untouched
+    let g = if rank == 0 { [f32::NAN; 8] } else { [0.5; 8] };
+    let err = kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string();
+    assert!(err.contains("non-finite"), "{err}");
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.0; 8]);
+    // then a matched push works: 3 workers * 0.5, exact at 4 bits (scale 0.5: codes 15)
+    kv.push(&Key::Int(0), &[f32s(&shape, &[0.5; 8])]).unwrap();
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.5; 8]);
+    kv.barrier();
+    println!("rank done");
+}
