@@ -146,6 +146,19 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
     Ok(())
 }
 
+/// Adds codes into an integer accumulator (the reduction servers or an
+/// all-reduce perform); errors, leaving no partial sum, on an `i32` overflow.
+pub fn accumulate(codes: &[i32], acc: &mut [i32]) -> Result<()> {
+    if codes.len() != acc.len() {
+        return Err(Error::SizeMismatch { what: "accumulator", expected: codes.len(), got: acc.len() });
+    }
+    if acc.iter().zip(codes).any(|(a, &c)| a.checked_add(c).is_none()) {
+        return Err(bad("workers", "too many workers for the code accumulator".into()));
+    }
+    acc.iter_mut().zip(codes).for_each(|(a, &c)| *a += c);
+    Ok(())
+}
+
 /// Decodes summed codes: `out = sum * scale / s`.
 pub fn decode(sum: &[i32], scale: f32, bits: u32, out: &mut [f32]) -> Result<()> {
     decode_at(sum, scale, &[levels(bits)?], None, out)
