@@ -38,6 +38,10 @@ fn free_port() -> u16 {
 /// Starts the scheduler and servers; runs `work(rank, worker)` on each worker
 /// thread; returns what each worker returned, after the job ended cleanly.
 fn job<T: Send + 'static>(workers: usize, servers: usize, store: &'static str, work: fn(usize, &DistWorker) -> T) -> Vec<T> {
+    job_with(workers, servers, store, work)
+}
+
+fn job_with<T: Send + 'static, F: Fn(usize, &DistWorker) -> T + Send + Clone + 'static>(workers: usize, servers: usize, store: &'static str, work: F) -> Vec<T> {
     let port = free_port();
     let mut nodes = vec![thread::spawn(move || serve(config(Role::Scheduler, port, workers, servers)))];
     for _ in 0..servers {
@@ -45,6 +49,7 @@ fn job<T: Send + 'static>(workers: usize, servers: usize, store: &'static str, w
     }
     let handles: Vec<_> = (0..workers)
         .map(|_| {
+            let work = work.clone();
             thread::spawn(move || {
                 let w = DistWorker::start(store, config(Role::Worker, port, workers, servers)).unwrap();
                 let out = work(w.rank(), &w);
@@ -143,9 +148,8 @@ fn bad_requests_get_errors_and_change_nothing() {
         let (c, p) = two_bit();
         assert!(w.set_compress(c, &p).unwrap_err().to_string().contains("before initializing"));
         assert!(w.set_optimizer("rmsprop", &[]).unwrap_err().to_string().contains("unknown optimizer"));
-        let qsgd = Compression::Qsgd(gradpack::compression::Qsgd::new("qsgd_mn", &[4], 0, None, false).unwrap());
-        assert!(w.set_compress(qsgd, &[]).unwrap_err().to_string().contains("'qsgd_mn' compression is not available on a 'dist_sync' store yet"));
-        assert!(w.set_compress(Compression::OneBit { threshold: 0.0 }, &[]).unwrap_err().to_string().contains("'1bit'"));
+        let local = Compression::Qsgd(gradpack::compression::Qsgd::new("grandk_mn", &[4], 0, Some(2), true).unwrap());
+        assert!(w.set_compress(local, &[]).unwrap_err().to_string().contains("unselected='local'"));
         assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);
     });
 }
@@ -241,4 +245,82 @@ fn dist_sync_device_merges_local_devices_before_one_push() {
         assert!(seen[0].iter().all(|&x| x == 0.0));
         assert!(seen[1].iter().all(|&x| x == 1.0), "2 workers x 0.5");
     }
+}
+
+fn scheme_params(i: usize) -> Vec<(String, String)> {
+    let all: [&[(&str, &str)]; 7] = [
+        &[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "4")],
+        &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")],
+        &[("compress", "qsgd_mn_ms"), ("bits", "[1, 3, 8]")],
+        &[("compress", "grandk_mn"), ("bits", "4"), ("k", "17")],
+        &[("compress", "grandk_mn_ts"), ("bits", "[2, 4]"), ("k", "30")],
+        &[("compress", "powersgd"), ("rank", "2")],
+        &[("compress", "1bit"), ("threshold", "0.1")],
+    ];
+    all[i].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn scheme_grad(rank: usize, step: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i * 31 + rank * 17 + step * 7) % 23) as f32 - 11.0) * 0.05 * (1.0 + rank as f32)).collect()
+}
+
+#[test]
+fn every_scheme_on_the_servers_matches_the_device_store() {
+    for i in 0..7 {
+        let results = job_with(3, 2, "dist_sync", move |rank, w| {
+            let params = scheme_params(i);
+            let c = Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap();
+            w.set_compress(c, &params).unwrap();
+            let shape = [6usize, 10];
+            let key = Key::Str("w".into());
+            w.init(&key, Array { shape: &shape, data: Grad::F32(&[0.0; 60]) }).unwrap();
+            let device = gradpack::kvstore::KVStore::new("device").unwrap();
+            device.set_compress(c).unwrap();
+            device.init(&key, Array { shape: &shape, data: Grad::F32(&[0.0; 60]) }).unwrap();
+            for step in 0..4 {
+                let g = scheme_grad(rank, step, 60);
+                w.push(&key, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap();
+                let all: Vec<Vec<f32>> = (0..3).map(|r| scheme_grad(r, step, 60)).collect();
+                let arrays: Vec<Array> = all.iter().map(|g| Array { shape: &shape, data: Grad::F32(g) }).collect();
+                device.push(&key, &arrays).unwrap();
+                w.barrier().unwrap(); // every worker's push is in before anyone pulls
+                let (got, want) = (pull(w, &key, &shape), device.value(&key).unwrap());
+                if let Compression::PowerSgd { .. } = c {
+                    // float32 sums in arrival order: equal to rounding
+                    assert!(got.iter().zip(&want).all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs())), "{}: {got:?} vs {want:?}", c.name());
+                } else {
+                    assert_eq!(got, want, "{} step {step}", c.name());
+                }
+                w.barrier().unwrap();
+            }
+            w.stats().0
+        });
+        assert!(results.iter().all(|&sent| sent > 0));
+    }
+}
+
+#[test]
+fn a_failed_scheme_round_fails_every_worker_and_the_next_one_works() {
+    job(2, 1, "dist_sync", |rank, w| {
+        let params = scheme_params(0);
+        let c = Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap();
+        w.set_compress(c, &params).unwrap();
+        let shape = [8usize];
+        let k = Key::Int(3);
+        w.init(&k, Array { shape: &shape, data: Grad::F32(&[1.0; 8]) }).unwrap();
+        let g = if rank == 0 { [f32::INFINITY; 8] } else { [0.5; 8] };
+        let err = w.push(&k, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap_err().to_string();
+        assert!(err.contains("non-finite"), "{err}");
+        w.barrier().unwrap();
+        assert_eq!(pull(w, &k, &shape), vec![1.0; 8]);
+        // 2 workers * 0.5 at 2 bits with scale 0.5: codes 3 each, exactly 1.0
+        w.push(&k, &[Array { shape: &shape, data: Grad::F32(&[0.5; 8]) }]).unwrap();
+        w.barrier().unwrap();
+        assert_eq!(pull(w, &k, &shape), vec![1.0; 8]);
+    });
+    job(1, 1, "dist_async", |_, w| {
+        let params = scheme_params(0);
+        let c = Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap();
+        assert!(w.set_compress(c, &params).unwrap_err().to_string().contains("use 'dist_sync'"));
+    });
 }

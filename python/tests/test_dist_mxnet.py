@@ -30,3 +30,24 @@ def test_dist_sync_two_bit_weights(tmp_path, api, update_on_kvstore):
         # the servers sum 2 workers' 0.5 = 1; SGD lr 1
         assert res["weights"] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [-1.0] * 4], res
         assert res["stats"]["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("api", ["trainer", "module"])
+def test_dist_sync_qsgd_weights(tmp_path, api):
+    """qsgd_mn through Trainer / Module: 2 workers push 0.3 each; scale 0.3 and
+    3 levels make every code 3, so the servers decode exactly 6 * 0.3 / 3."""
+    import numpy as np
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), PS_HEARTBEAT_TIMEOUT="20",
+               GRADPACK_TEST_PARAMS=json.dumps({"compress": "qsgd_mn", "bits": 2}))
+    out = subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", "2", "-s", "1", "--timeout", "240",
+                          sys.executable, os.path.join(HERE, "dist_scripts", "mxnet_train.py"), api, "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    step = np.float32(np.float64(6) * np.float64(np.float32(0.3)) / 3)
+    want, w = [], np.float32(1)
+    for _ in range(4):
+        w = np.float32(w - step)
+        want.append([float(w)] * 4)
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            assert json.load(f)["weights"] == want

@@ -14,11 +14,48 @@ use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::kvstore::Key;
 use crate::optimizer::Optimizer;
+use crate::quant::{self, scheme, scheme::Part};
 
 /// Push flag: apply this push at once (dist_async).
 pub const FLAG_ASYNC: u16 = 2;
 /// Pull-response flag: the payload is in the code-count encoding (`counts`).
 pub const FLAG_CODE_COUNTS: u16 = 4;
+/// Push flag: one exchange of a scheme (`quant::scheme`): reduce over every
+/// worker and answer each with the result. Body: `op` (max, sum, min), `step`, `phase`.
+pub const FLAG_EXCHANGE: u16 = 8;
+/// Push flag: a scheme's final contribution: summed, decoded once with the
+/// round's exchanges, then applied like any push. Body: `step`.
+pub const FLAG_SCHEME: u16 = 16;
+
+/// A scheme's round in progress on one key.
+#[derive(Default)]
+struct SchemeRound {
+    /// Completed rounds: the step every worker's push must carry.
+    step: u64,
+    /// This round's completed reductions, in order.
+    exchanged: Vec<Part>,
+    /// The reduction being gathered: its op and partial result.
+    acc: Option<(String, Part)>,
+    /// Workers that contributed to it: (node id, request id).
+    waiting: Vec<(i32, u64)>,
+}
+
+/// `acc = op(acc, part)` elementwise; both from workers of one round.
+fn combine(op: &str, acc: &mut Part, part: Part) -> Result<()> {
+    let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{op}'"));
+    match (op, acc, part) {
+        ("max", Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x = x.max(y)),
+        ("sum" | "final", Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
+        ("min", Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => {
+            a.iter_mut().zip(b).for_each(|(x, y)| *x = (*x).min(y))
+        }
+        ("sum" | "final", Part::Codes { codes: a, lo, hi }, Part::Codes { codes: b, lo: l, hi: h }) if a.len() == b.len() && (*lo, *hi) == (l, h) => {
+            quant::qsgd::accumulate(&b, a)?
+        }
+        _ => return Err(mismatch()),
+    }
+    Ok(())
+}
 
 /// How the current round's pushes are being summed.
 #[derive(Clone, Copy, PartialEq)]
@@ -32,6 +69,9 @@ enum Round {
 
 struct Slot {
     offset: u64,
+    /// The whole key's shape (from init), for schemes that need it.
+    shape: Vec<usize>,
+    scheme: SchemeRound,
     value: Vec<f32>,
     merge: Vec<f32>,
     round: Round,
@@ -132,10 +172,16 @@ impl Server {
                     return Err(Error::Key { key: key.to_string(), problem: format!("init carries {} values for a slice of {}", value.len(), meta.len) });
                 }
                 let n = value.len();
+                let shape = match decode_pairs(&meta.body)?.iter().find(|(k, _)| k == "shape") {
+                    Some((_, v)) => v.split(',').map(|d| d.trim().parse::<usize>().map_err(|_| Error::Transport(format!("malformed message: shape '{v}'")))).collect::<Result<Vec<_>>>()?,
+                    None => vec![n],
+                };
                 self.slots.insert(
                     key,
                     Slot {
                         offset: meta.offset,
+                        shape,
+                        scheme: SchemeRound::default(),
                         merge: vec![0.0; n],
                         value,
                         round: Round::Empty,
@@ -182,6 +228,9 @@ impl Server {
     }
 
     fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
+        if msg.meta.flags & (FLAG_EXCHANGE | FLAG_SCHEME) != 0 {
+            return self.scheme_push(msg);
+        }
         let meta = msg.meta;
         let key = Self::key_of(&meta)?;
         self.slot(&key, &meta)?;
@@ -271,6 +320,94 @@ impl Server {
                 m.sender = sender;
                 m.request_id = request_id;
                 response(&m, self.my_id, result.clone().map(|_| Vec::new()))
+            })
+            .collect())
+    }
+}
+
+impl Server {
+    /// One exchange or final contribution of a scheme's round (module docs
+    /// of `quant::scheme`): gathered from every worker, then answered.
+    fn scheme_push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
+        let meta = msg.meta;
+        let key = Self::key_of(&meta)?;
+        self.slot(&key, &meta)?;
+        let compression = self.compression;
+        if !compression.is_scheme() {
+            return Err(Error::Key { key: key.to_string(), problem: format!("a scheme push, but this server's compression is '{}'", compression.name()) });
+        }
+        let pairs = decode_pairs(&meta.body)?;
+        let get = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let number = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| Error::Transport(format!("malformed message: scheme push without '{k}'")));
+        let is_final = meta.flags & FLAG_SCHEME != 0;
+        let step = number("step")?;
+        let (op, phase) = if is_final { ("final", None) } else { (get("op").unwrap_or(""), Some(number("phase")? as usize)) };
+        if !["max", "sum", "min", "final"].contains(&op) {
+            return Err(Error::Transport(format!("malformed message: unknown exchange '{op}'")));
+        }
+        let part = scheme::from_wire(&msg.data)?;
+        let num_workers = self.num_workers;
+        let slot = self.slots.get_mut(&key).unwrap();
+        let round = &mut slot.scheme;
+        if step != round.step {
+            return Err(Error::Key { key: key.to_string(), problem: format!("scheme push for step {step}, but this server is at step {}", round.step) });
+        }
+        // Every worker gave up the last round after an exchange (e.g. a
+        // non-finite scale): a new first exchange starts the round over.
+        if phase == Some(0) && round.acc.is_none() && !round.exchanged.is_empty() {
+            round.exchanged.clear();
+        }
+        if let Some(p) = phase {
+            if p != round.exchanged.len() {
+                return Err(Error::Key { key: key.to_string(), problem: format!("exchange {p} of the round, but the server expects {}", round.exchanged.len()) });
+            }
+        }
+        if round.waiting.iter().any(|(s, _)| *s == meta.sender) {
+            return Err(Error::Key { key: key.to_string(), problem: format!("node {} sent twice in one exchange", meta.sender) });
+        }
+        match &mut round.acc {
+            None => round.acc = Some((op.to_string(), part)),
+            Some((o, acc)) if o == op => combine(op, acc, part)?,
+            Some((o, _)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{op}' while the workers' '{o}' is being gathered") }),
+        }
+        round.waiting.push((meta.sender, meta.request_id));
+        if round.waiting.len() < num_workers {
+            return Ok(Vec::new()); // answered when every worker contributed
+        }
+        let (_, reduced) = round.acc.take().unwrap();
+        let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
+        let (result, payload) = if !is_final {
+            let reply = match &reduced {
+                Part::Codes { codes, lo, hi } => Part::Codes { codes: codes.clone(), lo: lo * num_workers as i32, hi: hi * num_workers as i32 },
+                other => other.clone(),
+            };
+            round.exchanged.push(reduced);
+            (Ok(()), scheme::to_wire(&reply))
+        } else {
+            let ctx = scheme::Ctx { shape: &slot.shape, step, key_hash: key.stable_hash(), member: 0, workers: num_workers };
+            let decoded = scheme::decode(&compression, &round.exchanged, &reduced, &ctx, &mut slot.merge);
+            round.exchanged.clear();
+            round.step += 1;
+            slot.pull_cache = None;
+            slot.value_counts = None;
+            let result = decoded.and_then(|_| match &self.optimizer {
+                Some(o) => o.update(&key, &slot.merge, &mut slot.value),
+                None => {
+                    slot.value.copy_from_slice(&slot.merge);
+                    Ok(())
+                }
+            });
+            // PowerSGD's workers warm-start from the summed Q.
+            let payload = if matches!(compression, Compression::PowerSgd { .. }) { scheme::to_wire(&reduced) } else { Vec::new() };
+            (result, payload)
+        };
+        Ok(waiting
+            .into_iter()
+            .map(|(sender, request_id)| {
+                let mut m = meta.clone();
+                m.sender = sender;
+                m.request_id = request_id;
+                response(&m, self.my_id, result.clone().map(|_| payload.clone()))
             })
             .collect())
     }

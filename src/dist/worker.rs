@@ -13,11 +13,13 @@ use super::config::{Config, Role};
 use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
 use super::postoffice::Postoffice;
 use super::counts;
-use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS};
+use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::kvstore::{check_outputs, check_push, check_shape, key_error, sum_into, Array, ArrayMut, Key};
+use crate::quant::collective::Collective;
+use crate::quant::scheme::{self, Part};
 
 /// One server's part of a key.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,6 +62,67 @@ struct WorkerKey {
     /// One residual per slice, allocated on the first compressed push.
     residuals: Vec<Vec<f32>>,
     merge: Vec<f32>,
+    /// A scheme's state (residual, PowerSGD's Q, push count); such keys have one slice.
+    state: scheme::State,
+}
+
+/// A scheme's exchanges for one key, reduced by the key's server.
+struct ServerExchange<'a> {
+    post: &'a Postoffice,
+    key: &'a Key,
+    slice: &'a Slice,
+    step: u64,
+    phase: usize,
+    workers: usize,
+}
+
+impl ServerExchange<'_> {
+    fn exchange(&mut self, op: &str, part: Part) -> Result<Part> {
+        let mut m = self.slice.meta(Command::Push, self.key);
+        m.flags |= FLAG_EXCHANGE;
+        m.body = encode_pairs([("op", op), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
+        self.phase += 1;
+        let replies = self.post.request(vec![(self.slice.server, m, scheme::to_wire(&part))])?;
+        scheme::from_wire(&replies[0].data)
+    }
+
+    fn malformed(&self, op: &str) -> Error {
+        Error::Transport(format!("malformed message: the server's '{op}' result for key {} has the wrong kind or length", self.key))
+    }
+}
+
+impl Collective for ServerExchange<'_> {
+    fn workers(&self) -> usize {
+        self.workers
+    }
+
+    fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
+        match self.exchange("max", Part::F32(x.to_vec()))? {
+            Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
+            _ => Err(self.malformed("max")),
+        }
+    }
+
+    fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
+        match self.exchange("sum", Part::F32(x.to_vec()))? {
+            Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
+            _ => Err(self.malformed("sum")),
+        }
+    }
+
+    fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
+        match self.exchange("min", Part::Levels { levels: x.to_vec(), count })? {
+            Part::Levels { levels, .. } if levels.len() == x.len() => Ok(x.copy_from_slice(&levels)),
+            _ => Err(self.malformed("min")),
+        }
+    }
+
+    fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
+        match self.exchange("sum", Part::Codes { codes: x.to_vec(), lo, hi })? {
+            Part::Codes { codes, .. } if codes.len() == x.len() => Ok(x.copy_from_slice(&codes)),
+            _ => Err(self.malformed("sum")),
+        }
+    }
 }
 
 pub struct DistWorker {
@@ -141,8 +204,20 @@ impl DistWorker {
     /// Sets compression on every worker; rank 0 also tells the servers. Must
     /// come before the first init, as in MXNet.
     pub fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
-        if compression.is_scheme() {
-            return Err(Error::Store(format!("'{}' compression is not available on a '{}' store yet (only on 'device')", compression.name(), self.type_name)));
+        if compression.is_scheme() && self.asynchronous {
+            return Err(Error::Store(format!(
+                "'{}' compression needs every worker in each round (a shared scale or factor); use 'dist_sync' rather than '{}'",
+                compression.name(),
+                self.type_name
+            )));
+        }
+        if let Compression::Qsgd(q) = compression {
+            if q.keep_local {
+                return Err(Error::Store(format!(
+                    "'{}' with unselected='local' keeps each worker's own gradient, which a parameter server never sees; use it on 'device' or 'dist_sync_allreduce'",
+                    q.name
+                )));
+            }
         }
         if !self.keys.read().unwrap().is_empty() {
             return Err(Error::Store("set the gradient compression before initializing any key".into()));
@@ -190,15 +265,22 @@ impl DistWorker {
             }
             *str_keys = Some(key.is_str());
         }
-        let slices = slices_for(key, data.len(), &self.servers(), self.post.config.bigarray_bound);
+        // A scheme's key lives on one server, which decodes it whole.
+        let bound = if self.compression.read().unwrap().is_scheme() { usize::MAX } else { self.post.config.bigarray_bound };
+        let slices = slices_for(key, data.len(), &self.servers(), bound);
         if self.rank() == 0 {
+            let shape = value.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
             let parts = slices
                 .iter()
-                .map(|s| (s.server, s.meta(Command::Init, key), f32s_to_bytes(&data[s.offset..s.offset + s.len])))
+                .map(|s| {
+                    let mut m = s.meta(Command::Init, key);
+                    m.body = encode_pairs([("shape", shape.as_str())]);
+                    (s.server, m, f32s_to_bytes(&data[s.offset..s.offset + s.len]))
+                })
                 .collect();
             self.post.request(parts)?;
         }
-        let entry = WorkerKey { shape: value.shape.to_vec(), residuals: vec![Vec::new(); slices.len()], slices, merge: Vec::new() };
+        let entry = WorkerKey { shape: value.shape.to_vec(), residuals: vec![Vec::new(); slices.len()], slices, merge: Vec::new(), state: scheme::State::default() };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
         self.post.barrier()
     }
@@ -221,6 +303,10 @@ impl DistWorker {
             e.merge.resize(n, 0.0);
             let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
             sum_into(&mut e.merge, &grads);
+        }
+        if compression.is_scheme() {
+            let merged = single.unwrap_or(&e.merge);
+            return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, merged, compression);
         }
         let mut parts = Vec::with_capacity(e.slices.len());
         for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
@@ -246,6 +332,25 @@ impl DistWorker {
             parts.push((s.server, m, payload));
         }
         self.post.request(parts).map(|_| ())
+    }
+
+    /// A scheme's push: its exchanges through the key's server, then the
+    /// final contribution, which the server sums, decodes and applies. The
+    /// worker's state changes only when the server accepted the round.
+    fn push_scheme(&self, key: &Key, shape: &[usize], slice: &Slice, state: &mut scheme::State, merged: &[f32], compression: Compression) -> Result<()> {
+        let mut next = state.clone();
+        let (rank, workers) = (self.rank(), self.num_workers());
+        let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
+        let mut exchange = ServerExchange { post: &self.post, key, slice, step: state.step, phase: 0, workers };
+        let (_, part) = scheme::encode(&compression, &mut next, merged, &ctx, &mut exchange)?;
+        let mut m = slice.meta(Command::Push, key);
+        m.flags |= FLAG_SCHEME;
+        m.body = encode_pairs([("step", state.step.to_string().as_str())]);
+        let replies = self.post.request(vec![(slice.server, m, scheme::to_wire(&part))])?;
+        let summed = if replies[0].data.is_empty() { part } else { scheme::from_wire(&replies[0].data)? };
+        scheme::finish(&compression, &mut next, &summed);
+        *state = next;
+        Ok(())
     }
 
     /// Copies the servers' float32 value of `key` into every output.

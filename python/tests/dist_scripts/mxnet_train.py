@@ -12,6 +12,8 @@ import gradpack.mxnet as gpmx
 api, update_on_kvstore = sys.argv[1], sys.argv[2] == "1"
 store_type = sys.argv[3] if len(sys.argv) > 3 else "dist_sync"
 TWO_BIT = {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5}
+if os.environ.get("GRADPACK_TEST_PARAMS"):
+    TWO_BIT = json.loads(os.environ["GRADPACK_TEST_PARAMS"])
 seen = []
 if api == "trainer":
     net = mx.gluon.nn.Dense(1, use_bias=False, in_units=4)

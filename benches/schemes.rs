@@ -1,0 +1,91 @@
+//! Compression throughput of every scheme beside the codec benchmark's
+//! memory-bound loop (`r += g`, same run, same threads): one worker's encode
+//! (quantize, pack for the wire) and decode of a summed result, on 16 Mi
+//! elements (PowerSGD: a 4096 x 4096 matrix). Exchanges go through a
+//! one-member group, so this measures computation, not a network.
+//!
+//! Run: `cargo bench --bench schemes` (GRADPACK_BENCH_MI sets the size in Mi-elements).
+
+use std::time::Instant;
+
+use gradpack::compression::Compression;
+use gradpack::quant::collective::run_group;
+use gradpack::quant::scheme::{self, Ctx, State};
+use rayon::prelude::*;
+
+/// Median seconds of `reps` runs after one warm-up.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[reps / 2]
+}
+
+fn main() {
+    let mi: usize = std::env::var("GRADPACK_BENCH_MI").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
+    let n = mi << 20;
+    let side = (n as f64).sqrt() as usize;
+    let grad: Vec<f32> = (0..n).map(|i| ((i.wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5) * 1.4).collect();
+    let mut residual = vec![0f32; n];
+    let reps = 5;
+    let threads = rayon::current_num_threads();
+    let stream = time(reps, || {
+        residual.par_chunks_mut(1 << 16).zip(grad.par_chunks(1 << 16)).for_each(|(r, g)| r.iter_mut().zip(g).for_each(|(r, g)| *r += *g))
+    });
+    let twobit = Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap();
+    let mut compr = gradpack::create_2bit(n);
+    residual.fill(0.0);
+    let Compression::TwoBit(th) = twobit else { unreachable!() };
+    let codec = time(reps, || gradpack::quantize_2bit(&grad, &mut residual, &mut compr, th).unwrap());
+    println!("gradpack scheme throughput: {mi} Mi float32 elements, {threads} threads (PowerSGD: {side} x {side})");
+    println!("encode = quantize + pack for the wire; decode = summed result back to float32\n");
+    println!("{:<24} {:>10} {:>9} {:>10} {:>10} {:>9} {:>12}", "scheme", "encode ms", "Gelem/s", "vs r+=g", "decode ms", "Gelem/s", "wire B/elem");
+    let row = |name: &str, enc: f64, dec: Option<f64>, wire: f64| {
+        let (d, dg) = dec.map_or(("-".to_string(), "-".to_string()), |d| (format!("{:.1}", d * 1e3), format!("{:.3}", n as f64 / d / 1e9)));
+        println!("{:<24} {:>10.1} {:>9.3} {:>9.2}x {:>10} {:>9} {:>12.3}", name, enc * 1e3, n as f64 / enc / 1e9, enc / stream, d, dg, wire);
+    };
+    row("r += g loop (floor)", stream, None, 4.0);
+    row("2bit (codec kernel)", codec, None, 0.25);
+    let schemes: &[(&str, &[(&str, &str)])] = &[
+        ("qsgd_mn 2", &[("compress", "qsgd_mn"), ("bits", "2")]),
+        ("qsgd_mn 8", &[("compress", "qsgd_mn"), ("bits", "8")]),
+        ("qsgd_mn_ts [2,6]", &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")]),
+        ("qsgd_mn_ms [2,4,8]", &[("compress", "qsgd_mn_ms"), ("bits", "[2, 4, 8]")]),
+        ("grandk_mn k=n/16 b=8", &[("compress", "grandk_mn"), ("bits", "8"), ("k", "")]),
+        ("powersgd r=1", &[("compress", "powersgd"), ("rank", "1")]),
+        ("powersgd r=4", &[("compress", "powersgd"), ("rank", "4")]),
+        ("1bit", &[("compress", "1bit")]),
+    ];
+    let k = (n / 16).to_string();
+    for (name, params) in schemes {
+        let params: Vec<(&str, &str)> = params.iter().map(|&(a, b)| (a, if a == "k" { k.as_str() } else { b })).collect();
+        let c = Compression::from_params(params.iter().copied()).unwrap();
+        let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
+        let reps = if matches!(c, Compression::PowerSgd { .. }) { 3 } else { reps };
+        let mut state = State::default();
+        let mut out = vec![0f32; n];
+        let mut wire_bytes = 0usize;
+        let (mut enc, mut dec) = (0.0, 0.0);
+        run_group(1, |_, member| {
+            let ctx = Ctx { shape: &shape, step: 0, key_hash: 1, member: 0, workers: 1 };
+            let mut last = None;
+            enc = time(reps, || {
+                let (ex, part) = scheme::encode(&c, &mut state, &grad, &ctx, member).unwrap();
+                wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
+                last = Some((ex, part));
+            });
+            let (ex, part) = last.unwrap();
+            dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
+            Ok(())
+        })
+        .unwrap();
+        row(name, enc, Some(dec), wire_bytes as f64 / n as f64);
+    }
+    println!("\nvs r+=g: encode time / the in-place r += g loop's (12 B/element, the memory floor of a residual update).");
+}

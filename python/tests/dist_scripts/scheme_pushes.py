@@ -1,0 +1,36 @@
+"""A worker of test_dist.py: the compression scheme in $GRADPACK_TEST_PARAMS
+(JSON) on a dist_sync store, against a 'device' store in this process with
+one device per worker; writes the largest difference it saw and its traffic."""
+import json
+import os
+
+import numpy as np
+
+import gradpack
+
+params = json.loads(os.environ["GRADPACK_TEST_PARAMS"])
+kv = gradpack.kv.create("dist_sync")
+rank, workers = kv.rank, kv.num_workers
+kv.set_compress(params)
+device = gradpack.kv.create("device")
+device.set_compress(params)
+shape = (8, 12)
+kv.init("w", np.zeros(shape, np.float32))
+device.init("w", np.zeros(shape, np.float32))
+
+
+def grad(r, step):
+    return np.random.default_rng(1000 * r + step).standard_normal(shape).astype(np.float32)
+
+
+worst = 0.0
+for step in range(3):
+    kv.push("w", grad(rank, step))
+    device.push("w", [grad(r, step) for r in range(workers)])
+    got, want = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    kv.pull("w", out=got)
+    device.pull("w", out=want)
+    worst = max(worst, float(np.abs(got - want).max()))
+    kv.barrier()
+with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
+    json.dump({"max_diff": worst, "bytes_sent": kv.stats()["bytes_sent"]}, f)
