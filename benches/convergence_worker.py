@@ -4,6 +4,7 @@ gradpack's 'dist_sync_allreduce' store with the given compress_params, and
 rank 0 writes accuracy per epoch, bytes handed to MPI and time per epoch."""
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -39,8 +40,8 @@ def main():
     net.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
     trainer = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                            kvstore="dist_sync_allreduce", compress_params=params)
-    kv = trainer._kvstore
-    rank, workers = kv.rank, kv.num_workers
+    # The Trainer creates its store on the first step; mpirun names the ranks.
+    rank, workers = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     # Each worker its own shard; a step sums every worker's gradient of a loss
     # summed over its batch, and the Trainer divides by the global batch.
     xs, ys = xtr[rank::workers], ytr[rank::workers]
@@ -59,6 +60,8 @@ def main():
         mx.nd.waitall()
         times.append(time.perf_counter() - t0)
         acc.append(float((net(mx.nd.array(xte)).asnumpy().argmax(axis=1) == yte).mean()))
+    kv = trainer._kvstore
+    assert (kv.rank, kv.num_workers) == (rank, workers)
     stats = kv.stats()
     if rank == 0:
         with open(args.out, "w") as f:

@@ -4,7 +4,8 @@
 //! elements (PowerSGD: a 4096 x 4096 matrix). Exchanges go through a
 //! one-member group, so this measures computation, not a network.
 //!
-//! Run: `cargo bench --bench schemes` (GRADPACK_BENCH_MI sets the size in Mi-elements).
+//! Run: `cargo bench --bench schemes` (GRADPACK_BENCH_MI sets the size in
+//! Mi-elements, GRADPACK_BENCH_ONLY picks schemes by name).
 
 use std::time::Instant;
 
@@ -63,28 +64,29 @@ fn main() {
         ("1bit", &[("compress", "1bit")]),
     ];
     let k = (n / 16).to_string();
-    for (name, params) in schemes {
+    let only = std::env::var("GRADPACK_BENCH_ONLY").unwrap_or_default();
+    for (name, params) in schemes.iter().filter(|(name, _)| name.contains(only.as_str())) {
         let params: Vec<(&str, &str)> = params.iter().map(|&(a, b)| (a, if a == "k" { k.as_str() } else { b })).collect();
         let c = Compression::from_params(params.iter().copied()).unwrap();
         let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
         let reps = if matches!(c, Compression::PowerSgd { .. }) { 3 } else { reps };
-        let mut state = State::default();
-        let mut out = vec![0f32; n];
-        let mut wire_bytes = 0usize;
-        let (mut enc, mut dec) = (0.0, 0.0);
-        run_group(1, |_, member| {
+        let (enc, dec, wire_bytes) = run_group(1, |_, member| {
+            let mut state = State::default();
+            let mut out = vec![0f32; n];
+            let mut wire_bytes = 0usize;
             let ctx = Ctx { shape: &shape, step: 0, key_hash: 1, member: 0, workers: 1 };
             let mut last = None;
-            enc = time(reps, || {
+            let enc = time(reps, || {
                 let (ex, part) = scheme::encode(&c, &mut state, &grad, &ctx, member).unwrap();
                 wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
                 last = Some((ex, part));
             });
             let (ex, part) = last.unwrap();
-            dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
-            Ok(())
+            let dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
+            Ok((enc, dec, wire_bytes))
         })
-        .unwrap();
+        .unwrap()
+        .remove(0);
         row(name, enc, Some(dec), wire_bytes as f64 / n as f64);
     }
     println!("\nvs r+=g: encode time / the in-place r += g loop's (12 B/element, the memory floor of a residual update).");

@@ -142,6 +142,11 @@ int gp_kvstore_save_optimizer_states(gp_kvstore_t* store, uint8_t** data, uint64
 int gp_kvstore_load_optimizer_states(gp_kvstore_t* store, const uint8_t* data, uint64_t len);
 void gp_buffer_free(uint8_t* data, uint64_t len);
 
+/* The error-feedback residual of `key` on `device` (2-bit's or a scheme's),
+ * copied into `out` (`len` floats, the key's size; zeros before the first
+ * compressed push). Local, device and all-reduce stores. */
+int gp_kvstore_residual(const gp_kvstore_t* store, gp_key_t key, uint64_t device, float* out, uint64_t len);
+
 /* Local stores: bytes pushes moved between devices as float32 (a) and as sent
  * (b). Distributed workers: transport bytes sent (a) and received (b). */
 int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* a, uint64_t* b);

@@ -62,6 +62,7 @@ LIB.gp_kvstore_save_optimizer_states.argtypes = [_p, ctypes.POINTER(ctypes.POINT
 LIB.gp_kvstore_load_optimizer_states.argtypes = [_p, ctypes.c_char_p, ctypes.c_uint64]
 LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), ctypes.c_uint64]
 LIB.gp_buffer_free.restype = None
+LIB.gp_kvstore_residual.argtypes = [_p, _Key, ctypes.c_uint64, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64]
 LIB.gp_kvstore_stats.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_rank.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_barrier.argtypes = [_p]
@@ -371,6 +372,17 @@ class KVStore(object):
         """Replace the optimizer states with those saved in ``fname``."""
         with open(fname, "rb") as f:
             self.set_optimizer_states(f.read())
+
+    def residual(self, key, device=0):
+        """The error-feedback residual of ``key`` on ``device`` (2-bit's or a
+        scheme's; zeros before its first compressed push), as a new array."""
+        size = int(np.prod(self._shapes[key])) if key in self._shapes else None
+        if size is None:
+            raise Error("key %r: not initialized (call init first)" % (key,))
+        out = np.zeros(self._shapes[key], np.float32)
+        self._call(LIB.gp_kvstore_residual(self.handle, _key(key), device,
+                                           out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), size))
+        return out
 
     def stats(self):
         """Traffic. Local stores: bytes pushes moved between devices as float32

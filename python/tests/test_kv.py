@@ -336,3 +336,57 @@ def test_qsgd_on_a_device_store_is_unbiased():
         kv.set_compress({"compress": "qsgd_mn", "bits": 16})
     with pytest.raises(gradpack.Error, match="create a 'device' store"):
         gradpack.kv.create("local").set_compress({"compress": "qsgd_mn", "bits": 4})
+
+
+@pytest.mark.parametrize("params", [
+    {"compress": "qsgd_mn_ts", "bits": [2, 6], "seed": 3},
+    {"compress": "qsgd_mn_ms", "bits": (1, 3, 6)},
+    {"compress": "grandk_mn_ts", "bits": [3, 6], "k": 64},  # k >= size: every coordinate
+], ids=lambda p: p["compress"])
+def test_multi_scale_schemes_on_a_device_store_are_unbiased(params):
+    kv = gradpack.kv.create("device")
+    kv.set_compress(params)
+    rng = np.random.default_rng(6)
+    grads = [rng.uniform(-0.05, 0.05, 64).astype(np.float32) for _ in range(2)]
+    grads[0][5] = 1.0  # one large element: coarse there, fine elsewhere
+    kv.init(0, np.zeros(64, np.float32))
+    trials = 400
+    mean = np.zeros(64)
+    for _ in range(trials):
+        kv.push(0, grads)
+        mean += pulled(kv, 0, (64,)) / trials
+    scale = 1.0
+    coarse = scale / (2 ** params["bits"][0] - 1)
+    sigma = coarse / 2 / np.sqrt(trials) * np.sqrt(2)
+    np.testing.assert_allclose(mean, grads[0] + grads[1], atol=5 * sigma)
+
+
+def test_powersgd_and_one_bit_keep_what_they_did_not_send():
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal((16, 8)).astype(np.float32)
+    for params in ({"compress": "powersgd", "rank": 1}, {"compress": "1bit", "threshold": 0.0}):
+        kv = gradpack.kv.create("device")
+        kv.set_compress(params)
+        kv.init(0, np.zeros((16, 8), np.float32))
+        sent = np.zeros((16, 8), np.float64)
+        for step in range(5):
+            kv.push(0, [g])
+            sent += pulled(kv, 0, (16, 8))
+            # error feedback: everything pushed = everything sent + what is kept back
+            np.testing.assert_allclose(sent + kv.residual(0, 0), (step + 1) * g.astype(np.float64), atol=1e-4)
+
+
+def test_scheme_parameters_are_validated_by_name():
+    kv = gradpack.kv.create("device")
+    for params, message in [
+        ({"compress": "qsgd_mn_ts", "bits": 4}, "'bits': 'qsgd_mn_ts' takes two values"),
+        ({"compress": "qsgd_mn_ms", "bits": [4, 2]}, "'bits': scales must be ascending"),
+        ({"compress": "grandk_mn", "bits": 4}, "'k': missing"),
+        ({"compress": "grandk_mn", "bits": 4, "k": -1}, "'k': must be a whole number >= 1"),
+        ({"compress": "grandk_mn", "bits": 4, "k": 3, "unselected": "mine"}, "'unselected'"),
+        ({"compress": "powersgd", "rank": 0}, "'rank': must be a whole number from 1"),
+        ({"compress": "powersgd", "threshold": 1}, "'threshold': unknown key for compression 'powersgd'"),
+        ({"compress": "4bit"}, "unknown compression type '4bit'"),
+    ]:
+        with pytest.raises(gradpack.Error, match=message):
+            kv.set_compress(params)

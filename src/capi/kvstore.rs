@@ -273,6 +273,33 @@ pub unsafe extern "C" fn gp_kvstore_barrier(store: *const gp_kvstore_t) -> c_int
     })
 }
 
+/// Copies the error-feedback residual of `key` on `device` (2-bit's, or a
+/// scheme's) into `out`: `len` floats, the key's size, or 0 when the device
+/// has none yet. Local and device stores only.
+///
+/// # Safety
+/// `store` is live; `out` holds `len` floats.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_residual(store: *const gp_kvstore_t, key: gp_key_t, device: u64, out: *mut f32, len: u64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?.local("residual")?;
+        Raw::new("out", out, len)?;
+        let key = key_of(key)?;
+        let r = kv.residual(&key, device as usize)?;
+        let want = kv.value(&key)?.len();
+        if len as usize != want {
+            return Err(Error::SizeMismatch { what: "residual output", expected: want, got: len as usize });
+        }
+        let out = slice_mut(out, len);
+        if r.is_empty() {
+            out.fill(0.0);
+        } else {
+            out.copy_from_slice(&r);
+        }
+        Ok(())
+    })
+}
+
 /// Runs this process's scheduler or server role (DMLC_ROLE) until the job
 /// ends: 0 when it ended normally, -1 (with the message) when it failed.
 #[no_mangle]

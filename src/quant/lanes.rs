@@ -7,7 +7,12 @@
 //! codes of every worker exactly, with codes sent as `code - lo` in lanes
 //! wide enough for `workers * (hi - lo)`.
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
+
+/// Words per parallel task.
+const TASK_WORDS: usize = 1 << 13;
 
 /// Bits that hold every value in `0..=max` (at least 1).
 pub fn width_for(max: u64) -> u32 {
@@ -30,6 +35,28 @@ pub fn pack(values: impl ExactSizeIterator<Item = u64>, width: u32) -> Vec<u64> 
     out
 }
 
+/// Packs `value(i)` for `i` in `0..n` (each `< 2^width`), words in parallel.
+pub fn pack_with(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync) -> Vec<u64> {
+    let per = (64 / width) as usize;
+    let mut out = vec![0u64; words_for(n, width)];
+    let fill = |first_word: usize, words: &mut [u64]| {
+        for (j, word) in words.iter_mut().enumerate() {
+            let base = (first_word + j) * per;
+            let mut acc = 0u64;
+            for (lane, i) in (base..(base + per).min(n)).enumerate() {
+                acc |= value(i) << (lane as u32 * width);
+            }
+            *word = acc;
+        }
+    };
+    if out.len() > TASK_WORDS {
+        out.par_chunks_mut(TASK_WORDS).enumerate().for_each(|(t, w)| fill(t * TASK_WORDS, w));
+    } else {
+        fill(0, &mut out);
+    }
+    out
+}
+
 /// Unpacks `n` values of `width` bits; errors on a wrong word count.
 pub fn unpack(words: &[u64], n: usize, width: u32) -> Result<impl Iterator<Item = u64> + '_> {
     if !(1..=64).contains(&width) {
@@ -38,14 +65,19 @@ pub fn unpack(words: &[u64], n: usize, width: u32) -> Result<impl Iterator<Item 
     if words.len() != words_for(n, width) {
         return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(n, width), got: words.len() });
     }
-    let per = (64 / width) as usize;
+    let per = 64 / width;
     let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
-    Ok((0..n).map(move |i| (words[i / per] >> ((i % per) as u32 * width)) & mask))
+    Ok(words.iter().flat_map(move |&w| (0..per).map(move |lane| (w >> (lane * width)) & mask)).take(n))
 }
 
 /// Words as little-endian bytes, and back (the length must be a multiple of 8).
 pub fn to_bytes(words: &[u64]) -> Vec<u8> {
-    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    if cfg!(target_endian = "little") {
+        // SAFETY: any u64 slice is readable as bytes; on little-endian they are the wire's order.
+        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }.to_vec()
+    } else {
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
 }
 
 pub fn from_bytes(bytes: &[u8]) -> Result<Vec<u64>> {
@@ -67,6 +99,7 @@ mod tests {
             let words = pack(vals.iter().copied(), width);
             assert_eq!(words.len(), words_for(101, width));
             assert_eq!(unpack(&words, 101, width).unwrap().collect::<Vec<_>>(), vals);
+            assert_eq!(pack_with(101, width, |i| vals[i]), words);
             assert_eq!(from_bytes(&to_bytes(&words)).unwrap(), words);
         }
         assert!(unpack(&[0, 0], 3, 2).is_err());

@@ -3,6 +3,8 @@
 //! Every function is sequential per output element, so the same inputs give
 //! the same bits on every worker and on the server.
 
+use rayon::prelude::*;
+
 /// `(rows, cols, r)` when a rank-`rank` approximation of `shape` saves bytes
 /// (`r (rows + cols) < rows cols`, r = rank capped at min(rows, cols)); `None`
 /// for vectors and for matrices too small to gain, which go uncompressed.
@@ -16,37 +18,62 @@ pub fn factors(shape: &[usize], rank: usize) -> Option<(usize, usize, usize)> {
     (r * (rows + cols) < rows * cols).then_some((rows, cols, r))
 }
 
-/// `p = m q`: (rows x cols) times (cols x r).
+/// Work below this many matrix elements stays on one thread.
+const PARALLEL: usize = 1 << 16;
+
+/// `p = m q`: (rows x cols) times (cols x r); rows in parallel.
 pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
-    for i in 0..rows {
-        let row = &m[i * cols..(i + 1) * cols];
-        for j in 0..r {
-            p[i * r + j] = row.iter().enumerate().map(|(c, &x)| x * q[c * r + j]).sum();
+    let row = |i: usize, p_row: &mut [f32]| {
+        let m_row = &m[i * cols..(i + 1) * cols];
+        for (j, pj) in p_row.iter_mut().enumerate() {
+            *pj = m_row.iter().enumerate().map(|(c, &x)| x * q[c * r + j]).sum();
         }
+    };
+    if rows * cols > PARALLEL {
+        p.par_chunks_mut(r).enumerate().for_each(|(i, p_row)| row(i, p_row));
+    } else {
+        p.chunks_mut(r).enumerate().for_each(|(i, p_row)| row(i, p_row));
     }
 }
 
-/// `q = m^T p`: (cols x rows) times (rows x r).
+/// `q = m^T p`: (cols x rows) times (rows x r); blocks of columns in
+/// parallel, each element summed over rows in order.
 pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &mut [f32]) {
-    q.fill(0.0);
-    for i in 0..rows {
-        let row = &m[i * cols..(i + 1) * cols];
-        for (c, &x) in row.iter().enumerate() {
-            for j in 0..r {
-                q[c * r + j] += x * p[i * r + j];
+    const BLOCK: usize = 256;
+    let block = |b: usize, q_block: &mut [f32]| {
+        q_block.fill(0.0);
+        let c0 = b * BLOCK;
+        let width = q_block.len() / r;
+        for i in 0..rows {
+            let m_part = &m[i * cols + c0..i * cols + c0 + width];
+            let p_row = &p[i * r..(i + 1) * r];
+            for (c, &x) in m_part.iter().enumerate() {
+                for (j, &pj) in p_row.iter().enumerate() {
+                    q_block[c * r + j] += x * pj;
+                }
             }
         }
+    };
+    if rows * cols > PARALLEL {
+        q.par_chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| block(b, qb));
+    } else {
+        q.chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| block(b, qb));
     }
 }
 
-/// `out = p q^T` (rows x cols), or `out -= p q^T` when `subtract`.
+/// `out = p q^T` (rows x cols), or `out -= p q^T` when `subtract`; rows in parallel.
 pub fn p_times_qt(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out: &mut [f32], subtract: bool) {
-    for i in 0..rows {
-        for c in 0..cols {
-            let v: f32 = (0..r).map(|j| p[i * r + j] * q[c * r + j]).sum();
-            let o = &mut out[i * cols + c];
+    let row = |i: usize, o_row: &mut [f32]| {
+        let p_row = &p[i * r..(i + 1) * r];
+        for (c, o) in o_row.iter_mut().enumerate() {
+            let v: f32 = p_row.iter().zip(&q[c * r..(c + 1) * r]).map(|(a, b)| a * b).sum();
             *o = if subtract { *o - v } else { v };
         }
+    };
+    if rows * cols > PARALLEL {
+        out.par_chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
+    } else {
+        out.chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
     }
 }
 

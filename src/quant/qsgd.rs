@@ -10,6 +10,8 @@
 //! generator keyed by the caller's seed, so a worker's codes are reproducible
 //! and different workers (different seeds) round independently.
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 
 /// The largest `bits` accepted: codes stay far inside an `i32` accumulator.
@@ -32,14 +34,29 @@ pub fn max_workers(bits: u32) -> Result<u64> {
     Ok(i32::MAX as u64 / levels(bits)? as u64)
 }
 
-/// A uniform float in [0, 1) for element `i` under `seed` (splitmix64 of the pair).
+/// splitmix64 of (seed, i).
 #[inline(always)]
-pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
+fn mix(seed: u64, i: u64) -> u64 {
     let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32
+    z ^ (z >> 31)
+}
+
+const TWO_POW_MINUS_24: f32 = 1.0 / (1u32 << 24) as f32;
+
+/// A uniform float in [0, 1) for element `i` under `seed`.
+#[inline(always)]
+pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
+    (mix(seed, i) >> 40) as f32 * TWO_POW_MINUS_24
+}
+
+/// The rounding noise of elements `2p` and `2p + 1`: two 24-bit uniforms from
+/// one 64-bit hash (the hash is most of a code's cost).
+#[inline(always)]
+fn noise_pair(seed: u64, p: u64) -> [f32; 2] {
+    let h = mix(seed, p);
+    [(h >> 40) as f32 * TWO_POW_MINUS_24, ((h >> 8) & 0xFF_FFFF) as f32 * TWO_POW_MINUS_24]
 }
 
 /// The noise seed of one quantization: the configured `seed`, the key's push
@@ -71,6 +88,36 @@ fn factor(s: u32, scale: f32) -> f32 {
     }
 }
 
+/// Elements per parallel task (noise is indexed by the global element, so
+/// results do not depend on the split).
+const CHUNK: usize = 1 << 16;
+
+/// `max |x|`, or `None` when an element is not finite (f32::max would skip NaN).
+pub fn max_abs(x: &[f32]) -> Option<f32> {
+    let part = |c: &[f32]| c.iter().try_fold(0f32, |m, v| v.is_finite().then(|| m.max(v.abs())));
+    if x.len() > CHUNK {
+        x.par_chunks(CHUNK).map(part).reduce(|| Some(0.0), |a, b| Some(a?.max(b?)))
+    } else {
+        part(x)
+    }
+}
+
+/// Runs `work(offset, range of a, range of b)` over aligned chunks, in parallel when large.
+fn chunked<A: Sync, B: Send>(a: &[A], b: &mut [B], work: impl Fn(usize, &[A], &mut [B]) + Sync) {
+    if a.len() > CHUNK {
+        a.par_chunks(CHUNK).zip(b.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (a, b))| work(i * CHUNK, a, b));
+    } else {
+        work(0, a, b);
+    }
+}
+
+/// `ceil(x)` for `0 <= x < 2^31` by truncation (ceilf is a call without SSE4.1).
+#[inline(always)]
+fn ceil_nonneg(x: f32) -> f32 {
+    let t = x as u32;
+    (t + ((t as f32) < x) as u32) as f32
+}
+
 /// Multi-scale QSGD: for every element, the index of the finest level `j`
 /// (`levels` ascending) whose largest possible code `ceil(|g| s_j / M)` still
 /// fits the coarsest range `s_0`. The choice depends on `g` only, never on
@@ -78,10 +125,12 @@ fn factor(s: u32, scale: f32) -> f32 {
 pub fn fit_levels(grad: &[f32], scale: f32, levels: &[u32], out: &mut [u8]) {
     let s0 = levels[0] as f32;
     let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
-    for (o, &g) in out.iter_mut().zip(grad) {
-        let a = g.abs();
-        *o = factors.iter().rposition(|&f| (a * f).ceil() <= s0).unwrap_or(0) as u8;
-    }
+    chunked(grad, out, |_, g, o| {
+        for (o, &g) in o.iter_mut().zip(g) {
+            let a = g.abs();
+            *o = factors.iter().rposition(|&f| ceil_nonneg(a * f) <= s0).unwrap_or(0) as u8;
+        }
+    });
 }
 
 /// Quantizes every element at its level (`level_of[i]`, or level 0 for all
@@ -94,11 +143,10 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
     if !scale.is_finite() || scale < 0.0 {
         return Err(bad("scale", format!("must be finite and >= 0, got {scale}")));
     }
-    // f32::max skips NaN, so look for non-finite values explicitly.
-    if let Some(i) = grad.iter().position(|g| !g.is_finite()) {
+    let Some(max) = max_abs(grad) else {
+        let i = grad.iter().position(|g| !g.is_finite()).unwrap();
         return Err(bad("gradient", format!("element {i} is {}", grad[i])));
-    }
-    let max = grad.iter().fold(0f32, |m, g| m.max(g.abs()));
+    };
     if max > scale {
         return Err(bad("scale", format!("{scale} is below the gradient's max |g| = {max}")));
     }
@@ -111,13 +159,28 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
         }
     }
     let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
-    for (i, (c, &g)) in codes.iter_mut().zip(grad).enumerate() {
-        let j = level_of.map_or(0, |l| l[i] as usize);
-        let l = (g.abs() * factors[j]).min(levels[j] as f32);
-        let floor = l.floor();
-        let level = floor as i32 + (uniform(seed, i as u64) < l - floor) as i32;
-        *c = if g < 0.0 { -level } else { level };
-    }
+    let (f0, s0) = (factors[0], levels[0] as f32);
+    // Chunks start at even offsets, so pairs of elements share one hash.
+    chunked(grad, codes, |offset, g, c| {
+        for (p, (cp, gp)) in c.chunks_mut(2).zip(g.chunks(2)).enumerate() {
+            let i = offset + 2 * p;
+            let u = noise_pair(seed, (i / 2) as u64);
+            for (t, (c, &g)) in cp.iter_mut().zip(gp).enumerate() {
+                let (f, s) = match level_of {
+                    None => (f0, s0),
+                    Some(l) => {
+                        let lv = l[i + t] as usize;
+                        (factors[lv], levels[lv] as f32)
+                    }
+                };
+                let l = (g.abs() * f).min(s);
+                // l >= 0: truncation is floor (a call to floorf without SSE4.1)
+                let floor = l as i32;
+                let level = floor + (u[t] < l - floor as f32) as i32;
+                *c = if g < 0.0 { -level } else { level };
+            }
+        }
+    });
     Ok(())
 }
 
@@ -126,23 +189,20 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
     if sum.len() != out.len() {
         return Err(Error::SizeMismatch { what: "output", expected: sum.len(), got: out.len() });
     }
-    // In double, so that e.g. 45 codes of 0.5 / 15 decode to exactly 1.5.
-    let scale = scale as f64;
-    match level_of {
-        None => {
-            let s = levels[0] as f64;
-            out.iter_mut().zip(sum).for_each(|(o, &c)| *o = (c as f64 * scale / s) as f32);
+    if let Some(l) = level_of {
+        if l.len() != sum.len() {
+            return Err(Error::SizeMismatch { what: "levels", expected: sum.len(), got: l.len() });
         }
-        Some(l) => {
-            if l.len() != sum.len() {
-                return Err(Error::SizeMismatch { what: "levels", expected: sum.len(), got: l.len() });
-            }
-            for ((o, &c), &j) in out.iter_mut().zip(sum).zip(l) {
-                let s = *levels.get(j as usize).ok_or_else(|| bad("levels", format!("level {j} of {}", levels.len())))? as f64;
-                *o = (c as f64 * scale / s) as f32;
-            }
+        if let Some(&j) = l.iter().find(|&&j| j as usize >= levels.len()) {
+            return Err(bad("levels", format!("level {j} of {}", levels.len())));
         }
     }
+    // Steps in double, so that e.g. 45 codes of 0.5 / 15 decode to exactly 1.5.
+    let steps: Vec<f64> = levels.iter().map(|&s| scale as f64 / s as f64).collect();
+    chunked(sum, out, |offset, c, o| match level_of {
+        None => o.iter_mut().zip(c).for_each(|(o, &c)| *o = (c as f64 * steps[0]) as f32),
+        Some(l) => o.iter_mut().zip(c).zip(&l[offset..]).for_each(|((o, &c), &j)| *o = (c as f64 * steps[j as usize]) as f32),
+    });
     Ok(())
 }
 

@@ -17,7 +17,9 @@
 //!
 //! All aggregates are sums over workers, as every KVStore push is.
 
-use std::collections::HashSet;
+use std::borrow::Cow;
+
+use rayon::prelude::*;
 
 use super::collective::Collective;
 use super::{lanes, onebit, powersgd, qsgd};
@@ -67,18 +69,29 @@ pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Vec<usi
     if k >= n {
         return None;
     }
-    // Floyd's sampling: k distinct indices in O(k).
+    // Floyd's sampling: k distinct indices, marked in a bitset, read in order.
     let seed = qsgd::stream_seed(q.seed, step, key_hash, u64::MAX);
-    let mut chosen = HashSet::with_capacity(k);
+    let mut chosen = vec![0u64; n.div_ceil(64)];
+    let mut mark = |i: usize| {
+        let (w, b) = (i / 64, 1u64 << (i % 64));
+        let fresh = chosen[w] & b == 0;
+        chosen[w] |= b;
+        fresh
+    };
     for (draw, j) in (n - k..n).enumerate() {
-        let t = (qsgd::uniform(seed, draw as u64) as f64 * (j + 1) as f64) as usize;
-        let t = t.min(j);
-        if !chosen.insert(t) {
-            chosen.insert(j);
+        let t = ((qsgd::uniform(seed, draw as u64) as f64 * (j + 1) as f64) as usize).min(j);
+        if !mark(t) {
+            mark(j);
         }
     }
-    let mut idx: Vec<usize> = chosen.into_iter().collect();
-    idx.sort_unstable();
+    let mut idx = Vec::with_capacity(k);
+    for (w, &bits) in chosen.iter().enumerate() {
+        let mut b = bits;
+        while b != 0 {
+            idx.push(w * 64 + b.trailing_zeros() as usize);
+            b &= b - 1;
+        }
+    }
     Some(idx)
 }
 
@@ -97,7 +110,7 @@ pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll:
             // Error feedback: compress g + e; e keeps what the approximation missed.
             state.residual.resize(grad.len(), 0.0);
             let m = &mut state.residual;
-            m.iter_mut().zip(grad).for_each(|(e, g)| *e += g);
+            m.par_iter_mut().zip(grad).for_each(|(e, g)| *e += g);
             let mut p = vec![0f32; rows * r];
             powersgd::m_times_q(m, &state.q, rows, cols, r, &mut p);
             coll.sum_f32(&mut p)?;
@@ -138,14 +151,13 @@ fn encode_qsgd(q: &Qsgd, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> 
         return Err(bad("bits", format!("{} workers could overflow the code sum at {} bits", ctx.workers, q.bits()[0])));
     }
     let idx = selection(q, grad.len(), ctx.step, ctx.key_hash);
-    let x: Vec<f32> = match &idx {
-        Some(idx) => idx.iter().map(|&i| grad[i]).collect(),
-        None => grad.to_vec(),
+    let x: Cow<[f32]> = match &idx {
+        Some(idx) => Cow::Owned(idx.iter().map(|&i| grad[i]).collect()),
+        None => Cow::Borrowed(grad),
     };
     // A non-finite gradient anywhere poisons the shared scale, so every
     // worker fails this push together instead of waiting on the others.
-    let finite = x.iter().all(|v| v.is_finite());
-    let mut scale = [if finite { x.iter().fold(0f32, |m, v| m.max(v.abs())) } else { f32::INFINITY }];
+    let mut scale = [qsgd::max_abs(&x).unwrap_or(f32::INFINITY)];
     coll.max_f32(&mut scale)?;
     if !scale[0].is_finite() {
         return Err(bad("gradient", "a worker pushed a non-finite value (inf or NaN); nothing was applied".into()));
@@ -288,7 +300,7 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
             out.extend((levels.len() as u64).to_le_bytes());
             out.push(*count);
             let width = lanes::width_for(*count as u64 - 1);
-            out.extend(lanes::to_bytes(&lanes::pack(levels.iter().map(|&l| l as u64), width)));
+            out.extend(lanes::to_bytes(&lanes::pack_with(levels.len(), width, |i| levels[i] as u64)));
         }
         Part::Codes { codes, lo, hi } => {
             out.push(2);
@@ -296,7 +308,8 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
             out.extend(lo.to_le_bytes());
             out.extend(hi.to_le_bytes());
             let width = lanes::width_for((*hi as i64 - *lo as i64) as u64);
-            out.extend(lanes::to_bytes(&lanes::pack(codes.iter().map(|&c| (c as i64 - *lo as i64) as u64), width)));
+            let lo = *lo as i64;
+            out.extend(lanes::to_bytes(&lanes::pack_with(codes.len(), width, |i| (codes[i] as i64 - lo) as u64)));
         }
     }
     out
