@@ -218,3 +218,23 @@ fn wire_parts_round_trip_packed_and_reject_corruption() {
     bad_range[9..13].copy_from_slice(&9i32.to_le_bytes()); // lo 9 > hi 7
     assert!(from_wire(&bad_range).is_err());
 }
+
+#[test]
+fn the_seed_fixes_every_random_choice() {
+    let grads: Vec<Vec<f32>> = (0..2).map(|w| grad(300, 60 + w, 1.0)).collect();
+    for p in [
+        vec![("compress", "qsgd_mn"), ("bits", "3")],
+        vec![("compress", "qsgd_mn_ts"), ("bits", "[2, 5]")],
+        vec![("compress", "grandk_mn"), ("bits", "4"), ("k", "50")],
+        vec![("compress", "powersgd"), ("rank", "2")],
+    ] {
+        let with_seed = |seed: &'static str| {
+            let mut q = p.clone();
+            q.push(("seed", seed));
+            run(&params(&q), &[20, 15], &grads, 2)
+        };
+        let (a, b, c) = (with_seed("1"), with_seed("1"), with_seed("2"));
+        assert_eq!(a, b, "{p:?}");
+        assert_ne!(a, c, "{p:?}");
+    }
+}
