@@ -348,7 +348,7 @@ impl DistWorker {
         m.body = encode_pairs([("step", state.step.to_string().as_str())]);
         let replies = self.post.request(vec![(slice.server, m, scheme::to_wire(&part))])?;
         let summed = if replies[0].data.is_empty() { part } else { scheme::from_wire(&replies[0].data)? };
-        scheme::finish(&compression, &mut next, &summed);
+        scheme::finish(&compression, &mut next, summed);
         *state = next;
         Ok(())
     }

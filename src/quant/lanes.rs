@@ -37,24 +37,31 @@ pub fn pack(values: impl ExactSizeIterator<Item = u64>, width: u32) -> Vec<u64> 
 
 /// Packs `value(i)` for `i` in `0..n` (each `< 2^width`), words in parallel.
 pub fn pack_with(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync) -> Vec<u64> {
+    let mut bytes = vec![0u8; 8 * words_for(n, width)];
+    pack_into_bytes(n, width, value, &mut bytes);
+    from_bytes(&bytes).expect("whole words")
+}
+
+/// As `pack_with`, writing the words' little-endian bytes straight into
+/// `out` (`8 * words_for(n, width)` bytes): the wire form without a copy.
+pub fn pack_into_bytes(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync, out: &mut [u8]) {
     let per = (64 / width) as usize;
-    let mut out = vec![0u64; words_for(n, width)];
-    let fill = |first_word: usize, words: &mut [u64]| {
-        for (j, word) in words.iter_mut().enumerate() {
+    assert_eq!(out.len(), 8 * words_for(n, width), "packed lanes need whole words");
+    let fill = |first_word: usize, bytes: &mut [u8]| {
+        for (j, word) in bytes.chunks_exact_mut(8).enumerate() {
             let base = (first_word + j) * per;
             let mut acc = 0u64;
             for (lane, i) in (base..(base + per).min(n)).enumerate() {
                 acc |= value(i) << (lane as u32 * width);
             }
-            *word = acc;
+            word.copy_from_slice(&acc.to_le_bytes());
         }
     };
-    if out.len() > TASK_WORDS {
-        out.par_chunks_mut(TASK_WORDS).enumerate().for_each(|(t, w)| fill(t * TASK_WORDS, w));
+    if out.len() > 8 * TASK_WORDS {
+        out.par_chunks_mut(8 * TASK_WORDS).enumerate().for_each(|(t, b)| fill(t * TASK_WORDS, b));
     } else {
-        fill(0, &mut out);
+        fill(0, out);
     }
-    out
 }
 
 /// Unpacks `n` values of `width` bits; errors on a wrong word count.

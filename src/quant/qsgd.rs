@@ -128,7 +128,12 @@ pub fn fit_levels(grad: &[f32], scale: f32, levels: &[u32], out: &mut [u8]) {
     chunked(grad, out, |_, g, o| {
         for (o, &g) in o.iter_mut().zip(g) {
             let a = g.abs();
-            *o = factors.iter().rposition(|&f| ceil_nonneg(a * f) <= s0).unwrap_or(0) as u8;
+            // finest first: most elements fit there at once
+            let mut j = factors.len() - 1;
+            while j > 0 && ceil_nonneg(a * factors[j]) > s0 {
+                j -= 1;
+            }
+            *o = j as u8;
         }
     });
 }
@@ -158,6 +163,13 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
             return Err(bad("levels", format!("element {i} names level {} of {}", l[i], levels.len())));
         }
     }
+    quantize_levels(grad, scale, levels, level_of, seed, codes);
+    Ok(())
+}
+
+/// `quantize_at` for arguments the caller has checked: lengths equal, scale
+/// finite and at least `max|g|`, every level index in range.
+pub(crate) fn quantize_levels(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) {
     let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
     let (f0, s0) = (factors[0], levels[0] as f32);
     // Chunks start at even offsets, so pairs of elements share one hash.
@@ -181,7 +193,6 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
             }
         }
     });
-    Ok(())
 }
 
 /// Decodes summed codes at their levels: `out[i] = sum[i] * M / s_j`.

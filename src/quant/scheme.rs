@@ -50,11 +50,19 @@ pub enum Part {
 
 /// One worker's state for one key: error-feedback residual, PowerSGD's
 /// warm-started `Q`, the push count.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct State {
     pub residual: Vec<f32>,
     pub q: Vec<f32>,
     pub step: u64,
+    /// The last push's code buffer, reused by the next (never cloned).
+    spare_codes: Vec<i32>,
+}
+
+impl Clone for State {
+    fn clone(&self) -> State {
+        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new() }
+    }
 }
 
 fn bad(key: &str, problem: String) -> Error {
@@ -99,7 +107,7 @@ pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Vec<usi
 /// `grad` is this worker's (device-merged) gradient; `state` its state for the key.
 pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
     match c {
-        Compression::Qsgd(q) => encode_qsgd(q, grad, ctx, coll),
+        Compression::Qsgd(q) => encode_qsgd(q, std::mem::take(&mut state.spare_codes), grad, ctx, coll),
         Compression::PowerSgd { rank, seed } => {
             let Some((rows, cols, r)) = powersgd::factors(ctx.shape, *rank as usize) else {
                 return Ok((Vec::new(), Part::F32(grad.to_vec())));
@@ -144,7 +152,7 @@ pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll:
     }
 }
 
-fn encode_qsgd(q: &Qsgd, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
+fn encode_qsgd(q: &Qsgd, mut codes: Vec<i32>, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
     let levels = q.levels();
     let s0 = levels[0];
     if ctx.workers as u64 > qsgd::max_workers(q.bits()[0])? {
@@ -175,9 +183,10 @@ fn encode_qsgd(q: &Qsgd, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> 
     } else {
         None
     };
-    let mut codes = vec![0i32; x.len()];
+    codes.resize(x.len(), 0);
     let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member);
-    qsgd::quantize_at(&x, scale[0], &levels, level_of, seed, &mut codes)?;
+    // The scale is a MAX that includes this worker's finite max|x|: no need to check x again.
+    qsgd::quantize_levels(&x, scale[0], &levels, level_of, seed, &mut codes);
     Ok((exchanged, Part::Codes { codes, lo: -(s0 as i32), hi: s0 as i32 }))
 }
 
@@ -246,12 +255,12 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
 }
 
 /// After a push: PowerSGD warm-starts from the summed `Q` (the same on every
-/// worker); every scheme counts the step.
-pub fn finish(c: &Compression, state: &mut State, sum: &Part) {
-    if let (Compression::PowerSgd { .. }, Part::F32(q)) = (c, sum) {
-        if q.len() == state.q.len() {
-            state.q.copy_from_slice(q);
-        }
+/// worker); code buffers are kept for the next push; every scheme counts the step.
+pub fn finish(c: &Compression, state: &mut State, sum: Part) {
+    match (c, sum) {
+        (Compression::PowerSgd { .. }, Part::F32(q)) if q.len() == state.q.len() => state.q.copy_from_slice(&q),
+        (_, Part::Codes { codes, .. }) => state.spare_codes = codes,
+        _ => {}
     }
     state.step += 1;
 }
@@ -280,7 +289,7 @@ pub fn allreduce(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, co
             }
         }
     }
-    finish(c, state, &part);
+    finish(c, state, part);
     Ok(())
 }
 
@@ -300,7 +309,9 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
             out.extend((levels.len() as u64).to_le_bytes());
             out.push(*count);
             let width = lanes::width_for(*count as u64 - 1);
-            out.extend(lanes::to_bytes(&lanes::pack_with(levels.len(), width, |i| levels[i] as u64)));
+            let start = out.len();
+            out.resize(start + 8 * lanes::words_for(levels.len(), width), 0);
+            lanes::pack_into_bytes(levels.len(), width, |i| levels[i] as u64, &mut out[start..]);
         }
         Part::Codes { codes, lo, hi } => {
             out.push(2);
@@ -309,7 +320,9 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
             out.extend(hi.to_le_bytes());
             let width = lanes::width_for((*hi as i64 - *lo as i64) as u64);
             let lo = *lo as i64;
-            out.extend(lanes::to_bytes(&lanes::pack_with(codes.len(), width, |i| (codes[i] as i64 - lo) as u64)));
+            let start = out.len();
+            out.resize(start + 8 * lanes::words_for(codes.len(), width), 0);
+            lanes::pack_into_bytes(codes.len(), width, |i| (codes[i] as i64 - lo) as u64, &mut out[start..]);
         }
     }
     out

@@ -156,7 +156,7 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
             }
             sum_final(&mut part, coll)?;
             decode(&c, &ex, &part, &ctx, &mut out)?;
-            finish(&c, &mut state, &part);
+            finish(&c, &mut state, part);
             sent.iter_mut().zip(&out).for_each(|(s, o)| *s += *o as f64);
         }
         Ok(())
