@@ -49,3 +49,14 @@ def test_trainer_and_module_with_two_bit(tmp_path, api, update_on_kvstore):
         # each worker: 0.3 -> nothing, 0.6 -> sends 0.5, 0.4 -> nothing, 0.7 -> 0.5; summed over 2 workers
         assert res["weights"] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [-1.0] * 4], res
         assert 0 < res["stats"]["wire_bytes"] < res["stats"]["raw_bytes"]
+
+
+def test_a_dead_worker_ends_the_job(tmp_path):
+    import time
+    start = time.monotonic()
+    out = subprocess.run(MPIRUN + ["-n", "2", sys.executable, os.path.join(HERE, "dist_scripts", "allreduce_dead.py")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Exit code:    3" in out.stderr + out.stdout, out.stderr[-2000:]
+    assert "push returned" not in out.stdout
+    assert time.monotonic() - start < 60
