@@ -328,15 +328,20 @@ impl KVStore {
             (None, checked) => checked?,
             (Some(world), checked) => {
                 let n = value.data.len() as u64;
-                allreduce::check_agree(world, &format!("the init of key {key}"), &[key.stable_hash(), n, checked.is_ok() as u64])?;
-                let mut data = checked?;
+                let agreed = allreduce::check_agree(world, &format!("the init of key {key}"), &[key.stable_hash(), n, checked.is_ok() as u64]);
+                let mut data = checked?; // a worker's own error first, then the others'
+                agreed?;
                 world.broadcast_f32(&mut data);
                 data
             }
         };
         let mut keys = self.keys.write().unwrap();
+        // Checked again under the write lock: another thread may have inserted meanwhile.
         if keys.map.contains_key(key) {
             return Err(key_error(key, "already initialized"));
+        }
+        if keys.str_keys.is_some_and(|s| s != key.is_str()) {
+            return Err(key_error(key, "int and string keys cannot be mixed"));
         }
         let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), pushes: 0 };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
@@ -373,8 +378,9 @@ impl KVStore {
         let checked = check_push(key, values, &e.shape, compression);
         let n = e.value.len();
         if let Some(world) = &self.world {
-            allreduce::check_agree(world, &format!("the push of key {key}"), &[key.stable_hash(), n as u64, e.pushes, checked.is_ok() as u64])?;
-            checked?;
+            let agreed = allreduce::check_agree(world, &format!("the push of key {key}"), &[key.stable_hash(), n as u64, e.pushes, checked.is_ok() as u64]);
+            checked?; // a worker's own error first, then the others'
+            agreed?;
             return self.push_allreduce(world, key, e, values, compression, updater.as_deref());
         }
         checked?; // every check before anything is written
