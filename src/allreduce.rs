@@ -127,7 +127,7 @@ mod imp {
 
         fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
             let width = lanes::width_for(count.saturating_sub(1) as u64);
-            let mut words = lanes::pack(x.iter().map(|&v| v as u64), width);
+            let mut words = lanes::pack_with(x.len(), width, |i| x[i] as u64);
             let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
             let per = 64 / width;
             let lane_min = UserOperation::commutative(move |a, b| {
@@ -143,8 +143,7 @@ mod imp {
                 }
             });
             self.reduce(&mut words, &lane_min);
-            let n = x.len();
-            x.iter_mut().zip(lanes::unpack(&words, n, width)?).for_each(|(o, v)| *o = v as u8);
+            lanes::unpack_into(&words, width, x, |v| v as u8)?;
             Ok(())
         }
 
@@ -154,11 +153,10 @@ mod imp {
                 Error::InvalidParam { key: "workers".into(), problem: format!("{} workers overflow a sum of codes in {lo}..={hi}", self.size) }
             })?;
             let width = lanes::width_for(total);
-            let mut words = lanes::pack(x.iter().map(|&c| (c as i64 - lo as i64) as u64), width);
+            let mut words = lanes::pack_with(x.len(), width, |i| (x[i] as i64 - lo as i64) as u64);
             self.reduce(&mut words, SystemOperation::sum());
             let base = lo as i64 * self.size as i64;
-            let n = x.len();
-            x.iter_mut().zip(lanes::unpack(&words, n, width)?).for_each(|(o, v)| *o = (v as i64 + base) as i32);
+            lanes::unpack_into(&words, width, x, |v| (v as i64 + base) as i32)?;
             Ok(())
         }
     }

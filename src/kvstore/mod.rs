@@ -95,6 +95,8 @@ struct Entry {
     compr_bufs: Vec<Vec<f32>>,
     /// Scheme state per device (`quant::scheme`), allocated on first use.
     states: Vec<scheme::State>,
+    /// The all-reduce store's second merge buffer (decoded sums land here).
+    scheme_out: Vec<f32>,
     /// Compressed pushes so far (seeds the schemes' random choices).
     pushes: u64,
 }
@@ -343,7 +345,7 @@ impl KVStore {
         if keys.str_keys.is_some_and(|s| s != key.is_str()) {
             return Err(key_error(key, "int and string keys cannot be mixed"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), pushes: 0 };
+        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), scheme_out: Vec::new(), pushes: 0 };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
         keys.str_keys = Some(key.is_str());
         Ok(())
@@ -461,9 +463,12 @@ impl KVStore {
                 e.states.push(scheme::State::default());
             }
             let ctx = scheme::Ctx { shape: &e.shape, step: e.pushes, key_hash: key.stable_hash(), member: world.rank() as u64, workers: world.size() };
-            let mut out = vec![0f32; n];
-            scheme::allreduce(&compression, &mut e.states[0], &e.merge_buf, &ctx, &mut member, &mut out)?;
-            e.merge_buf = out;
+            // The decoded sum goes to a second buffer, kept between pushes.
+            let mut out = std::mem::take(&mut e.scheme_out);
+            out.resize(n, 0.0);
+            let result = scheme::allreduce(&compression, &mut e.states[0], &e.merge_buf, &ctx, &mut member, &mut out);
+            e.scheme_out = std::mem::replace(&mut e.merge_buf, out);
+            result?;
         }
         e.pushes += 1;
         self.raw_bytes.fetch_add(4 * n as u64, Ordering::Relaxed);

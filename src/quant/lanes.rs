@@ -77,6 +77,29 @@ pub fn unpack(words: &[u64], n: usize, width: u32) -> Result<impl Iterator<Item 
     Ok(words.iter().flat_map(move |&w| (0..per).map(move |lane| (w >> (lane * width)) & mask)).take(n))
 }
 
+/// Unpacks `out.len()` values into `out` with `f(value)`, words in parallel.
+pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
+    let n = out.len();
+    if !(1..=64).contains(&width) || words.len() != words_for(n, width) {
+        return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(n, width.clamp(1, 64)), got: words.len() });
+    }
+    let per = (64 / width) as usize;
+    let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
+    let work = |w0: usize, out: &mut [T]| {
+        for (w, vals) in words[w0..].iter().zip(out.chunks_mut(per)) {
+            for (lane, o) in vals.iter_mut().enumerate() {
+                *o = f((w >> (lane as u32 * width)) & mask);
+            }
+        }
+    };
+    if words.len() > TASK_WORDS {
+        out.par_chunks_mut(TASK_WORDS * per).enumerate().for_each(|(t, o)| work(t * TASK_WORDS, o));
+    } else {
+        work(0, out);
+    }
+    Ok(())
+}
+
 /// Words as little-endian bytes, and back (the length must be a multiple of 8).
 pub fn to_bytes(words: &[u64]) -> Vec<u8> {
     if cfg!(target_endian = "little") {
@@ -107,6 +130,9 @@ mod tests {
             assert_eq!(words.len(), words_for(101, width));
             assert_eq!(unpack(&words, 101, width).unwrap().collect::<Vec<_>>(), vals);
             assert_eq!(pack_with(101, width, |i| vals[i]), words);
+            let mut back = vec![0u64; 101];
+            unpack_into(&words, width, &mut back, |v| v).unwrap();
+            assert_eq!(back, vals);
             assert_eq!(from_bytes(&to_bytes(&words)).unwrap(), words);
         }
         assert!(unpack(&[0, 0], 3, 2).is_err());

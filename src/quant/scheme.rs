@@ -348,7 +348,8 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
             if count == 0 {
                 return Err(malformed("zero scales"));
             }
-            let levels: Vec<u8> = lanes::unpack(&lanes::from_bytes(words)?, n, lanes::width_for(count as u64 - 1))?.map(|v| v as u8).collect();
+            let mut levels = vec![0u8; n];
+            lanes::unpack_into(&lanes::from_bytes(words)?, lanes::width_for(count as u64 - 1), &mut levels, |v| v.min(255) as u8)?;
             if levels.iter().any(|&l| l >= count) {
                 return Err(malformed(&format!("a scale index is not below {count}")));
             }
@@ -364,11 +365,16 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
                 return Err(malformed(&format!("code range {lo}..={hi}")));
             }
             let span = (hi as i64 - lo as i64) as u64;
-            let codes: Vec<i64> = lanes::unpack(&lanes::from_bytes(&rest[8..])?, n, lanes::width_for(span))?.map(|v| v as i64).collect();
-            if codes.iter().any(|&v| v as u64 > span) {
+            // Out-of-range lanes become a sentinel outside lo..=hi, then one check.
+            let mut codes = vec![0i32; n];
+            let bad = if hi < i32::MAX { hi as i64 + 1 } else { lo as i64 - 1 };
+            lanes::unpack_into(&lanes::from_bytes(&rest[8..])?, lanes::width_for(span), &mut codes, |v| {
+                (if v > span { bad } else { v as i64 + lo as i64 }) as i32
+            })?;
+            if codes.iter().any(|&c| c < lo || c > hi) {
                 return Err(malformed(&format!("a code is outside {lo}..={hi}")));
             }
-            Ok(Part::Codes { codes: codes.into_iter().map(|v| (v + lo as i64) as i32).collect(), lo, hi })
+            Ok(Part::Codes { codes, lo, hi })
         }
         t => Err(malformed(&format!("unknown exchange kind {t}"))),
     }
