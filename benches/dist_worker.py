@@ -1,23 +1,27 @@
 """Worker of benches/kvstore_dist.py: times push+pull of one large key on a
 dist_sync store (gradpack's or MXNet's), writes rank 0's figures as JSON.
 
-argv: impl(gradpack|mxnet) compress(0|1) elements iterations out.json"""
+argv: impl(gradpack|mxnet) compress(0|1|compress_params JSON) elements iterations out.json
+(a key of 4096 rows when the size allows, so PowerSGD sees a matrix)"""
 import json
 import sys
 import time
 
 import numpy as np
 
-impl, compress, n, iters, out_path = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-grad_np = np.random.default_rng(0).uniform(-1, 1, n).astype(np.float32)
+impl, n, iters, out_path = sys.argv[1], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+params = json.loads(sys.argv[2]) if sys.argv[2].startswith("{") else None
+compress = sys.argv[2] == "1" or params is not None
+shape = (4096, n // 4096) if n % 4096 == 0 else (n,)
+grad_np = np.random.default_rng(0).uniform(-1, 1, n).astype(np.float32).reshape(shape)
 
 if impl == "gradpack":
     import gradpack
     kv = gradpack.kv.create("dist_sync")
     if compress:
-        kv.set_compress({"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5})
-    kv.init(0, np.zeros(n, np.float32))
-    out = np.empty(n, np.float32)
+        kv.set_compress(params or {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5})
+    kv.init(0, np.zeros(shape, np.float32))
+    out = np.empty(shape, np.float32)
 
     def step():
         kv.push(0, grad_np)
@@ -31,7 +35,7 @@ else:
     if compress:
         kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     kv.init(0, mx.nd.zeros(n))
-    grad = mx.nd.array(grad_np)
+    grad = mx.nd.array(grad_np.ravel())
     out = mx.nd.empty(n)
 
     def step():

@@ -5,6 +5,7 @@ dist_sync with and without its built-in 2-bit compression, all in this run.
   .venv/bin/python benches/kvstore_dist.py            # loopback
   .venv/bin/python benches/kvstore_dist.py --netns    # workers and servers on two
         network namespaces joined by a veth pair limited to 1 Gbit/s with tc (root)
+  add --schemes for issue 6's schemes (qsgd_mn, qsgd_mn_ts, grandk_mn, powersgd, 1bit)
 
 Every process is started by hand with MXNet's DMLC_* variables (MXNet's own
 launcher crashes on Python 3.11)."""
@@ -50,7 +51,8 @@ def run_job(impl, compress, n, iters, netns, timeout=900):
     base = dict(os.environ, DMLC_PS_ROOT_URI=root, DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_WORKER="2",
                 DMLC_NUM_SERVER="2", PS_HEARTBEAT_TIMEOUT="60", OMP_NUM_THREADS="1")
     node = [PY, "-m", "gradpack.node"] if impl == "gradpack" else [PY, "-c", "import mxnet"]
-    worker = [PY, os.path.join(HERE, "dist_worker.py"), impl, "1" if compress else "0", str(n), str(iters), out]
+    flag = json.dumps(compress) if isinstance(compress, dict) else ("1" if compress else "0")
+    worker = [PY, os.path.join(HERE, "dist_worker.py"), impl, flag, str(n), str(iters), out]
     procs = []
 
     def start(role, argv, side):
@@ -84,6 +86,24 @@ def run_job(impl, compress, n, iters, netns, timeout=900):
             os.remove(out)
 
 
+# Issue 6's schemes: each such key lives whole on one server, which sums the codes and decodes once.
+SCHEMES = {
+    "qsgd_mn 2": {"compress": "qsgd_mn", "bits": 2},
+    "qsgd_mn_ts [2,6]": {"compress": "qsgd_mn_ts", "bits": [2, 6]},
+    "grandk_mn k=n/16 b=8": {"compress": "grandk_mn", "bits": 8, "k": 1 << 20},
+    "powersgd r=4": {"compress": "powersgd", "rank": 4},
+    "1bit": {"compress": "1bit"},
+}
+
+
+def key(case):
+    """A hashable name for a case: (impl, False/True/scheme name)."""
+    impl, compress = case
+    if isinstance(compress, dict):
+        return impl, next(n for n, p in SCHEMES.items() if p == compress)
+    return case
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--elements", type=int, default=16 * 1024 * 1024)
@@ -91,29 +111,34 @@ def main():
     ap.add_argument("--netns", action="store_true", help="1 Gbit/s link between two namespaces (root)")
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--skip-mxnet", action="store_true")
+    ap.add_argument("--schemes", action="store_true", help="also issue 6's schemes (each key whole on one server)")
     args = ap.parse_args()
     cases = [("gradpack", False), ("gradpack", True)]
+    if args.schemes:
+        cases += [("gradpack", SCHEMES[name]) for name in SCHEMES]
     if not args.skip_mxnet and not args.netns:
         cases += [("mxnet", False), ("mxnet", True)]
     if args.netns:
         netns_up(args.rate)
     try:
-        results = {c: run_job(c[0], c[1], args.elements, args.iters, args.netns) for c in cases}
+        results = {key(c): run_job(c[0], c[1], args.elements, args.iters, args.netns) for c in cases}
     finally:
         if args.netns:
             netns_down()
     where = "two namespaces, %s link" % args.rate if args.netns else "loopback"
     print("2 workers x 2 servers (%s), push+pull of a %d-element float32 key, median of %d iterations"
           % (where, args.elements, args.iters))
-    print("%-36s %10s %18s" % ("store", "ms/iter", "bytes sent/iter"))
+    print("%-44s %10s %18s" % ("store", "ms/iter", "bytes sent/iter"))
     names = {("gradpack", False): "gradpack dist_sync, no compression",
              ("gradpack", True): "gradpack dist_sync, 2bit +-0.5",
              ("mxnet", False): "MXNet 1.9.1 dist_sync, no compression",
              ("mxnet", True): "MXNet 1.9.1 dist_sync, 2bit 0.5"}
+    names.update({("gradpack", name): "gradpack dist_sync, %s" % name for name in SCHEMES})
     for c in cases:
+        c = key(c)
         r = results[c]
         b = "%18d" % r["bytes_sent_per_iter"] if c[0] == "gradpack" else "%18s" % "n/a"
-        print("%-36s %10.1f %s" % (names[c], r["median_s"] * 1e3, b))
+        print("%-44s %10.1f %s" % (names[c], r["median_s"] * 1e3, b))
     g0, g1 = results[("gradpack", False)], results[("gradpack", True)]
     print()
     print("gradpack uncompressed / compressed time: %.1fx" % (g0["median_s"] / g1["median_s"]))

@@ -27,6 +27,10 @@ pub const FLAG_EXCHANGE: u16 = 8;
 /// round's exchanges, then applied like any push. Body: `step`.
 pub const FLAG_SCHEME: u16 = 16;
 
+/// Pull-response flag: the value is a scheme's decoded sum, sent as its
+/// exchanges and summed codes (`scheme::value_to_wire`); lossless.
+pub const FLAG_SCHEME_VALUE: u16 = 32;
+
 /// A scheme's round in progress on one key.
 #[derive(Default)]
 struct SchemeRound {
@@ -202,7 +206,8 @@ impl Server {
     }
 
     /// The value of a slice: lossless code counts when it is a counted sum,
-    /// else float32; encoded once per value and copied for each puller.
+    /// a scheme's summed codes when it is their decoded sum (made at the
+    /// round's end), else float32; encoded once per value and copied for each puller.
     fn pull(&mut self, meta: &Meta) -> Result<(Vec<u8>, u16)> {
         let key = Self::key_of(meta)?;
         self.slot(&key, meta)?;
@@ -386,17 +391,19 @@ impl Server {
         } else {
             let ctx = scheme::Ctx { shape: &slot.shape, step, key_hash: key.stable_hash(), member: 0, workers: num_workers };
             let decoded = scheme::decode(&compression, &round.exchanged, &reduced, &ctx, &mut slot.merge);
-            round.exchanged.clear();
-            round.step += 1;
             slot.pull_cache = None;
             slot.value_counts = None;
             let result = decoded.and_then(|_| match &self.optimizer {
                 Some(o) => o.update(&key, &slot.merge, &mut slot.value),
                 None => {
+                    // The value is exactly this decoded sum: pulls send what it was decoded from.
                     slot.value.copy_from_slice(&slot.merge);
+                    slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers), FLAG_SCHEME_VALUE));
                     Ok(())
                 }
             });
+            round.exchanged.clear();
+            round.step += 1;
             // PowerSGD's workers warm-start from the summed Q.
             let payload = if matches!(compression, Compression::PowerSgd { .. }) { scheme::to_wire(&reduced) } else { Vec::new() };
             (result, payload)

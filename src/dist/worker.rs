@@ -13,7 +13,7 @@ use super::config::{Config, Role};
 use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
 use super::postoffice::Postoffice;
 use super::counts;
-use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME};
+use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME, FLAG_SCHEME_VALUE};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
@@ -64,6 +64,15 @@ struct WorkerKey {
     merge: Vec<f32>,
     /// A scheme's state (residual, PowerSGD's Q, push count); such keys have one slice.
     state: scheme::State,
+}
+
+/// One server's answer to a pull, checked before any output is written.
+enum PullReply<'a> {
+    Float(std::borrow::Cow<'a, [f32]>),
+    /// 2-bit code counts (`counts`).
+    Counts(&'a [u8]),
+    /// A scheme's decoded sum, as what it was decoded from.
+    Scheme { step: u64, exchanged: Vec<Part>, sum: Part },
 }
 
 /// A scheme's exchanges for one key, reduced by the key's server.
@@ -373,28 +382,37 @@ impl DistWorker {
             if lo + len > n {
                 return Err(Error::Transport(format!("malformed message: pull reply for key {key} covers {lo}..{} of {n}", lo + len)));
             }
-            let vals = if r.meta.flags & FLAG_CODE_COUNTS != 0 {
+            let reply = if r.meta.flags & FLAG_SCHEME_VALUE != 0 {
+                let (step, exchanged, sum) = scheme::value_from_wire(&r.data)?;
+                PullReply::Scheme { step, exchanged, sum }
+            } else if r.meta.flags & FLAG_CODE_COUNTS != 0 {
                 counts::validate(&r.data, len)?;
-                None
+                PullReply::Counts(&r.data)
             } else {
                 let v = f32_view(&r.data)?;
                 if v.len() != len {
                     return Err(Error::Transport(format!("malformed message: pull reply for key {key} has {} values for {len}", v.len())));
                 }
-                Some(v)
+                PullReply::Float(v)
             };
             covered += len;
-            views.push((lo, len, vals, &r.data));
+            views.push((lo, len, reply));
         }
         if covered != n {
             return Err(Error::Transport(format!("pull of key {key} covered {covered} of {n} elements")));
         }
         let (first, rest) = outs.split_first_mut().unwrap();
-        for (lo, len, vals, data) in &views {
+        for (lo, len, reply) in &views {
             let dst = &mut first.data[*lo..*lo + *len];
-            match vals {
-                Some(v) => dst.copy_from_slice(v),
-                None => counts::decode(data, dst)?, // validated above
+            match reply {
+                PullReply::Float(v) => dst.copy_from_slice(v),
+                PullReply::Counts(data) => counts::decode(data, dst)?, // validated above
+                PullReply::Scheme { step, exchanged, sum } => {
+                    // decode checks every length before it writes
+                    let compression = *self.compression.read().unwrap();
+                    let ctx = scheme::Ctx { shape: &e.shape, step: *step, key_hash: key.stable_hash(), member: 0, workers: self.num_workers() };
+                    scheme::decode(&compression, exchanged, sum, &ctx, dst)?;
+                }
             }
         }
         for o in rest {

@@ -328,6 +328,52 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
     out
 }
 
+/// A decoded sum sent losslessly: its step, the round's exchanged values and
+/// the summed final contribution (codes in lanes wide enough for `workers`
+/// workers' sum), from which `decode` rebuilds the same float32 bits.
+pub fn value_to_wire(step: u64, exchanged: &[Part], sum: &Part, workers: usize) -> Vec<u8> {
+    let summed = match sum {
+        Part::Codes { codes, lo, hi } => Part::Codes { codes: codes.clone(), lo: lo * workers as i32, hi: hi * workers as i32 },
+        other => other.clone(),
+    };
+    let mut out = Vec::new();
+    out.extend(step.to_le_bytes());
+    out.extend((exchanged.len() as u32 + 1).to_le_bytes());
+    for part in exchanged.iter().chain([&summed]) {
+        let bytes = to_wire(part);
+        out.extend((bytes.len() as u64).to_le_bytes());
+        out.extend(bytes);
+    }
+    out
+}
+
+/// Parses `value_to_wire`'s form: (step, exchanged values, sum).
+pub fn value_from_wire(bytes: &[u8]) -> Result<(u64, Vec<Part>, Part)> {
+    let malformed = |what: &str| Error::Transport(format!("malformed message: scheme value: {what}"));
+    let take = |pos: &mut usize, n: usize| -> Result<&[u8]> {
+        let end = pos.checked_add(n).filter(|&e| e <= bytes.len()).ok_or_else(|| malformed("truncated"))?;
+        let s = &bytes[*pos..end];
+        *pos = end;
+        Ok(s)
+    };
+    let mut pos = 0;
+    let step = u64::from_le_bytes(take(&mut pos, 8)?.try_into().unwrap());
+    let count = u32::from_le_bytes(take(&mut pos, 4)?.try_into().unwrap()) as usize;
+    if count == 0 || count > 8 {
+        return Err(malformed(&format!("{count} parts")));
+    }
+    let mut parts = Vec::with_capacity(count);
+    for _ in 0..count {
+        let len = u64::from_le_bytes(take(&mut pos, 8)?.try_into().unwrap()) as usize;
+        parts.push(from_wire(take(&mut pos, len)?)?);
+    }
+    if pos != bytes.len() {
+        return Err(malformed("trailing bytes"));
+    }
+    let sum = parts.pop().unwrap();
+    Ok((step, parts, sum))
+}
+
 /// Parses a wire part, checking every length and range.
 pub fn from_wire(bytes: &[u8]) -> Result<Part> {
     let malformed = |what: &str| Error::Transport(format!("malformed message: {what}"));

@@ -238,3 +238,17 @@ fn the_seed_fixes_every_random_choice() {
         assert_ne!(a, c, "{p:?}");
     }
 }
+
+#[test]
+fn scheme_values_travel_losslessly_with_their_sums_widened() {
+    let exchanged = vec![Part::F32(vec![0.5]), Part::Levels { levels: vec![1, 0, 1], count: 2 }];
+    let sum = Part::Codes { codes: vec![6, -6, 0], lo: -3, hi: 3 }; // two workers' codes in [-3, 3]
+    let wire = value_to_wire(7, &exchanged, &sum, 2);
+    let (step, ex, s) = value_from_wire(&wire).unwrap();
+    assert_eq!((step, ex), (7, exchanged));
+    assert_eq!(s, Part::Codes { codes: vec![6, -6, 0], lo: -6, hi: 6 });
+    assert!(value_from_wire(&wire[..wire.len() - 1]).is_err());
+    let mut extra = wire.clone();
+    extra.push(0);
+    assert!(value_from_wire(&extra).unwrap_err().to_string().contains("trailing"));
+}
