@@ -4,6 +4,21 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# Open MPI (the all-reduce store) and libclang (the mpi crate's bindgen) come
+# from Debian; installed here when missing and we may (root with apt-get).
+missing=()
+command -v mpirun >/dev/null || missing+=(openmpi-bin)
+[ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || missing+=(libopenmpi-dev)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || missing+=(libclang-dev)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  else
+    echo "gradpack needs: ${missing[*]} (Debian packages)" >&2
+    exit 1
+  fi
+fi
 venv="$root/.venv"
 stamp="$venv/.gradpack-deps-1"
 if [ ! -x "$venv/bin/python" ]; then
