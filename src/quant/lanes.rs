@@ -24,75 +24,64 @@ pub fn words_for(n: usize, width: u32) -> usize {
     n.div_ceil((64 / width) as usize)
 }
 
-/// Packs values (each `< 2^width`, the caller's invariant, checked in debug builds).
-pub fn pack(values: impl ExactSizeIterator<Item = u64>, width: u32) -> Vec<u64> {
+/// Packs `value(i)` for `i` in `0..n` (each `< 2^width`) into `out`, one
+/// slot per word, words in parallel; `put` stores a finished word.
+fn pack_core<W: Send>(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync, out: &mut [W], put: impl Fn(&mut W, u64) + Sync) {
     let per = (64 / width) as usize;
-    let mut out = vec![0u64; words_for(values.len(), width)];
-    for (i, v) in values.enumerate() {
-        debug_assert!(width == 64 || v >> width == 0, "value {v} does not fit {width} bits");
-        out[i / per] |= v << ((i % per) as u32 * width);
-    }
-    out
-}
-
-/// Packs `value(i)` for `i` in `0..n` (each `< 2^width`), words in parallel.
-pub fn pack_with(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync) -> Vec<u64> {
-    let mut bytes = vec![0u8; 8 * words_for(n, width)];
-    pack_into_bytes(n, width, value, &mut bytes);
-    from_bytes(&bytes).expect("whole words")
-}
-
-/// As `pack_with`, writing the words' little-endian bytes straight into
-/// `out` (`8 * words_for(n, width)` bytes): the wire form without a copy.
-pub fn pack_into_bytes(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync, out: &mut [u8]) {
-    let per = (64 / width) as usize;
-    assert_eq!(out.len(), 8 * words_for(n, width), "packed lanes need whole words");
-    let fill = |first_word: usize, bytes: &mut [u8]| {
-        for (j, word) in bytes.chunks_exact_mut(8).enumerate() {
+    debug_assert_eq!(out.len(), words_for(n, width));
+    let fill = |first_word: usize, slots: &mut [W]| {
+        for (j, slot) in slots.iter_mut().enumerate() {
             let base = (first_word + j) * per;
             let mut acc = 0u64;
             for (lane, i) in (base..(base + per).min(n)).enumerate() {
-                acc |= value(i) << (lane as u32 * width);
+                let v = value(i);
+                debug_assert!(width == 64 || v >> width == 0, "value {v} does not fit {width} bits");
+                acc |= v << (lane as u32 * width);
             }
-            word.copy_from_slice(&acc.to_le_bytes());
+            put(slot, acc);
         }
     };
-    if out.len() > 8 * TASK_WORDS {
-        out.par_chunks_mut(8 * TASK_WORDS).enumerate().for_each(|(t, b)| fill(t * TASK_WORDS, b));
+    if out.len() > TASK_WORDS {
+        out.par_chunks_mut(TASK_WORDS).enumerate().for_each(|(t, w)| fill(t * TASK_WORDS, w));
     } else {
         fill(0, out);
     }
 }
 
-/// Unpacks `n` values of `width` bits; errors on a wrong word count.
-pub fn unpack(words: &[u64], n: usize, width: u32) -> Result<impl Iterator<Item = u64> + '_> {
-    if !(1..=64).contains(&width) {
-        return Err(Error::Transport(format!("malformed message: lane width {width}")));
-    }
-    if words.len() != words_for(n, width) {
-        return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(n, width), got: words.len() });
-    }
-    let per = 64 / width;
-    let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
-    Ok(words.iter().flat_map(move |&w| (0..per).map(move |lane| (w >> (lane * width)) & mask)).take(n))
+/// Packs `value(i)` for `i` in `0..n` (each `< 2^width`) into words.
+pub fn pack_with(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync) -> Vec<u64> {
+    let mut words = vec![0u64; words_for(n, width)];
+    pack_core(n, width, value, &mut words, |w, v| *w = v);
+    words
 }
 
-/// Unpacks `out.len()` values into `out` with `f(value)`, words in parallel.
-pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
+/// As `pack_with`, writing the words' little-endian bytes straight into
+/// `out` (`8 * words_for(n, width)` bytes): the wire form without a copy.
+pub fn pack_into_bytes(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync, out: &mut [u8]) {
+    assert_eq!(out.len(), 8 * words_for(n, width), "packed lanes need whole words");
+    // SAFETY: [u8; 8] has alignment 1 and the length is a multiple of 8.
+    let words = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[u8; 8]>(), out.len() / 8) };
+    pack_core(n, width, value, words, |w, v| *w = v.to_le_bytes());
+}
+
+/// Unpacks `out.len()` values from `words` words (`word_at(i)`) into `out`
+/// with `f(value)`, words in parallel.
+fn unpack_core<T: Send>(words: usize, word_at: impl Fn(usize) -> u64 + Sync, width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
     let n = out.len();
-    if !(1..=64).contains(&width) || words.len() != words_for(n, width) {
-        return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(n, width.clamp(1, 64)), got: words.len() });
+    if !(1..=64).contains(&width) || words != words_for(n, width) {
+        return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(n, width.clamp(1, 64)), got: words });
     }
     let per = (64 / width) as usize;
     let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
     let work = |w0: usize, out: &mut [T]| {
-        for (w, vals) in words[w0..].iter().zip(out.chunks_mut(per)) {
+        for (j, vals) in out.chunks_mut(per).enumerate() {
+            let w = word_at(w0 + j);
             for (lane, o) in vals.iter_mut().enumerate() {
                 *o = f((w >> (lane as u32 * width)) & mask);
             }
         }
     };
-    if words.len() > TASK_WORDS {
+    if words > TASK_WORDS {
         out.par_chunks_mut(TASK_WORDS * per).enumerate().for_each(|(t, o)| work(t * TASK_WORDS, o));
     } else {
         work(0, out);
@@ -100,21 +89,18 @@ pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn
     Ok(())
 }
 
-/// Words as little-endian bytes, and back (the length must be a multiple of 8).
-pub fn to_bytes(words: &[u64]) -> Vec<u8> {
-    if cfg!(target_endian = "little") {
-        // SAFETY: any u64 slice is readable as bytes; on little-endian they are the wire's order.
-        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }.to_vec()
-    } else {
-        words.iter().flat_map(|w| w.to_le_bytes()).collect()
-    }
+/// Unpacks `out.len()` values of `width` bits into `out` with `f(value)`;
+/// errors on a wrong word count.
+pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
+    unpack_core(words.len(), |i| words[i], width, out, f)
 }
 
-pub fn from_bytes(bytes: &[u8]) -> Result<Vec<u64>> {
+/// As `unpack_into`, reading the words' little-endian bytes (the wire form).
+pub fn unpack_bytes_into<T: Send>(bytes: &[u8], width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
     if bytes.len() % 8 != 0 {
         return Err(Error::Transport(format!("malformed message: {} bytes is not a whole number of 64-bit words", bytes.len())));
     }
-    Ok(bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect())
+    unpack_core(bytes.len() / 8, |i| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().unwrap()), width, out, f)
 }
 
 #[cfg(test)]
@@ -126,17 +112,20 @@ mod tests {
         for width in [1, 2, 3, 5, 7, 13, 21, 32, 63, 64] {
             let max = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
             let vals: Vec<u64> = (0..101u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) & max).collect();
-            let words = pack(vals.iter().copied(), width);
+            let words = pack_with(101, width, |i| vals[i]);
             assert_eq!(words.len(), words_for(101, width));
-            assert_eq!(unpack(&words, 101, width).unwrap().collect::<Vec<_>>(), vals);
-            assert_eq!(pack_with(101, width, |i| vals[i]), words);
             let mut back = vec![0u64; 101];
             unpack_into(&words, width, &mut back, |v| v).unwrap();
             assert_eq!(back, vals);
-            assert_eq!(from_bytes(&to_bytes(&words)).unwrap(), words);
+            let mut bytes = vec![0u8; 8 * words.len()];
+            pack_into_bytes(101, width, |i| vals[i], &mut bytes);
+            assert_eq!(bytes, words.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>());
+            back.fill(0);
+            unpack_bytes_into(&bytes, width, &mut back, |v| v).unwrap();
+            assert_eq!(back, vals);
         }
-        assert!(unpack(&[0, 0], 3, 2).is_err());
-        assert!(from_bytes(&[0; 7]).is_err());
+        assert!(unpack_into(&[0, 0], 2, &mut [0u64; 3], |v| v).is_err());
+        assert!(unpack_bytes_into(&[0; 7], 2, &mut [0u64; 3], |v| v).is_err());
         assert_eq!((width_for(0), width_for(1), width_for(2), width_for(6), width_for(7), width_for(8)), (1, 1, 2, 3, 3, 4));
     }
 
@@ -147,10 +136,11 @@ mod tests {
         let workers: Vec<Vec<i32>> = (0..5).map(|w| (0..77).map(|i| ((i * 7 + w * 3) % 7) - 3).collect()).collect();
         let mut total = vec![0u64; words_for(77, width)];
         for codes in &workers {
-            let words = pack(codes.iter().map(|&c| (c + 3) as u64), width);
+            let words = pack_with(77, width, |i| (codes[i] + 3) as u64);
             total.iter_mut().zip(&words).for_each(|(t, w)| *t += w);
         }
-        let sums: Vec<i32> = unpack(&total, 77, width).unwrap().map(|v| v as i32 - 5 * 3).collect();
+        let mut sums = vec![0i32; 77];
+        unpack_into(&total, width, &mut sums, |v| v as i32 - 5 * 3).unwrap();
         let direct: Vec<i32> = (0..77).map(|i| workers.iter().map(|c| c[i]).sum()).collect();
         assert_eq!(sums, direct);
     }

@@ -5,8 +5,8 @@
 //! summed as integers (in an `i32` accumulator, wide enough for
 //! `max_workers(bits)` workers) and decoded once: `sum * M / s`.
 //!
-//! On the wire each code takes `bits + 1` bits (sign and magnitude), not the
-//! int8/int32 of the paper's code. Rounding noise comes from a counter-based
+//! On the wire each code takes `bits + 1` bits (`code + s` in `quant::lanes`),
+//! not the int8/int32 of the paper's code. Rounding noise comes from a counter-based
 //! generator keyed by the caller's seed, so a worker's codes are reproducible
 //! and different workers (different seeds) round independently.
 
@@ -235,53 +235,10 @@ pub fn decode(sum: &[i32], scale: f32, bits: u32, out: &mut [f32]) -> Result<()>
     decode_at(sum, scale, &[levels(bits)?], None, out)
 }
 
-/// Packs codes in `bits + 1` bits each (sign bit above the magnitude).
-pub fn pack(codes: &[i32], bits: u32) -> Result<Vec<u8>> {
-    let s = levels(bits)? as i32;
-    let width = bits as usize + 1;
-    let mut out = vec![0u8; (codes.len() * width).div_ceil(8)];
-    for (i, &c) in codes.iter().enumerate() {
-        if c.abs() > s {
-            return Err(bad("codes", format!("code {c} at {i} is outside [-{s}, {s}]")));
-        }
-        let v = (c.unsigned_abs() as u64) | (((c < 0) as u64) << bits);
-        for b in 0..width {
-            if v >> b & 1 == 1 {
-                let bit = i * width + b;
-                out[bit / 8] |= 1 << (bit % 8);
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Unpacks `n` codes of `bits + 1` bits; errors on a wrong length.
-pub fn unpack(packed: &[u8], n: usize, bits: u32) -> Result<Vec<i32>> {
-    levels(bits)?;
-    let width = bits as usize + 1;
-    if packed.len() != (n * width).div_ceil(8) {
-        return Err(Error::SizeMismatch { what: "packed codes (bytes)", expected: (n * width).div_ceil(8), got: packed.len() });
-    }
-    Ok((0..n)
-        .map(|i| {
-            let mut v = 0u32;
-            for b in 0..width {
-                let bit = i * width + b;
-                v |= ((packed[bit / 8] >> (bit % 8)) as u32 & 1) << b;
-            }
-            let magnitude = (v & ((1 << bits) - 1)) as i32;
-            if v >> bits & 1 == 1 {
-                -magnitude
-            } else {
-                magnitude
-            }
-        })
-        .collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::scheme::{from_wire, to_wire, Part};
 
     fn grad(n: usize, seed: u64) -> Vec<f32> {
         (0..n).map(|i| (uniform(seed, i as u64) - 0.5) * 2.0).collect()
@@ -338,9 +295,11 @@ mod tests {
             let mut codes = vec![0i32; 333];
             quantize(g, scale, bits, 77 + w as u64, &mut codes).unwrap();
             assert!(codes.iter().all(|c| c.abs() <= 15));
-            let wire = pack(&codes, bits).unwrap();
-            assert_eq!(wire.len(), (333 * 5usize).div_ceil(8)); // 5 bits a code
-            accumulate(&unpack(&wire, 333, bits).unwrap(), &mut acc).unwrap();
+            // On the wire: lanes of 5 bits (2s + 1 = 31 values), 12 to a word, after a 17-byte header.
+            let wire = to_wire(&Part::Codes { codes: codes.clone(), lo: -15, hi: 15 });
+            assert_eq!(wire.len(), 17 + 8 * 333usize.div_ceil(12));
+            let Part::Codes { codes: received, .. } = from_wire(&wire).unwrap() else { unreachable!() };
+            accumulate(&received, &mut acc).unwrap();
             direct.iter_mut().zip(&codes).for_each(|(d, c)| *d += c);
         }
         assert_eq!(acc, direct);
@@ -384,9 +343,13 @@ mod tests {
             assert_eq!(codes, vec![7, 7]);
         }
         assert!(quantize(&[f32::NAN], 1.0, 2, 0, &mut [0]).is_err());
-        assert!(unpack(&[0u8; 4], 8, 2).is_err()); // 8 codes of 3 bits take 3 bytes
-        assert_eq!(unpack(&[0u8; 3], 8, 2).unwrap(), vec![0; 8]);
-        assert!(pack(&[4], 2).is_err());
+        // 8 codes at 2 bits (in [-3, 3]: 3-bit lanes) take one word; the wire checks length and range.
+        let wire = to_wire(&Part::Codes { codes: vec![0; 8], lo: -3, hi: 3 });
+        assert_eq!(from_wire(&wire).unwrap(), Part::Codes { codes: vec![0; 8], lo: -3, hi: 3 });
+        assert!(from_wire(&wire[..wire.len() - 1]).is_err());
+        let mut out_of_range = wire.clone();
+        out_of_range[17] = 0b111; // lane 0 holds 7: code 4, outside [-3, 3]
+        assert!(from_wire(&out_of_range).unwrap_err().to_string().contains("outside"));
         let mut zeros = vec![5i32; 3];
         quantize(&[0.0; 3], 0.0, 4, 0, &mut zeros).unwrap();
         assert_eq!(zeros, vec![0; 3]);

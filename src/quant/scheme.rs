@@ -395,7 +395,7 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
                 return Err(malformed("zero scales"));
             }
             let mut levels = vec![0u8; n];
-            lanes::unpack_into(&lanes::from_bytes(words)?, lanes::width_for(count as u64 - 1), &mut levels, |v| v.min(255) as u8)?;
+            lanes::unpack_bytes_into(words, lanes::width_for(count as u64 - 1), &mut levels, |v| v.min(255) as u8)?;
             if levels.iter().any(|&l| l >= count) {
                 return Err(malformed(&format!("a scale index is not below {count}")));
             }
@@ -414,7 +414,7 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
             // Out-of-range lanes become a sentinel outside lo..=hi, then one check.
             let mut codes = vec![0i32; n];
             let bad = if hi < i32::MAX { hi as i64 + 1 } else { lo as i64 - 1 };
-            lanes::unpack_into(&lanes::from_bytes(&rest[8..])?, lanes::width_for(span), &mut codes, |v| {
+            lanes::unpack_bytes_into(&rest[8..], lanes::width_for(span), &mut codes, |v| {
                 (if v > span { bad } else { v as i64 + lo as i64 }) as i32
             })?;
             if codes.iter().any(|&c| c < lo || c > hi) {
