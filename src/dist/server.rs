@@ -117,6 +117,19 @@ fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
     (to.sender, Message { meta, data: Payload::from(data) })
 }
 
+/// The same answer to every worker that waited on a round: (node id, request id).
+fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec<u8>>) -> Vec<(i32, Message)> {
+    waiting
+        .into_iter()
+        .map(|(sender, request_id)| {
+            let mut m = meta.clone();
+            m.sender = sender;
+            m.request_id = request_id;
+            response(&m, me, result.clone())
+        })
+        .collect()
+}
+
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
         Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None }
@@ -318,15 +331,7 @@ impl Server {
         };
         slot.round = Round::Empty;
         let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
-        Ok(waiting
-            .into_iter()
-            .map(|(sender, request_id)| {
-                let mut m = meta.clone();
-                m.sender = sender;
-                m.request_id = request_id;
-                response(&m, self.my_id, result.clone().map(|_| Vec::new()))
-            })
-            .collect())
+        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| Vec::new())))
     }
 }
 
@@ -382,12 +387,9 @@ impl Server {
         let (_, reduced) = round.acc.take().unwrap();
         let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
         let (result, payload) = if !is_final {
-            let reply = match &reduced {
-                Part::Codes { codes, lo, hi } => Part::Codes { codes: codes.clone(), lo: lo * num_workers as i32, hi: hi * num_workers as i32 },
-                other => other.clone(),
-            };
+            let reply = scheme::sum_to_wire(&reduced, num_workers);
             round.exchanged.push(reduced);
-            (Ok(()), scheme::to_wire(&reply))
+            (Ok(()), reply)
         } else {
             let ctx = scheme::Ctx { shape: &slot.shape, step, key_hash: key.stable_hash(), member: 0, workers: num_workers };
             let decoded = scheme::decode(&compression, &round.exchanged, &reduced, &ctx, &mut slot.merge);
@@ -408,15 +410,7 @@ impl Server {
             let payload = if matches!(compression, Compression::PowerSgd { .. }) { scheme::to_wire(&reduced) } else { Vec::new() };
             (result, payload)
         };
-        Ok(waiting
-            .into_iter()
-            .map(|(sender, request_id)| {
-                let mut m = meta.clone();
-                m.sender = sender;
-                m.request_id = request_id;
-                response(&m, self.my_id, result.clone().map(|_| payload.clone()))
-            })
-            .collect())
+        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| payload)))
     }
 }
 

@@ -95,6 +95,14 @@ impl ServerExchange<'_> {
         scheme::from_wire(&replies[0].data)
     }
 
+    /// `x = op over workers (x)`, for float32 exchanges.
+    fn exchange_f32(&mut self, op: &str, x: &mut [f32]) -> Result<()> {
+        match self.exchange(op, Part::F32(x.to_vec()))? {
+            Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
+            _ => Err(self.malformed(op)),
+        }
+    }
+
     fn malformed(&self, op: &str) -> Error {
         Error::Transport(format!("malformed message: the server's '{op}' result for key {} has the wrong kind or length", self.key))
     }
@@ -106,17 +114,11 @@ impl Collective for ServerExchange<'_> {
     }
 
     fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        match self.exchange("max", Part::F32(x.to_vec()))? {
-            Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
-            _ => Err(self.malformed("max")),
-        }
+        self.exchange_f32("max", x)
     }
 
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        match self.exchange("sum", Part::F32(x.to_vec()))? {
-            Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
-            _ => Err(self.malformed("sum")),
-        }
+        self.exchange_f32("sum", x)
     }
 
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {

@@ -295,9 +295,23 @@ pub fn allreduce(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, co
 
 /// Wire form of a part (a header, then payload): float32 bytes, or lanes of
 /// the narrowest width that holds `hi - lo` (codes) or `count - 1` (scale
-/// indices). Summed codes travel with lanes wide enough for their sum.
+/// indices).
 pub fn to_wire(part: &Part) -> Vec<u8> {
     let mut out = Vec::new();
+    write_part(&mut out, part, 1);
+    out
+}
+
+/// Wire form of a sum over `workers` workers' parts: codes keep each
+/// worker's range in `Part::Codes`, so their lanes are widened for the sum.
+pub fn sum_to_wire(sum: &Part, workers: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_part(&mut out, sum, workers as i32);
+    out
+}
+
+/// Appends `part`'s wire form, code ranges multiplied by `workers`.
+fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
     match part {
         Part::F32(x) => {
             out.push(0);
@@ -314,6 +328,7 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
             lanes::pack_into_bytes(levels.len(), width, |i| levels[i] as u64, &mut out[start..]);
         }
         Part::Codes { codes, lo, hi } => {
+            let (lo, hi) = (&(lo * workers), &(hi * workers));
             out.push(2);
             out.extend((codes.len() as u64).to_le_bytes());
             out.extend(lo.to_le_bytes());
@@ -325,24 +340,22 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
             lanes::pack_into_bytes(codes.len(), width, |i| (codes[i] as i64 - lo) as u64, &mut out[start..]);
         }
     }
-    out
 }
 
 /// A decoded sum sent losslessly: its step, the round's exchanged values and
 /// the summed final contribution (codes in lanes wide enough for `workers`
 /// workers' sum), from which `decode` rebuilds the same float32 bits.
 pub fn value_to_wire(step: u64, exchanged: &[Part], sum: &Part, workers: usize) -> Vec<u8> {
-    let summed = match sum {
-        Part::Codes { codes, lo, hi } => Part::Codes { codes: codes.clone(), lo: lo * workers as i32, hi: hi * workers as i32 },
-        other => other.clone(),
-    };
     let mut out = Vec::new();
     out.extend(step.to_le_bytes());
     out.extend((exchanged.len() as u32 + 1).to_le_bytes());
-    for part in exchanged.iter().chain([&summed]) {
-        let bytes = to_wire(part);
-        out.extend((bytes.len() as u64).to_le_bytes());
-        out.extend(bytes);
+    let parts = exchanged.iter().map(|p| (p, 1)).chain([(sum, workers as i32)]);
+    for (part, workers) in parts {
+        let len_at = out.len();
+        out.extend(0u64.to_le_bytes()); // the part's length, filled in below
+        write_part(&mut out, part, workers);
+        let len = (out.len() - len_at - 8) as u64;
+        out[len_at..len_at + 8].copy_from_slice(&len.to_le_bytes());
     }
     out
 }
