@@ -76,6 +76,19 @@ impl Grad<'_> {
 
 
 impl<'a> Grad<'a> {
+    /// The gradient as float32: borrowed when it is float32, widened (exactly,
+    /// as the kernels widen) otherwise.
+    pub fn to_f32(&self) -> std::borrow::Cow<'a, [f32]> {
+        fn widen<G: Gradient>(g: &[G]) -> Vec<f32> {
+            g.iter().map(|x| x.to_f32()).collect()
+        }
+        match *self {
+            Grad::F32(g) => std::borrow::Cow::Borrowed(g),
+            Grad::F16(g) => std::borrow::Cow::Owned(widen(g)),
+            Grad::Bf16(g) => std::borrow::Cow::Owned(widen(g)),
+        }
+    }
+
     /// The elements in `range`.
     pub fn slice(&self, range: std::ops::Range<usize>) -> Grad<'a> {
         match *self {

@@ -169,15 +169,6 @@ pub(crate) fn check_outputs(key: &Key, what: &str, outs: &[ArrayMut], shape: &[u
     Ok(())
 }
 
-/// A gradient as float32 (exact for every supported dtype).
-fn widen(g: Grad) -> Vec<f32> {
-    match g {
-        Grad::F32(g) => g.to_vec(),
-        Grad::F16(g) => g.iter().map(|x| x.to_f32()).collect(),
-        Grad::Bf16(g) => g.iter().map(|x| x.to_f32()).collect(),
-    }
-}
-
 /// Applies the updater to the merged gradient, or makes it the value.
 fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<()> {
     match updater {
@@ -324,7 +315,7 @@ impl KVStore {
     /// Stores `value` under a new key; init is never lossy. On an `Allreduce`
     /// store every worker takes rank 0's value (as a dist store does).
     pub fn init(&self, key: &Key, value: Array) -> Result<()> {
-        let _order = self.collective_order.lock().unwrap();
+        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap());
         let checked = self.check_init(key, value);
         let mut data = match (&self.world, checked) {
             (None, checked) => checked?,
@@ -412,7 +403,7 @@ impl KVStore {
             c if c.is_scheme() => {
                 // One member per device, on its own thread, through the same
                 // scheme code the distributed stores run.
-                let widened: Vec<Vec<f32>> = values.iter().map(|v| widen(v.data)).collect();
+                let widened: Vec<_> = values.iter().map(|v| v.data.to_f32()).collect();
                 if let Compression::Qsgd(_) = c {
                     if let Some((d, i)) = widened.iter().enumerate().find_map(|(d, g)| g.iter().position(|x| !x.is_finite()).map(|i| (d, i))) {
                         return Err(key_error(key, format!("pushed value {d} holds {} at element {i}", widened[d][i])));
