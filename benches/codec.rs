@@ -6,28 +6,17 @@
 //! Run: `cargo bench --bench codec` (PYTHON selects the interpreter for numpy;
 //! GRADPACK_BENCH_SIZES="1,16,64" sets sizes in Mi-elements).
 
+mod common;
+
 use std::process::Command;
-use std::time::Instant;
+
+use common::time;
 
 use gradpack::codec::Platform;
 use gradpack::{create_2bit, dequantize_2bit, quantize_2bit, Thresholds};
 use rayon::prelude::*;
 
 const CHUNK: usize = gradpack::codec::CHUNK;
-
-/// Median seconds of `reps` runs after one warm-up.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[reps / 2]
-}
 
 fn numpy_seconds(n: usize) -> Option<(f64, f64)> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
@@ -65,13 +54,7 @@ fn main() {
         for threads in [1, 2] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
-                let stream = time(reps, || {
-                    residual.par_chunks_mut(CHUNK).zip(grad.par_chunks(CHUNK)).for_each(|(r, g)| {
-                        for (r, g) in r.iter_mut().zip(g) {
-                            *r += *g;
-                        }
-                    })
-                });
+                let stream = time(reps, || common::residual_add(&mut residual, &grad));
                 let copy = time(reps, || out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, s)| o.copy_from_slice(s)));
                 residual.fill(0.0);
                 let q = time(reps, || quantize_2bit(&grad, &mut residual, &mut compr, th).unwrap());

@@ -5,6 +5,7 @@ rank 0 writes accuracy per epoch, bytes handed to MPI and time per epoch."""
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -12,16 +13,8 @@ import numpy as np
 import mxnet as mx
 import gradpack.mxnet as gpmx
 
-
-def load_data(seed=0):
-    from sklearn.datasets import load_digits
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.float32)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    return (x[:split], y[:split]), (x[split:], y[split:])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_digits import load_data  # noqa: E402  the same split as the example
 
 
 def main():

@@ -7,26 +7,12 @@
 //! Run: `cargo bench --bench schemes` (GRADPACK_BENCH_MI sets the size in
 //! Mi-elements, GRADPACK_BENCH_ONLY picks schemes by name).
 
-use std::time::Instant;
+mod common;
 
+use common::time;
 use gradpack::compression::Compression;
 use gradpack::quant::collective::run_group;
 use gradpack::quant::scheme::{self, Ctx, State};
-use rayon::prelude::*;
-
-/// Median seconds of `reps` runs after one warm-up.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[reps / 2]
-}
 
 fn main() {
     let mi: usize = std::env::var("GRADPACK_BENCH_MI").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
@@ -36,9 +22,7 @@ fn main() {
     let mut residual = vec![0f32; n];
     let reps = 5;
     let threads = rayon::current_num_threads();
-    let stream = time(reps, || {
-        residual.par_chunks_mut(1 << 16).zip(grad.par_chunks(1 << 16)).for_each(|(r, g)| r.iter_mut().zip(g).for_each(|(r, g)| *r += *g))
-    });
+    let stream = time(reps, || common::residual_add(&mut residual, &grad));
     let twobit = Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap();
     let mut compr = gradpack::create_2bit(n);
     residual.fill(0.0);

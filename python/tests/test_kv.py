@@ -317,17 +317,24 @@ def test_optimizers_equal_mxnet_update_operators(name, params):
         np.testing.assert_array_equal(pulled(kv, 0, (257,)), w.asnumpy(), err_msg="step %d" % t)
 
 
+def mean_of_pushes(kv, grads, trials):
+    """Key 0 of a fresh store, pushed `grads` (one per device) `trials`
+    times: the mean of what it held after each push."""
+    kv.init(0, np.zeros(grads[0].shape, np.float32))
+    mean = np.zeros(grads[0].shape)
+    for _ in range(trials):
+        kv.push(0, grads)
+        mean += pulled(kv, 0, grads[0].shape) / trials
+    return mean
+
+
 def test_qsgd_on_a_device_store_is_unbiased():
     kv = gradpack.kv.create("device")
     kv.set_compress({"compress": "qsgd_mn", "bits": "2", "seed": 1})
     rng = np.random.default_rng(5)
     grads = [rng.uniform(-1, 1, 64).astype(np.float32) for _ in range(2)]
-    kv.init(0, np.zeros(64, np.float32))
     trials = 400
-    mean = np.zeros(64)
-    for _ in range(trials):
-        kv.push(0, grads)
-        mean += pulled(kv, 0, (64,)) / trials
+    mean = mean_of_pushes(kv, grads, trials)
     scale = max(np.abs(g).max() for g in grads)
     sigma = scale / 3 / 2 / np.sqrt(trials) * np.sqrt(2)  # (M/s)/2 per device, 2 devices
     np.testing.assert_allclose(mean, grads[0] + grads[1], atol=5 * sigma)
@@ -349,12 +356,8 @@ def test_multi_scale_schemes_on_a_device_store_are_unbiased(params):
     rng = np.random.default_rng(6)
     grads = [rng.uniform(-0.05, 0.05, 64).astype(np.float32) for _ in range(2)]
     grads[0][5] = 1.0  # one large element: coarse there, fine elsewhere
-    kv.init(0, np.zeros(64, np.float32))
     trials = 400
-    mean = np.zeros(64)
-    for _ in range(trials):
-        kv.push(0, grads)
-        mean += pulled(kv, 0, (64,)) / trials
+    mean = mean_of_pushes(kv, grads, trials)
     scale = 1.0
     coarse = scale / (2 ** params["bits"][0] - 1)
     sigma = coarse / 2 / np.sqrt(trials) * np.sqrt(2)
