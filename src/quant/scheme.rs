@@ -171,22 +171,20 @@ fn encode_qsgd(q: &Qsgd, mut codes: Vec<i32>, grad: &[f32], ctx: &Ctx, coll: &mu
         return Err(bad("gradient", "a worker pushed a non-finite value (inf or NaN); nothing was applied".into()));
     }
     let mut exchanged = vec![Part::F32(scale.to_vec())];
-    let level_of = if levels.len() > 1 {
-        let mut l = vec![0u8; x.len()];
-        qsgd::fit_levels(&x, scale[0], &levels, &mut l);
-        coll.min_u8(&mut l, levels.len() as u8)?;
-        exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
-        match exchanged.last() {
-            Some(Part::Levels { levels, .. }) => Some(levels.as_slice()),
-            _ => None,
-        }
-    } else {
-        None
-    };
+    let level_of = (levels.len() > 1)
+        .then(|| {
+            let mut l = vec![0u8; x.len()];
+            qsgd::fit_levels(&x, scale[0], &levels, &mut l);
+            coll.min_u8(&mut l, levels.len() as u8).map(|_| l)
+        })
+        .transpose()?;
     codes.resize(x.len(), 0);
     let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member);
     // The scale is a MAX that includes this worker's finite max|x|: no need to check x again.
-    qsgd::quantize_levels(&x, scale[0], &levels, level_of, seed, &mut codes);
+    qsgd::quantize_levels(&x, scale[0], &levels, level_of.as_deref(), seed, &mut codes);
+    if let Some(l) = level_of {
+        exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
+    }
     Ok((exchanged, Part::Codes { codes, lo: -(s0 as i32), hi: s0 as i32 }))
 }
 
