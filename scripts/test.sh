@@ -3,6 +3,8 @@
 # example, then the Python tests against the installed package, real MXNet
 # 1.9.1 included (a missing MXNet fails, not skips).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+# The set-up's Debian dependencies, checked against dpkg and the files the build uses.
+bash scripts/env.sh --check
 # Feature mpi: the all-reduce store (its tests run themselves under mpirun).
 cargo test --release --features mpi
 cargo build --release --features mpi  # libgradpack.a for the C++ programs
