@@ -7,6 +7,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 bash scripts/env.sh --check
 # Feature mpi: the all-reduce store (its tests run themselves under mpirun).
 cargo test --release --features mpi
+# The unit tests once more in the debug profile, where overflow checks and
+# debug_assert!s are live.
+cargo test --lib --features mpi
 cargo build --release --features mpi  # libgradpack.a for the C++ programs
 cxx=(g++ -std=c++17 -Wall -Werror -Iinclude -Itarget/cxxbridge)
 libs=(target/release/libgradpack.a $(pkg-config --libs ompi-c) -lpthread -ldl)

@@ -42,8 +42,20 @@ fn committed_vectors_match() {
             assert_eq!(got, u64s(&step["compr_bits"]), "case {ci} ({dtype}, n={n}) step {si}: compr");
             let got: Vec<u64> = residual.iter().map(|x| x.to_bits() as u64).collect();
             assert_eq!(got, u64s(&step["residual_bits"]), "case {ci} ({dtype}, n={n}) step {si}: residual");
-            let mut out = vec![0f32; n];
+            // Dequantize gives each element's threshold by its code (SPEC §1),
+            // read here straight from the committed bits.
+            let mut out = vec![f32::NAN; n];
             dequantize_2bit(&compr, &mut out).unwrap();
+            let committed = u64s(&step["compr_bits"]);
+            let want: Vec<u32> = (0..n)
+                .map(|i| match (committed[3 + i / 16] as u32 >> (30 - 2 * (i % 16))) & 0b11 {
+                    0b01 => th.pos().to_bits(),
+                    0b10 => th.neg().to_bits(),
+                    _ => 0f32.to_bits(),
+                })
+                .collect();
+            let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(got, want, "case {ci} ({dtype}, n={n}) step {si}: dequantize");
         }
     }
 }

@@ -150,7 +150,7 @@ impl Postoffice {
                 Ok(None) => continue,
                 Ok(Some(Ok(msg))) => msg,
                 Ok(Some(Err(e))) => {
-                    eprintln!("[gradpack {}] dropped a message: {e}", self.who());
+                    self.van.traffic.drop_message(&self.who(), format_args!("a message: {e}"));
                     continue;
                 }
                 Err(e) => {
@@ -169,20 +169,21 @@ impl Postoffice {
                 Command::Terminate => self.customer.terminate(),
                 Command::Response => {
                     if !self.customer.deliver(msg) {
-                        eprintln!("[gradpack {}] dropped a response to an unknown request", self.who());
+                        self.van.traffic.drop_message(&self.who(), format_args!("a response to an unknown request"));
                     }
                 }
                 Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull => match handler.as_mut() {
                     Some(h) => {
                         for (to, reply) in h(msg) {
+                            let refusal = (reply.meta.status != 0).then(|| reply.meta.body.clone()).unwrap_or_default();
                             if let Err(e) = self.van.send(to, reply) {
-                                eprintln!("[gradpack {}] cannot answer node {to}: {e}", self.who());
+                                self.van.traffic.drop_message(&self.who(), format_args!("a request: cannot answer node {to} ({refusal}): {e}"));
                             }
                         }
                     }
-                    None => eprintln!("[gradpack {}] dropped a {:?} request: only servers answer it", self.who(), msg.meta.command),
+                    None => self.van.traffic.drop_message(&self.who(), format_args!("a {:?} request: only servers answer it", msg.meta.command)),
                 },
-                other => eprintln!("[gradpack {}] dropped an unexpected {other:?} message from node {}", self.who(), msg.meta.sender),
+                other => self.van.traffic.drop_message(&self.who(), format_args!("an unexpected {other:?} message from node {}", msg.meta.sender)),
             }
         }
     }
@@ -330,7 +331,7 @@ pub fn run_scheduler(config: Config) -> Result<()> {
         let msg = match polled {
             None => continue,
             Some(Err(e)) => {
-                eprintln!("[gradpack scheduler] dropped a message: {e}");
+                van.traffic.drop_message("scheduler", format_args!("a message: {e}"));
                 continue;
             }
             Some(Ok(m)) => m,
@@ -342,12 +343,12 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                 let pairs: HashMap<String, String> = match decode_pairs(&msg.meta.body) {
                     Ok(p) => p.into_iter().collect(),
                     Err(e) => {
-                        eprintln!("[gradpack scheduler] dropped a registration: {e}");
+                        van.traffic.drop_message("scheduler", format_args!("a registration: {e}"));
                         continue;
                     }
                 };
                 let (Some(role), Some(host), Some(port)) = (pairs.get("role"), pairs.get("host"), pairs.get("port").and_then(|p| p.parse::<u16>().ok())) else {
-                    eprintln!("[gradpack scheduler] dropped a registration without role, host or port");
+                    van.traffic.drop_message("scheduler", format_args!("a registration without role, host or port"));
                     continue;
                 };
                 let mut refuse = |reason: String| -> Result<()> {
@@ -423,7 +424,7 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                     return Ok(());
                 }
             }
-            other => eprintln!("[gradpack scheduler] dropped an unexpected {other:?} message from node {}", msg.meta.sender),
+            other => van.traffic.drop_message("scheduler", format_args!("an unexpected {other:?} message from node {}", msg.meta.sender)),
         }
     }
 }

@@ -239,7 +239,7 @@ impl Server {
         if slot.offset != meta.offset || slot.value.len() as u64 != meta.len {
             return Err(Error::Key {
                 key: key.to_string(),
-                problem: format!("request for elements {}..{} but this server holds {}..{}", meta.offset, meta.offset + meta.len, slot.offset, slot.offset + slot.value.len() as u64),
+                problem: format!("request for {} elements at offset {} but this server holds {} at offset {}", meta.len, meta.offset, slot.value.len(), slot.offset),
             });
         }
         Ok(slot)
@@ -416,6 +416,15 @@ impl Server {
 
 /// Runs a server until the job ends (Ok) or fails (Err).
 pub fn run_server(config: Config) -> Result<()> {
+    let post = start_server(config)?;
+    let result = post.customer.wait_until_over();
+    post.stop();
+    result
+}
+
+/// Registers a server and serves requests on its receive thread; the caller
+/// waits for the job's end (`post.customer.wait_until_over()`), then stops it.
+pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
     let num_workers = config.num_workers;
     // The server's id is known only after registration; responses carry it.
     let server = std::sync::Arc::new(std::sync::Mutex::new(None::<Server>));
@@ -427,7 +436,5 @@ pub fn run_server(config: Config) -> Result<()> {
     });
     let post = Postoffice::start(config, Some(handler))?;
     server.lock().unwrap().get_or_insert_with(|| Server::new(num_workers, post.me.id)).my_id = post.me.id;
-    let result = post.customer.wait_until_over();
-    post.stop();
-    result
+    Ok(post)
 }

@@ -15,11 +15,22 @@ fn zmq_error(what: &str, e: zmq::Error) -> Error {
     Error::Transport(format!("{what}: {e}"))
 }
 
-/// Payload bytes this node sent and received (headers included).
+/// Payload bytes this node sent and received (headers included), and the
+/// messages it received but could not use: malformed frames, requests it
+/// could not answer, responses nobody waited for.
 #[derive(Default)]
 pub struct Traffic {
     pub sent: AtomicU64,
     pub received: AtomicU64,
+    pub dropped: AtomicU64,
+}
+
+impl Traffic {
+    /// Counts a dropped message and says why on stderr.
+    pub fn drop_message(&self, who: &str, why: std::fmt::Arguments) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        eprintln!("[gradpack {who}] dropped {why}");
+    }
 }
 
 pub struct Van {
