@@ -34,6 +34,10 @@ pub enum Error {
     #[error("compressed header says size {header} but the output has {expected} elements")]
     HeaderSizeMismatch { header: f32, expected: usize },
 
+    // --- codec: values -------------------------------------------------------
+    #[error("{what}: residual + gradient is {value} at element {index} (NaN, infinity or float32 overflow); nothing was changed")]
+    NonFinite { what: String, index: usize, value: f32 },
+
     #[error("gradient of {n} elements is too large for the 2-bit header (at most 2^24 = 16777216 elements are exact in float32)")]
     TooLarge { n: usize },
 

@@ -198,3 +198,31 @@ def test_large_n_header_rounds_to_nearest():
     out = np.empty(n, np.float32)
     c.dequantize_2bit(compr, out)
     assert (out == 0.5).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_sums_are_refused_untouched(dtype, bad):
+    """SPEC §1: a NaN or ±inf in residual + grad fails naming the first such
+    element, and neither the residual nor the compressed array changes."""
+    np_dtype = DTYPES[dtype][0]
+    grad = np.full(40, 0.3, np.float32)
+    grad[21] = bad
+    grad[30] = np.nan
+    grad = grad.astype(np_dtype)
+    residual = np.full(40, 0.1, np.float32)
+    compr = np.full(6, 7.0, np.float32)
+    with pytest.raises(gradpack.Error, match="at element 21"):
+        c.quantize_2bit(grad, residual, compr, -0.5, 0.5)
+    assert (residual == np.float32(0.1)).all() and (compr == 7.0).all()
+
+
+def test_residual_overflow_is_refused():
+    grad = np.full(17, 3e38, np.float32)
+    residual = np.zeros(17, np.float32)
+    compr = c.create_2bit(grad)
+    c.quantize_2bit(grad, residual, compr, -0.5, 0.5)
+    kept = (residual.copy(), compr.copy())
+    with pytest.raises(gradpack.Error, match="at element 0"):
+        c.quantize_2bit(grad, residual, compr, -0.5, 0.5)
+    assert np.array_equal(residual, kept[0]) and np.array_equal(compr.view(np.uint32), kept[1].view(np.uint32))

@@ -58,7 +58,9 @@ unsafe fn quantize8<G: Gradient>(g: *const G, r: *mut f32, pos: __m256, neg: __m
 }
 
 /// # Safety
-/// The CPU must support AVX2 and F16C. Slice lengths as for `reference::quantize`.
+/// The CPU must support AVX2 and F16C; `residual.len() == grad.len()` and
+/// `blocks.len() == ceil(grad.len() / 16)` (the loop indexes without checks).
+/// `Platform::quantize` checks both.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn quantize<G: Gradient>(grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) {
     let full = grad.len() / 16;
@@ -91,8 +93,8 @@ unsafe fn decode8(word: __m256i, shifts: __m256i, pos: __m256, neg: __m256) -> _
 }
 
 /// # Safety
-/// The CPU must support AVX2 and F16C. `blocks.len() == ceil(out.len() / 16)`,
-/// blocks already validated.
+/// The CPU must support AVX2 and F16C; `blocks.len() == ceil(out.len() / 16)`
+/// (the loop indexes without checks). `Platform::dequantize` checks both.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn dequantize<const ADD: bool>(blocks: &[u32], th: Thresholds, out: &mut [f32]) {
     let full = out.len() / 16;
@@ -119,4 +121,31 @@ pub unsafe fn dequantize<const ADD: bool>(blocks: &[u32], th: Thresholds, out: &
     if out.len() > full * 16 {
         reference::dequantize_block::<ADD>(blocks[full], th, &mut out[full * 16..]);
     }
+}
+
+/// # Safety
+/// The CPU must support AVX2 and F16C; `residual.len() == grad.len()` (the
+/// loop reads both without checks). `Platform::first_non_finite` checks both.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn first_non_finite<G: Gradient>(grad: &[G], residual: &[f32]) -> Option<(usize, f32)> {
+    const SCAN: usize = 64;
+    let full = grad.len() / SCAN;
+    let (g, r) = (grad.as_ptr(), residual.as_ptr());
+    for b in 0..full {
+        // x - x is NaN exactly when x is NaN or infinite.
+        let mut bad = _mm256_setzero_ps();
+        for k in 0..SCAN / 8 {
+            // b < full, so elements SCAN*b + 8k .. + 8 lie inside both slices.
+            let at = SCAN * b + 8 * k;
+            let x = _mm256_add_ps(_mm256_loadu_ps(r.add(at)), load8(g.add(at)));
+            let d = _mm256_sub_ps(x, x);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_UNORD_Q>(d, d));
+        }
+        if _mm256_movemask_ps(bad) != 0 {
+            let lo = SCAN * b;
+            return reference::first_non_finite(&grad[lo..lo + SCAN], &residual[lo..lo + SCAN]).map(|(i, x)| (lo + i, x));
+        }
+    }
+    let lo = full * SCAN;
+    reference::first_non_finite(&grad[lo..], &residual[lo..]).map(|(i, x)| (lo + i, x))
 }

@@ -6,6 +6,7 @@ use rayon::prelude::*;
 use super::gradient::{Grad, Gradient};
 use super::platform::Platform;
 use super::Thresholds;
+use crate::error::Result;
 
 /// Elements per parallel task: a multiple of 16 so chunks never split a block,
 /// large enough (768 KiB of traffic for quantize) to amortise a task.
@@ -16,23 +17,40 @@ fn parallel(n: usize) -> bool {
     n > CHUNK && rayon::current_num_threads() > 1
 }
 
-pub(crate) fn quantize<G: Gradient>(p: Platform, grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) {
+/// Lengths are checked by the caller; the kernels check each chunk again
+/// (a mismatch there is an error, never an out-of-bounds write).
+pub(crate) fn quantize<G: Gradient>(p: Platform, grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) -> Result<()> {
     if !parallel(grad.len()) {
         return p.quantize(grad, residual, blocks, th);
     }
     grad.par_chunks(CHUNK)
         .zip(residual.par_chunks_mut(CHUNK))
         .zip(blocks.par_chunks_mut(CHUNK_BLOCKS))
-        .for_each(|((g, r), b)| p.quantize(g, r, b, th));
+        .try_for_each(|((g, r), b)| p.quantize(g, r, b, th))
 }
 
-pub(crate) fn dequantize<const ADD: bool>(p: Platform, blocks: &[u32], th: Thresholds, out: &mut [f32]) {
+pub(crate) fn dequantize<const ADD: bool>(p: Platform, blocks: &[u32], th: Thresholds, out: &mut [f32]) -> Result<()> {
     if !parallel(out.len()) {
         return p.dequantize::<ADD>(blocks, th, out);
     }
     out.par_chunks_mut(CHUNK)
         .zip(blocks.par_chunks(CHUNK_BLOCKS))
-        .for_each(|(o, b)| p.dequantize::<ADD>(b, th, o));
+        .try_for_each(|(o, b)| p.dequantize::<ADD>(b, th, o))
+}
+
+/// The first element whose `residual + grad` is not finite, and that sum:
+/// chunks are scanned in parallel, and the earliest bad chunk wins.
+pub(crate) fn first_non_finite<G: Gradient>(p: Platform, grad: &[G], residual: &[f32]) -> Result<Option<(usize, f32)>> {
+    if !parallel(grad.len()) {
+        return p.first_non_finite(grad, residual);
+    }
+    let found = grad
+        .par_chunks(CHUNK)
+        .zip(residual.par_chunks(CHUNK))
+        .enumerate()
+        .map(|(c, (g, r))| p.first_non_finite(g, r).map(|hit| hit.map(|(i, x)| (c * CHUNK + i, x))))
+        .find_map_first(|hit| hit.transpose());
+    found.transpose()
 }
 
 /// True when any block holds code 0b11 (a fast OR-reduction; the caller finds the
@@ -48,25 +66,26 @@ pub(crate) fn any_code_11(blocks: &[u32]) -> bool {
 
 /// One chunk of the fused reduce: every device's gradient quantized into its
 /// blocks, then decoded into `sum` (overwrite for the first device, add after).
-fn quantize_reduce_chunk(p: Platform, grads: &[Grad], range: std::ops::Range<usize>, parts: Vec<(&mut [f32], &mut [u32])>, th: Thresholds, sum: &mut [f32]) {
+fn quantize_reduce_chunk(p: Platform, grads: &[Grad], range: std::ops::Range<usize>, parts: Vec<(&mut [f32], &mut [u32])>, th: Thresholds, sum: &mut [f32]) -> Result<()> {
     for (i, (residual, blocks)) in parts.into_iter().enumerate() {
         match grads[i].slice(range.clone()) {
-            Grad::F32(g) => p.quantize(g, residual, blocks, th),
-            Grad::F16(g) => p.quantize(g, residual, blocks, th),
-            Grad::Bf16(g) => p.quantize(g, residual, blocks, th),
+            Grad::F32(g) => p.quantize(g, residual, blocks, th)?,
+            Grad::F16(g) => p.quantize(g, residual, blocks, th)?,
+            Grad::Bf16(g) => p.quantize(g, residual, blocks, th)?,
         }
         if i == 0 {
-            p.dequantize::<false>(blocks, th, sum);
+            p.dequantize::<false>(blocks, th, sum)?;
         } else {
-            p.dequantize::<true>(blocks, th, sum);
+            p.dequantize::<true>(blocks, th, sum)?;
         }
     }
+    Ok(())
 }
 
 /// The fused reduce over whole arrays, chunk by chunk so that each chunk of
 /// `sum` stays in cache while every device adds into it. Lengths are checked
 /// by the caller.
-pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &mut [&mut [f32]], blocks: &mut [&mut [u32]], th: Thresholds, sum: &mut [f32]) {
+pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &mut [&mut [f32]], blocks: &mut [&mut [u32]], th: Thresholds, sum: &mut [f32]) -> Result<()> {
     let parallel = parallel(sum.len());
     let mut res_chunks: Vec<_> = residuals.iter_mut().map(|r| r.chunks_mut(CHUNK)).collect();
     let mut blk_chunks: Vec<_> = blocks.iter_mut().map(|b| b.chunks_mut(CHUNK_BLOCKS)).collect();
@@ -83,8 +102,8 @@ pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &mut [&mut
         quantize_reduce_chunk(p, grads, lo..hi, parts, th, s)
     };
     if parallel {
-        tasks.into_par_iter().for_each(run);
+        tasks.into_par_iter().try_for_each(run)
     } else {
-        tasks.into_iter().for_each(run);
+        tasks.into_iter().try_for_each(run)
     }
 }

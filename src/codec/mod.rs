@@ -69,7 +69,7 @@ pub fn create_2bit(n: usize) -> Vec<f32> {
     vec![0.0; compressed_len(n)]
 }
 
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+pub(super) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     if expected == got {
         Ok(())
     } else {
@@ -89,17 +89,37 @@ fn blocks_mut(compr: &mut [f32]) -> &mut [u32] {
     &mut all[HEADER_LEN..]
 }
 
+/// Checks that `residual + grad` is finite for every element (SPEC §1): an
+/// error naming `what` and the first element where it is not. A read-only
+/// pass, so that a failing quantize changes nothing.
+pub fn check_finite<G: Gradient>(what: &str, grad: &[G], residual: &[f32]) -> Result<()> {
+    check_len("residual", grad.len(), residual.len())?;
+    match join::first_non_finite(Platform::detect(), grad, residual)? {
+        Some((index, value)) => Err(Error::NonFinite { what: what.into(), index, value }),
+        None => Ok(()),
+    }
+}
+
 /// Quantizes `grad` with error feedback: updates `residual` and writes `compr`
-/// (header and blocks). On error nothing is written.
+/// (header and blocks). On error, a non-finite `residual + grad` included,
+/// nothing is written.
 pub fn quantize_2bit<G: Gradient>(grad: &[G], residual: &mut [f32], compr: &mut [f32], th: Thresholds) -> Result<()> {
+    check_len("residual", grad.len(), residual.len())?;
+    check_len("compressed array", compressed_len(grad.len()), compr.len())?;
+    check_finite("gradient", grad, residual)?;
+    quantize_2bit_finite(grad, residual, compr, th)
+}
+
+/// `quantize_2bit` for inputs that `check_finite` has accepted (callers that
+/// check several slices before quantizing any).
+pub(crate) fn quantize_2bit_finite<G: Gradient>(grad: &[G], residual: &mut [f32], compr: &mut [f32], th: Thresholds) -> Result<()> {
     let n = grad.len();
     check_len("residual", n, residual.len())?;
     check_len("compressed array", compressed_len(n), compr.len())?;
     compr[0] = th.neg;
     compr[1] = th.pos;
     compr[2] = n as f32; // round to nearest, as SPEC §1 says
-    join::quantize(Platform::detect(), grad, residual, blocks_mut(compr), th);
-    Ok(())
+    join::quantize(Platform::detect(), grad, residual, blocks_mut(compr), th)
 }
 
 /// The reduce step of a compressed push, fused: for every device `i`, quantize
@@ -107,7 +127,8 @@ pub fn quantize_2bit<G: Gradient>(grad: &[G], residual: &mut [f32], compr: &mut 
 /// as `quantize_2bit`), and set `sum` to the sum, in device order, of the
 /// decoded arrays: bit-identical to `quantize_2bit` then `dequantize_2bit`
 /// for the first device and `dequantize_2bit_add` for the others, in one pass.
-/// On error nothing is written.
+/// On error, a non-finite `residual + grad` of any device included, nothing
+/// is written.
 pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &mut [&mut [f32]], comprs: &mut [&mut [f32]], sum: &mut [f32], th: Thresholds) -> Result<()> {
     let n = sum.len();
     if grads.is_empty() {
@@ -120,6 +141,13 @@ pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &mut [&mut [f32]], comprs
         check_len("residual", n, r.len())?;
         check_len("compressed array", compressed_len(n), c.len())?;
     }
+    for (d, (g, r)) in grads.iter().zip(residuals.iter()).enumerate() {
+        match g {
+            Grad::F32(g) => check_finite(&format!("pushed value {d}"), g, r)?,
+            Grad::F16(g) => check_finite(&format!("pushed value {d}"), g, r)?,
+            Grad::Bf16(g) => check_finite(&format!("pushed value {d}"), g, r)?,
+        }
+    }
     let mut blocks: Vec<&mut [u32]> = Vec::with_capacity(comprs.len());
     for c in comprs.iter_mut() {
         c[0] = th.neg;
@@ -127,8 +155,7 @@ pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &mut [&mut [f32]], comprs
         c[2] = n as f32;
         blocks.push(blocks_mut(c));
     }
-    join::quantize_reduce(Platform::detect(), grads, residuals, &mut blocks, th, sum);
-    Ok(())
+    join::quantize_reduce(Platform::detect(), grads, residuals, &mut blocks, th, sum)
 }
 
 /// Checks a compressed array against an output of `n` elements: length, header
@@ -159,13 +186,11 @@ pub fn check_compressed(compr: &[f32], n: usize) -> Result<Thresholds> {
 /// Decodes `compr` into `out` (its size gives `n`). On error nothing is written.
 pub fn dequantize_2bit(compr: &[f32], out: &mut [f32]) -> Result<()> {
     let th = check_compressed(compr, out.len())?;
-    join::dequantize::<false>(Platform::detect(), blocks(compr), th, out);
-    Ok(())
+    join::dequantize::<false>(Platform::detect(), blocks(compr), th, out)
 }
 
 /// Decodes `compr` and adds it into `sum` (the reduce step). On error nothing is written.
 pub fn dequantize_2bit_add(compr: &[f32], sum: &mut [f32]) -> Result<()> {
     let th = check_compressed(compr, sum.len())?;
-    join::dequantize::<true>(Platform::detect(), blocks(compr), th, sum);
-    Ok(())
+    join::dequantize::<true>(Platform::detect(), blocks(compr), th, sum)
 }

@@ -5,7 +5,8 @@ use std::sync::OnceLock;
 use super::gradient::Gradient;
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
-use super::{portable, Thresholds};
+use super::{check_len, portable, Thresholds};
+use crate::error::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Platform {
@@ -45,33 +46,62 @@ impl Platform {
         }
     }
 
-    /// Quantizes one chunk. Slice lengths as for `reference::quantize`.
-    pub fn quantize<G: Gradient>(self, grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) {
+    /// Quantizes one chunk. `residual` must be as long as `grad` and `blocks`
+    /// hold `ceil(len / 16)` words; otherwise an error, and nothing is written.
+    pub fn quantize<G: Gradient>(self, grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) -> Result<()> {
+        // The AVX2 kernels index without bounds checks: these lengths first.
+        check_len("residual", grad.len(), residual.len())?;
+        check_len("block slice", grad.len().div_ceil(16), blocks.len())?;
         match self {
             Platform::Portable => portable::quantize(grad, residual, blocks, th),
             #[cfg(target_arch = "x86_64")]
             Platform::Avx2 => {
                 assert!(self.is_supported(), "AVX2 kernel requested on a CPU without AVX2/F16C");
-                // SAFETY: the assert above checked AVX2 and F16C at run time.
+                // SAFETY: the assert above checked AVX2 and F16C at run time, and
+                // check_len the slice lengths the kernel indexes by.
                 unsafe { avx2::quantize(grad, residual, blocks, th) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Platform::Avx2 => unreachable!("AVX2 kernel requested on a non-x86-64 CPU"),
         }
+        Ok(())
     }
 
-    /// Dequantizes one chunk of validated blocks, overwriting or adding into `out`.
-    pub fn dequantize<const ADD: bool>(self, blocks: &[u32], th: Thresholds, out: &mut [f32]) {
+    /// The first element of one chunk whose `residual + grad` is not finite,
+    /// and that sum. `residual` must be as long as `grad`.
+    pub fn first_non_finite<G: Gradient>(self, grad: &[G], residual: &[f32]) -> Result<Option<(usize, f32)>> {
+        check_len("residual", grad.len(), residual.len())?;
+        Ok(match self {
+            Platform::Portable => portable::first_non_finite(grad, residual),
+            #[cfg(target_arch = "x86_64")]
+            Platform::Avx2 => {
+                assert!(self.is_supported(), "AVX2 kernel requested on a CPU without AVX2/F16C");
+                // SAFETY: the assert above checked AVX2 and F16C at run time, and
+                // check_len that both slices have the length the kernel reads.
+                unsafe { avx2::first_non_finite(grad, residual) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Platform::Avx2 => unreachable!("AVX2 kernel requested on a non-x86-64 CPU"),
+        })
+    }
+
+    /// Dequantizes one chunk of validated blocks, overwriting or adding into
+    /// `out`. `blocks` must hold `ceil(out.len() / 16)` words; otherwise an
+    /// error, and nothing is written.
+    pub fn dequantize<const ADD: bool>(self, blocks: &[u32], th: Thresholds, out: &mut [f32]) -> Result<()> {
+        check_len("block slice", out.len().div_ceil(16), blocks.len())?;
         match self {
             Platform::Portable => portable::dequantize::<ADD>(blocks, th, out),
             #[cfg(target_arch = "x86_64")]
             Platform::Avx2 => {
                 assert!(self.is_supported(), "AVX2 kernel requested on a CPU without AVX2/F16C");
-                // SAFETY: the assert above checked AVX2 and F16C at run time.
+                // SAFETY: the assert above checked AVX2 and F16C at run time, and
+                // check_len the block count the kernel indexes by.
                 unsafe { avx2::dequantize::<ADD>(blocks, th, out) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Platform::Avx2 => unreachable!("AVX2 kernel requested on a non-x86-64 CPU"),
         }
+        Ok(())
     }
 }

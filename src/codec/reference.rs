@@ -85,3 +85,9 @@ pub fn dequantize<const ADD: bool>(blocks: &[u32], th: Thresholds, out: &mut [f3
         }
     }
 }
+
+/// The first element whose `residual + grad` (in float32, as quantize adds
+/// them) is NaN or infinite, and that sum.
+pub fn first_non_finite<G: Gradient>(grad: &[G], residual: &[f32]) -> Option<(usize, f32)> {
+    grad.iter().zip(residual).map(|(g, r)| r + g.to_f32()).enumerate().find(|(_, x)| !x.is_finite())
+}

@@ -52,9 +52,9 @@ fn check_all_kernels<G: Gradient>(conv: fn(f32) -> G) {
             for (k, (name, res, compr)) in runs.iter_mut().enumerate() {
                 let p = Platform::available()[k / 2];
                 if k % 2 == 0 {
-                    p.quantize(g, res, blocks_mut(compr), th());
+                    p.quantize(g, res, blocks_mut(compr), th()).unwrap();
                 } else {
-                    join::quantize(p, g, res, blocks_mut(compr), th());
+                    join::quantize(p, g, res, blocks_mut(compr), th()).unwrap();
                 }
                 assert_eq!(bits(res), bits(&ref_res), "{name} residual, n={n} step={step} {:?}", G::DTYPE);
                 assert_eq!(blocks(compr), &ref_blocks[..], "{name} blocks, n={n} step={step} {:?}", G::DTYPE);
@@ -62,12 +62,12 @@ fn check_all_kernels<G: Gradient>(conv: fn(f32) -> G) {
                 let mut want = vec![0f32; n];
                 reference::dequantize::<false>(&ref_blocks, th(), &mut want);
                 let mut got = vec![1f32; n];
-                join::dequantize::<false>(p, &ref_blocks, th(), &mut got);
+                join::dequantize::<false>(p, &ref_blocks, th(), &mut got).unwrap();
                 assert_eq!(bits(&got), bits(&want), "{name} dequantize n={n}");
                 let mut want_sum: Vec<f32> = ref_res.clone();
                 reference::dequantize::<true>(&ref_blocks, th(), &mut want_sum);
                 let mut got_sum = ref_res.clone();
-                p.dequantize::<true>(&ref_blocks, th(), &mut got_sum);
+                p.dequantize::<true>(&ref_blocks, th(), &mut got_sum).unwrap();
                 assert_eq!(bits(&got_sum), bits(&want_sum), "{name} dequantize_add n={n}");
             }
         }
@@ -102,7 +102,7 @@ fn kernels_agree_on_special_values() {
     for p in Platform::available() {
         let mut res = start.clone();
         let mut bl = vec![0u32; n.div_ceil(16)];
-        p.quantize(&grad, &mut res, &mut bl, th());
+        p.quantize(&grad, &mut res, &mut bl, th()).unwrap();
         assert_eq!(bits(&res), bits(&ref_res), "{p:?}");
         assert_eq!(bl, ref_blocks, "{p:?}");
     }
@@ -291,4 +291,126 @@ fn fused_reduce_rejects_mismatches_untouched() {
     let err = quantize_2bit_reduce(&[Grad::F32(&g), Grad::F32(&g)], &mut [&mut r0, &mut r1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
     assert_eq!(err.to_string(), "residual has 19 elements, expected 20");
     assert!(r0.iter().all(|&x| x == 0.5) && c0.iter().all(|&x| x == 9.0) && sum.iter().all(|&x| x == 3.0));
+}
+
+#[test]
+fn safe_kernel_entry_points_refuse_wrong_lengths() {
+    // Every kernel reachable from safe code, with each slice one too short or
+    // too long: an error, and nothing written (the AVX2 loops index unchecked).
+    let n = 40; // two full blocks and a tail
+    let grad = vec![0.9f32; n];
+    for p in Platform::available() {
+        for (res_len, blk_len) in [(n - 1, 3), (n + 1, 3), (n, 2), (n, 4), (n, 0)] {
+            let mut res = vec![7f32; res_len];
+            let mut bl = vec![5u32; blk_len];
+            let err = p.quantize(&grad, &mut res, &mut bl, th()).unwrap_err().to_string();
+            assert!(err.contains("residual") || err.contains("block slice"), "{p:?}: {err}");
+            assert!(res.iter().all(|&x| x == 7.0) && bl.iter().all(|&b| b == 5), "{p:?} wrote on error");
+            let err = join::quantize(p, &grad, &mut res, &mut bl, th()).unwrap_err().to_string();
+            assert!(err.contains("residual") || err.contains("block slice"), "{p:?}: {err}");
+        }
+        for blk_len in [0, 2, 4, 100] {
+            let bl = vec![0x4000_0000u32; blk_len];
+            let mut out = vec![3f32; n];
+            assert!(p.dequantize::<false>(&bl, th(), &mut out).unwrap_err().to_string().contains("block slice"));
+            assert!(p.dequantize::<true>(&bl, th(), &mut out).is_err());
+            assert!(join::dequantize::<true>(p, &bl, th(), &mut out).is_err());
+            assert!(out.iter().all(|&x| x == 3.0), "{p:?} wrote on error");
+        }
+    }
+}
+
+/// Plants `bad` at `at` in the gradient (or, when `in_residual`, the residual)
+/// of an otherwise finite input of `n` elements.
+fn with_bad<G: Gradient>(conv: fn(f32) -> G, n: usize, at: usize, bad: f32, in_residual: bool) -> (Vec<G>, Vec<f32>) {
+    let mut rng = Rng(n as u64 * 31 + at as u64);
+    let mut grad: Vec<G> = (0..n).map(|_| conv(rng.uniform(0.7))).collect();
+    let mut residual: Vec<f32> = (0..n).map(|_| rng.uniform(0.4)).collect();
+    if in_residual {
+        residual[at] = bad;
+    } else {
+        grad[at] = conv(bad);
+    }
+    (grad, residual)
+}
+
+fn check_non_finite_detection<G: Gradient>(conv: fn(f32) -> G) {
+    let sizes = [1, 15, 16, 17, 63, 64, 65, 200, CHUNK - 1, CHUNK + 1, 3 * CHUNK + 5];
+    for &n in &sizes {
+        for at in [0, n / 2, n - 1] {
+            for (bad, in_residual) in [(f32::NAN, false), (f32::INFINITY, false), (f32::NEG_INFINITY, true), (f32::NAN, true)] {
+                let (grad, residual) = with_bad(conv, n, at, bad, in_residual);
+                let want = reference::first_non_finite(&grad, &residual);
+                assert_eq!(want.map(|w| w.0), Some(at));
+                for p in Platform::available() {
+                    let got = p.first_non_finite(&grad, &residual).unwrap();
+                    assert_eq!(got.map(|g| (g.0, g.1.to_bits())), want.map(|w| (w.0, w.1.to_bits())), "{p:?} n={n} at={at} {:?}", G::DTYPE);
+                    let got = join::first_non_finite(p, &grad, &residual).unwrap();
+                    assert_eq!(got.map(|g| g.0), Some(at), "{p:?}+threads n={n} at={at}");
+                }
+                // The API refuses it, names the element, and writes nothing.
+                let mut res = residual.clone();
+                let mut compr = vec![7f32; compressed_len(n)];
+                let err = quantize_2bit(&grad, &mut res, &mut compr, th()).unwrap_err();
+                assert!(matches!(err, Error::NonFinite { index, .. } if index == at), "{err}");
+                assert_eq!(bits(&res), bits(&residual));
+                assert!(compr.iter().all(|&c| c == 7.0));
+            }
+        }
+        // A second bad element later never hides the first.
+        let (mut grad, residual) = with_bad(conv, n, n - 1, f32::NAN, false);
+        grad[n / 3] = conv(f32::INFINITY);
+        for p in Platform::available() {
+            assert_eq!(join::first_non_finite(p, &grad, &residual).unwrap().map(|g| g.0), Some(n / 3), "{p:?} n={n}");
+        }
+    }
+}
+
+#[test]
+fn non_finite_sums_are_found_at_their_first_index_f32() {
+    check_non_finite_detection::<f32>(|x| x);
+}
+
+#[test]
+fn non_finite_sums_are_found_at_their_first_index_f16() {
+    check_non_finite_detection::<f16>(f16::from_f32);
+}
+
+#[test]
+fn non_finite_sums_are_found_at_their_first_index_bf16() {
+    check_non_finite_detection::<bf16>(bf16::from_f32);
+}
+
+#[test]
+fn residual_overflow_is_refused_before_it_poisons() {
+    // 3e38 twice: the first push leaves a residual near 3e38, the second sum
+    // overflows to inf. It is refused and the residual keeps its finite value.
+    let n = 33;
+    let grad = vec![3e38f32; n];
+    let mut residual = vec![0f32; n];
+    let mut compr = create_2bit(n);
+    quantize_2bit(&grad, &mut residual, &mut compr, th()).unwrap();
+    let (res_before, compr_before) = (bits(&residual), bits(&compr));
+    let err = quantize_2bit(&grad, &mut residual, &mut compr, th()).unwrap_err();
+    assert!(err.to_string().contains("at element 0") && err.to_string().contains("inf"), "{err}");
+    assert_eq!((bits(&residual), bits(&compr)), (res_before, compr_before));
+    // A finite push afterwards goes on from the kept residual.
+    quantize_2bit(&vec![-3e38f32; n], &mut residual, &mut compr, th()).unwrap();
+    assert!(residual.iter().all(|r| r.is_finite()));
+}
+
+#[test]
+fn fused_reduce_refuses_a_non_finite_device_untouched() {
+    let n = 40;
+    let good = vec![0.3f32; n];
+    let mut bad = vec![0.3f32; n];
+    bad[21] = f32::NAN;
+    let grads = [Grad::F32(&good), Grad::F32(&bad)];
+    let (mut r0, mut r1) = (vec![0.1f32; n], vec![0.2f32; n]);
+    let (mut c0, mut c1) = (vec![5f32; compressed_len(n)], vec![6f32; compressed_len(n)]);
+    let mut sum = vec![9f32; n];
+    let err = quantize_2bit_reduce(&grads, &mut [&mut r0, &mut r1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
+    assert!(matches!(&err, Error::NonFinite { what, index: 21, .. } if what == "pushed value 1"), "{err}");
+    assert!(r0.iter().all(|&x| x == 0.1) && r1.iter().all(|&x| x == 0.2));
+    assert!(c0.iter().all(|&x| x == 5.0) && c1.iter().all(|&x| x == 6.0) && sum.iter().all(|&x| x == 9.0));
 }
