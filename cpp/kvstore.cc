@@ -62,7 +62,7 @@ void broadcast(Store& s, const KeyArg& key, const Tensor& value, std::vector<Ten
   if (!outs->empty() && (*outs)[0].shape != value.shape)
     throw std::invalid_argument("key " + key_text(key) + ": broadcast output 0 has a different shape from the value");
   common_shape(key, *outs, "broadcast output");
-  store_broadcast(s, key, {value.shape.data(), value.shape.size()}, {value.data, value.size()},
+  store_broadcast(s, key, {value.shape.data(), value.shape.size()}, reinterpret_cast<size_t>(value.data),
                   as_slice(out));
 }
 

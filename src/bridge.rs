@@ -9,7 +9,8 @@ use half::{bf16, f16};
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::{Array, ArrayMut, Grad, KVStore, Key, Updater};
+use crate::kvstore::{elements, Array, ArrayMut, Grad, KVStore, Key, Store as _, Updater};
+use std::borrow::Cow;
 use crate::optimizer::Optimizer;
 
 #[cxx::bridge(namespace = "gradpack")]
@@ -45,8 +46,11 @@ mod ffi {
         unsafe fn store_push(store: &Store, key: &KeyArg, shape: &[usize], values: &[usize]) -> Result<()>;
         /// `outs` holds the addresses of writable, disjoint float32 arrays of `shape`.
         unsafe fn store_pull(store: &Store, key: &KeyArg, shape: &[usize], outs: &[usize]) -> Result<()>;
+        /// Inputs may be the outputs themselves (MXNet's Trainer does so): such
+        /// an input is copied before any output is written.
         unsafe fn store_pushpull(store: &Store, key: &KeyArg, shape: &[usize], values: &[usize], outs: &[usize]) -> Result<()>;
-        unsafe fn store_broadcast(store: &Store, key: &KeyArg, shape: &[usize], value: &[f32], outs: &[usize]) -> Result<()>;
+        /// `value` is the address of a float32 array of `shape`; it may be one of `outs`.
+        unsafe fn store_broadcast(store: &Store, key: &KeyArg, shape: &[usize], value: usize, outs: &[usize]) -> Result<()>;
         fn store_set_compress(store: &Store, keys: &CxxVector<CxxString>, values: &CxxVector<CxxString>) -> Result<()>;
         fn store_set_optimizer(store: &Store, name: &str, keys: &CxxVector<CxxString>, values: &CxxVector<CxxString>) -> Result<()>;
         fn store_set_updater(store: &Store, updater: UniquePtr<Updater>) -> Result<()>;
@@ -89,52 +93,75 @@ fn store_init(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: &[f32]) 
     store.0.init(&key_of(key), Array { shape, data: Grad::F32(value) })
 }
 
+/// The bytes of an array of `n` floats at `addr`: null only when empty, and
+/// not wrapping the address space.
+fn span(addr: usize, n: usize, what: &'static str) -> Result<std::ops::Range<usize>> {
+    if addr == 0 && n > 0 {
+        return Err(Error::NullPointer { what });
+    }
+    let end = addr.checked_add(4 * n).ok_or_else(|| Error::InvalidParam { key: what.into(), problem: format!("{n} floats at {addr:#x} pass the end of memory") })?;
+    Ok(addr..end)
+}
+
 /// # Safety
-/// Each address points to `shape.iter().product()` readable floats.
-unsafe fn inputs<'a>(shape: &[usize], addrs: &[usize]) -> Result<Vec<&'a [f32]>> {
-    let n: usize = shape.iter().product();
+/// Each address points to `shape`'s element count of readable floats. An
+/// input that overlaps one of `outs` is copied here, before any output
+/// exists as a slice, so a `&[f32]` and a `&mut [f32]` never share memory.
+unsafe fn inputs(shape: &[usize], addrs: &[usize], outs: &[usize]) -> Result<Vec<Cow<'static, [f32]>>> {
+    let n = elements(shape)?;
+    let outs = outs.iter().map(|&o| span(o, n, "output data")).collect::<Result<Vec<_>>>()?;
     addrs
         .iter()
-        .map(|&a| if a == 0 && n > 0 { Err(Error::NullPointer { what: "value data" }) } else if n == 0 { Ok(&[][..]) } else { Ok(std::slice::from_raw_parts(a as *const f32, n)) })
+        .map(|&a| {
+            let bytes = span(a, n, "value data")?;
+            if n == 0 {
+                return Ok(Cow::Borrowed(&[][..]));
+            }
+            let data = std::slice::from_raw_parts(a as *const f32, n);
+            let aliased = outs.iter().any(|o| bytes.start < o.end && o.start < bytes.end);
+            Ok(if aliased { Cow::Owned(data.to_vec()) } else { Cow::Borrowed(data) })
+        })
         .collect()
 }
 
 /// # Safety
-/// Each address points to `shape.iter().product()` writable floats, disjoint.
+/// Each address points to `shape`'s element count of writable floats; no
+/// reference to them may be alive (`inputs` copies those that overlap).
 unsafe fn outputs<'a>(shape: &[usize], addrs: &[usize]) -> Result<Vec<&'a mut [f32]>> {
-    let n: usize = shape.iter().product();
-    let mut seen: Vec<usize> = addrs.to_vec();
-    seen.sort_unstable();
-    if n > 0 && seen.windows(2).any(|w| w[1] < w[0] + 4 * n) {
+    let n = elements(shape)?;
+    let mut spans = addrs.iter().map(|&a| span(a, n, "output data")).collect::<Result<Vec<_>>>()?;
+    spans.sort_unstable_by_key(|r| r.start);
+    if n > 0 && spans.windows(2).any(|w| w[1].start < w[0].end) {
         return Err(Error::OverlappingBuffers { a: "output", b: "output" });
     }
-    addrs
-        .iter()
-        .map(|&a| if a == 0 && n > 0 { Err(Error::NullPointer { what: "output data" }) } else if n == 0 { Ok(&mut [][..]) } else { Ok(std::slice::from_raw_parts_mut(a as *mut f32, n)) })
-        .collect()
+    Ok(addrs.iter().map(|&a| if n == 0 { &mut [][..] } else { std::slice::from_raw_parts_mut(a as *mut f32, n) }).collect())
+}
+
+fn arrays<'a>(shape: &'a [usize], values: &'a [Cow<'static, [f32]>]) -> Vec<Array<'a>> {
+    values.iter().map(|v| Array { shape, data: Grad::F32(v) }).collect()
+}
+
+fn arrays_mut<'a>(shape: &'a [usize], outs: Vec<&'a mut [f32]>) -> Vec<ArrayMut<'a>> {
+    outs.into_iter().map(|data| ArrayMut { shape, data }).collect()
 }
 
 unsafe fn store_push(store: &Store, key: &ffi::KeyArg, shape: &[usize], values: &[usize]) -> Result<()> {
-    let vals = inputs(shape, values)?;
-    let arrays: Vec<Array> = vals.iter().map(|v| Array { shape, data: Grad::F32(v) }).collect();
-    store.0.push(&key_of(key), &arrays)
+    let vals = inputs(shape, values, &[])?;
+    store.0.push(&key_of(key), &arrays(shape, &vals))
 }
 
 unsafe fn store_pull(store: &Store, key: &ffi::KeyArg, shape: &[usize], outs: &[usize]) -> Result<()> {
-    let mut outs: Vec<ArrayMut> = outputs(shape, outs)?.into_iter().map(|data| ArrayMut { shape, data }).collect();
-    store.0.pull(&key_of(key), &mut outs)
+    store.0.pull(&key_of(key), &mut arrays_mut(shape, outputs(shape, outs)?))
 }
 
 unsafe fn store_pushpull(store: &Store, key: &ffi::KeyArg, shape: &[usize], values: &[usize], outs: &[usize]) -> Result<()> {
-    let vals = inputs(shape, values)?;
-    let arrays: Vec<Array> = vals.iter().map(|v| Array { shape, data: Grad::F32(v) }).collect();
-    let mut outs: Vec<ArrayMut> = outputs(shape, outs)?.into_iter().map(|data| ArrayMut { shape, data }).collect();
-    store.0.pushpull(&key_of(key), &arrays, &mut outs)
+    let vals = inputs(shape, values, outs)?;
+    store.0.pushpull( &key_of(key), &arrays(shape, &vals), &mut arrays_mut(shape, outputs(shape, outs)?))
 }
 
-unsafe fn store_broadcast(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: &[f32], outs: &[usize]) -> Result<()> {
-    let mut outs: Vec<ArrayMut> = outputs(shape, outs)?.into_iter().map(|data| ArrayMut { shape, data }).collect();
-    store.0.broadcast(&key_of(key), Array { shape, data: Grad::F32(value) }, &mut outs)
+unsafe fn store_broadcast(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: usize, outs: &[usize]) -> Result<()> {
+    let vals = inputs(shape, &[value], outs)?;
+    store.0.broadcast( &key_of(key), arrays(shape, &vals)[0], &mut arrays_mut(shape, outputs(shape, outs)?))
 }
 
 fn string_pairs(keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<cxx::CxxString>) -> Result<Vec<(String, String)>> {

@@ -154,6 +154,51 @@ fn bad_requests_get_errors_and_change_nothing() {
     });
 }
 
+#[test]
+fn bad_input_is_refused_before_anything_changes() {
+    use gradpack::kvstore::Store;
+    // 2 workers, 2 servers, a key split over both (bigarray_bound 1000):
+    // a non-finite sum in the second slice must leave the first slice's
+    // residual and every stored value as they were, on every worker.
+    let results = job(2, 2, "dist_sync", |rank, w| {
+        let (c, p) = two_bit();
+        w.set_compress(c, &p).unwrap();
+        let shape = [1600];
+        let k = Key::Int(7);
+        w.init(&k, Array { shape: &shape, data: Grad::F32(&[0.0; 1600]) }).unwrap();
+        let mut g = vec![0.3f32; 1600];
+        w.push(&k, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap(); // residual 0.3 everywhere
+        assert_eq!(pull(w, &k, &shape), vec![0.0; 1600]);
+        w.barrier().unwrap();
+        if rank == 1 {
+            for (at, bad) in [(1500, f32::NAN), (1599, f32::INFINITY), (3, f32::NEG_INFINITY)] {
+                let mut poisoned = g.clone();
+                poisoned[at] = bad;
+                let err = w.push(&k, &[Array { shape: &shape, data: Grad::F32(&poisoned) }]).unwrap_err().to_string();
+                assert!(err.contains("key 7") && err.contains(&format!("at element {at}")) && err.contains("nothing was changed"), "{err}");
+            }
+            // Validate, then mutate: an output of the wrong shape fails before the push.
+            let mut wrong = vec![5f32; 8];
+            let err = w.pushpull(&k, &[Array { shape: &shape, data: Grad::F32(&g) }], &mut [ArrayMut { shape: &[8], data: &mut wrong }]).unwrap_err().to_string();
+            assert!(err.contains("pushpull output 0"), "{err}");
+            let err = w.broadcast(&Key::Int(8), Array { shape: &[4], data: Grad::F32(&[1.0; 4]) }, &mut [ArrayMut { shape: &[8], data: &mut wrong }]).unwrap_err().to_string();
+            assert!(err.contains("broadcast output 0"), "{err}");
+            assert!(w.pull(&Key::Int(8), &mut [ArrayMut { shape: &[4], data: &mut wrong[..4] }]).unwrap_err().to_string().contains("not initialized"));
+            assert!(wrong.iter().all(|&x| x == 5.0));
+            let err = w.init(&Key::Str("w\0evil".into()), Array { shape: &[4], data: Grad::F32(&[1.0; 4]) }).unwrap_err().to_string();
+            assert!(err.contains("cannot contain NUL"), "{err}");
+        }
+        // Both workers' second push: 0.3 + 0.3 = 0.6 -> 0.5 each, summed to 1.0,
+        // exactly as if the refused pushes never happened.
+        g.iter_mut().for_each(|x| *x = 0.3);
+        w.push(&k, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap();
+        pull(w, &k, &shape)
+    });
+    for got in results {
+        assert_eq!(got, vec![1.0; 1600]);
+    }
+}
+
 /// Frames an outsider might send to a server: each must be dropped or refused
 /// (with the refusal undeliverable to the unknown sender, node 9999), and
 /// counted, while the server keeps serving exact values.

@@ -113,12 +113,21 @@ def serve_and_exit():
     os._exit(0 if status == 0 else 1)
 
 
+_INT_KEY_MIN, _INT_KEY_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _key(k):
+    """A key for the C ABI. ctypes would wrap an int modulo 2^64 and cut a str
+    at NUL, each onto another key: both are refused here."""
     if isinstance(k, (bool, np.bool_)):
         raise Error("key %r: keys must be int or str" % (k,))
     if isinstance(k, (int, np.integer)):
+        if not _INT_KEY_MIN <= int(k) <= _INT_KEY_MAX:
+            raise Error("key %d: int keys must fit in a signed 64-bit integer" % int(k))
         return _Key(int(k), None)
     if isinstance(k, str):
+        if "\0" in k:
+            raise Error("key %r: string keys cannot contain NUL (found at index %d)" % (k, k.index("\0")))
         return _Key(0, k.encode("utf-8"))
     raise Error("key %r: keys must be int or str, got %s" % (k, type(k).__name__))
 

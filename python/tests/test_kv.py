@@ -394,3 +394,64 @@ def test_scheme_parameters_are_validated_by_name():
     ]:
         with pytest.raises(gradpack.Error, match=message):
             kv.set_compress(params)
+
+
+def test_c_abi_refuses_shapes_whose_product_overflows():
+    """[2^32, 2^32] wraps to 0 elements in unchecked arithmetic: through the C
+    ABI it is an error naming the shape, and nothing is stored."""
+    import ctypes
+    from gradpack import kv as kvmod
+    from gradpack.base import LIB
+    kv = gradpack.kv.create("device")
+    for dims in ([1 << 32, 1 << 32], [1 << 63, 4], [(1 << 64) - 1]):
+        shape = (ctypes.c_uint64 * len(dims))(*dims)
+        arr = kvmod._Array(None, 0, len(dims), shape)
+        assert LIB.gp_kvstore_init(kv.handle, kvmod._Key(0, None), arr) != 0
+        assert "memory" in LIB.gp_error_last().decode(), LIB.gp_error_last()
+    with pytest.raises(gradpack.Error, match="not initialized"):
+        kv.pull(0, out=np.zeros(1, np.float32))
+
+
+@pytest.mark.parametrize("store", ["local", "device"])
+def test_keys_out_of_range_or_holding_nul_are_errors(store):
+    """ctypes would wrap 2**64 onto key 0 and cut 'w\\x00evil' onto 'w'."""
+    kv = gradpack.kv.create(store)
+    kv.init(0, np.ones(4, np.float32))
+    for bad in (2 ** 64, 2 ** 63, -(2 ** 63) - 1, np.uint64(2 ** 63)):
+        with pytest.raises(gradpack.Error, match="signed 64-bit"):
+            kv.push(bad, np.full(4, 9, np.float32))
+    out = np.zeros(4, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [1.0] * 4
+    kv.init(2 ** 63 - 1, np.full(4, 2, np.float32))   # the extremes are keys
+    s = gradpack.kv.create(store)
+    s.init("w", np.ones(4, np.float32))
+    for op in (lambda: s.init("w\x00evil", np.full(4, 9, np.float32)),
+               lambda: s.push("w\x00evil", np.full(4, 9, np.float32))):
+        with pytest.raises(gradpack.Error, match="cannot contain NUL"):
+            op()
+    s.pull("w", out=out)
+    assert out.tolist() == [1.0] * 4
+
+
+def test_pushpull_into_the_pushed_array_and_non_finite_pushes():
+    """MXNet's Trainer (update_on_kvstore=False) pushpulls a gradient into
+    itself: the C ABI copies such an input before writing any output. A NaN
+    under 2-bit changes nothing."""
+    kv = gradpack.kv.create("device")
+    kv.set_compress({"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5})
+    kv.init("w", np.zeros(20, np.float32))
+    a, b = np.full(20, 0.6, np.float32), np.full(20, 0.6, np.float32)
+    kv.pushpull("w", [a, b], out=[a, b])
+    assert a.tolist() == [1.0] * 20 and b.tolist() == [1.0] * 20
+    bad = np.full(20, 0.2, np.float32)
+    bad[4] = np.nan
+    before = kv.residual("w", 0).copy()
+    out = np.full(20, 9.0, np.float32)
+    with pytest.raises(gradpack.Error, match="key 'w'.*at element 4"):
+        kv.pushpull("w", [bad, np.zeros(20, np.float32)], out=out)
+    assert np.array_equal(kv.residual("w", 0), before) and (out == 9.0).all()
+    with pytest.raises(gradpack.Error, match="pushpull output 0"):
+        kv.pushpull("w", [a, b], out=np.zeros(3, np.float32))
+    kv.pull("w", out=out)
+    assert out.tolist() == [1.0] * 20

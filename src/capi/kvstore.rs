@@ -11,7 +11,7 @@ use super::{guard, slice, slice_mut, Raw};
 use crate::compression::Compression;
 use crate::dist::{self, Config, DistWorker};
 use crate::error::{Error, Result};
-use crate::kvstore::{Array, ArrayMut, Grad, KVStore, Key, Updater};
+use crate::kvstore::{elements, Array, ArrayMut, Grad, KVStore, Key, Store, Updater};
 use crate::optimizer::Optimizer;
 
 /// Opaque store handle: a local/device store or a distributed worker.
@@ -21,34 +21,11 @@ pub enum gp_kvstore_t {
 }
 
 impl gp_kvstore_t {
-    fn init(&self, key: &Key, value: Array) -> Result<()> {
+    /// The one dispatch of every shared call.
+    fn store(&self) -> &dyn Store {
         match self {
-            Self::Local(s) => s.init(key, value),
-            Self::Dist(s) => s.init(key, value),
-        }
-    }
-    fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
-        match self {
-            Self::Local(s) => s.push(key, values),
-            Self::Dist(s) => s.push(key, values),
-        }
-    }
-    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
-        match self {
-            Self::Local(s) => s.pull(key, outs),
-            Self::Dist(s) => s.pull(key, outs),
-        }
-    }
-    fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
-        match self {
-            Self::Local(s) => s.pushpull(key, values, outs),
-            Self::Dist(s) => s.pushpull(key, values, outs),
-        }
-    }
-    fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
-        match self {
-            Self::Local(s) => s.broadcast(key, value, outs),
-            Self::Dist(s) => s.broadcast(key, value, outs),
+            Self::Local(s) => s,
+            Self::Dist(s) => s,
         }
     }
     fn local(&self, what: &str) -> Result<&KVStore> {
@@ -110,59 +87,90 @@ unsafe fn shape_of(ndim: c_int, shape: *const u64) -> Result<Vec<usize>> {
         return Err(Error::InvalidParam { key: "ndim".into(), problem: format!("must be >= 0, got {ndim}") });
     }
     Raw::new("shape", shape, ndim as u64)?;
-    Ok(slice(shape, ndim as u64).iter().map(|&d| d as usize).collect())
+    slice(shape, ndim as u64)
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| Error::InvalidParam { key: "shape".into(), problem: format!("dimension {d} does not fit in memory") }))
+        .collect()
 }
 
-/// Owned shapes plus borrowed data, turned into `Array`s for one call.
-unsafe fn arrays_in(arrays: *const gp_array_t, num: c_int) -> Result<Vec<(Vec<usize>, Grad<'static>)>> {
+/// One input array of a call: borrowed, or copied (widened to float32, which
+/// every store computes with) when it overlaps an output, so that a `&[T]`
+/// and a `&mut [f32]` over the same memory never live at once (MXNet's
+/// Trainer pushpulls a gradient into itself).
+enum Input {
+    Borrowed(Grad<'static>),
+    Copied(Vec<f32>),
+}
+
+struct Inputs(Vec<(Vec<usize>, Input)>);
+
+impl Inputs {
+    fn views(&self) -> Vec<Array<'_>> {
+        self.0
+            .iter()
+            .map(|(shape, input)| Array {
+                shape,
+                data: match input {
+                    Input::Borrowed(g) => *g,
+                    Input::Copied(v) => Grad::F32(v),
+                },
+            })
+            .collect()
+    }
+}
+
+/// # Safety
+/// `arrays` points to `num` arrays whose data are valid for their shapes.
+/// `outputs` are the outputs of the same call (none exists as a slice yet).
+unsafe fn arrays_in(arrays: *const gp_array_t, num: c_int, outputs: &[Raw]) -> Result<Inputs> {
     Raw::new("values", arrays, num.max(0) as u64)?;
     let mut out = Vec::new();
     for a in slice(arrays, num.max(0) as u64) {
         let shape = shape_of(a.ndim, a.shape)?;
-        let n: usize = shape.iter().product();
-        let grad = match a.dtype {
-            0 => {
-                Raw::new("value data", a.data.cast::<f32>(), n as u64)?;
-                Grad::F32(slice(a.data.cast::<f32>(), n as u64))
-            }
-            1 => {
-                Raw::new("value data", a.data.cast::<f16>(), n as u64)?;
-                Grad::F16(slice(a.data.cast::<f16>(), n as u64))
-            }
-            2 => {
-                Raw::new("value data", a.data.cast::<bf16>(), n as u64)?;
-                Grad::Bf16(slice(a.data.cast::<bf16>(), n as u64))
-            }
+        let n = elements(&shape)? as u64;
+        let (raw, grad) = match a.dtype {
+            0 => (Raw::new("value data", a.data.cast::<f32>(), n)?, Grad::F32(slice(a.data.cast::<f32>(), n))),
+            1 => (Raw::new("value data", a.data.cast::<f16>(), n)?, Grad::F16(slice(a.data.cast::<f16>(), n))),
+            2 => (Raw::new("value data", a.data.cast::<bf16>(), n)?, Grad::Bf16(slice(a.data.cast::<bf16>(), n))),
             other => return Err(Error::UnknownDtype(other)),
         };
-        out.push((shape, grad));
+        let input = if outputs.iter().any(|o| o.overlaps(&raw)) { Input::Copied(grad.to_f32().into_owned()) } else { Input::Borrowed(grad) };
+        out.push((shape, input));
     }
-    Ok(out)
+    Ok(Inputs(out))
 }
 
-unsafe fn arrays_out(arrays: *const gp_array_mut_t, num: c_int) -> Result<Vec<(Vec<usize>, &'static mut [f32])>> {
-    Raw::new("outputs", arrays, num.max(0) as u64)?;
-    let mut out = Vec::new();
-    let mut raws: Vec<Raw> = Vec::new();
-    for a in slice(arrays, num.max(0) as u64) {
-        let shape = shape_of(a.ndim, a.shape)?;
-        let n: usize = shape.iter().product();
-        let raw = Raw::new("output data", a.data, n as u64)?;
-        for r in &raws {
-            r.check_disjoint(&raw)?;
+/// The outputs of a call, checked (non-null, in memory, pairwise disjoint)
+/// but not yet slices: `slices` makes them once the inputs are safe.
+struct Outputs(Vec<(Vec<usize>, Raw, *mut f32)>);
+
+impl Outputs {
+    /// # Safety
+    /// `arrays` points to `num` arrays whose data are valid for their shapes.
+    unsafe fn new(arrays: *const gp_array_mut_t, num: c_int) -> Result<Outputs> {
+        Raw::new("outputs", arrays, num.max(0) as u64)?;
+        let mut out: Vec<(Vec<usize>, Raw, *mut f32)> = Vec::new();
+        for a in slice(arrays, num.max(0) as u64) {
+            let shape = shape_of(a.ndim, a.shape)?;
+            let raw = Raw::new("output data", a.data, elements(&shape)? as u64)?;
+            for (_, r, _) in &out {
+                r.check_disjoint(&raw)?;
+            }
+            out.push((shape, raw, a.data));
         }
-        raws.push(raw);
-        out.push((shape, slice_mut(a.data, n as u64)));
+        Ok(Outputs(out))
     }
-    Ok(out)
-}
 
-fn views<'a>(owned: &'a [(Vec<usize>, Grad<'a>)]) -> Vec<Array<'a>> {
-    owned.iter().map(|(s, g)| Array { shape: s, data: *g }).collect()
-}
+    fn raws(&self) -> Vec<Raw> {
+        self.0.iter().map(|(_, r, _)| r.clone()).collect()
+    }
 
-fn views_mut<'a>(owned: &'a mut [(Vec<usize>, &'a mut [f32])]) -> Vec<ArrayMut<'a>> {
-    owned.iter_mut().map(|(s, d)| ArrayMut { shape: s, data: &mut **d }).collect()
+    /// # Safety
+    /// No other reference to the outputs' memory may be alive (inputs that
+    /// overlap them were copied by `arrays_in`).
+    unsafe fn slices(&mut self) -> Vec<ArrayMut<'_>> {
+        self.0.iter().map(|(shape, raw, data)| ArrayMut { shape, data: slice_mut(*data, raw.len::<f32>()) }).collect()
+    }
 }
 
 unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a gp_kvstore_t> {
@@ -315,8 +323,8 @@ pub extern "C" fn gp_dist_serve() -> c_int {
 pub unsafe extern "C" fn gp_kvstore_init(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let owned = arrays_in(&value, 1)?;
-        kv.init(&key_of(key)?, views(&owned)[0])
+        let inputs = arrays_in(&value, 1, &[])?;
+        kv.store().init(&key_of(key)?, inputs.views()[0])
     })
 }
 
@@ -329,8 +337,8 @@ pub unsafe extern "C" fn gp_kvstore_init(store: *mut gp_kvstore_t, key: gp_key_t
 pub unsafe extern "C" fn gp_kvstore_push(store: *mut gp_kvstore_t, key: gp_key_t, values: *const gp_array_t, num: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let owned = arrays_in(values, num)?;
-        kv.push(&key_of(key)?, &views(&owned))
+        let inputs = arrays_in(values, num, &[])?;
+        kv.store().push(&key_of(key)?, &inputs.views())
     })
 }
 
@@ -342,8 +350,8 @@ pub unsafe extern "C" fn gp_kvstore_push(store: *mut gp_kvstore_t, key: gp_key_t
 pub unsafe extern "C" fn gp_kvstore_pull(store: *mut gp_kvstore_t, key: gp_key_t, outs: *const gp_array_mut_t, num: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let mut owned = arrays_out(outs, num)?;
-        kv.pull(&key_of(key)?, &mut views_mut(&mut owned))
+        let mut outputs = Outputs::new(outs, num)?;
+        kv.store().pull(&key_of(key)?, &mut outputs.slices())
     })
 }
 
@@ -362,9 +370,9 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
 ) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let owned = arrays_in(values, num_values)?;
-        let mut outs = arrays_out(outs, num_outs)?;
-        kv.pushpull(&key_of(key)?, &views(&owned), &mut views_mut(&mut outs))
+        let mut outputs = Outputs::new(outs, num_outs)?;
+        let inputs = arrays_in(values, num_values, &outputs.raws())?;
+        kv.store().pushpull(&key_of(key)?, &inputs.views(), &mut outputs.slices())
     })
 }
 
@@ -376,9 +384,9 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
 pub unsafe extern "C" fn gp_kvstore_broadcast(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t, outs: *const gp_array_mut_t, num_outs: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let owned = arrays_in(&value, 1)?;
-        let mut outs = arrays_out(outs, num_outs)?;
-        kv.broadcast(&key_of(key)?, views(&owned)[0], &mut views_mut(&mut outs))
+        let mut outputs = Outputs::new(outs, num_outs)?;
+        let inputs = arrays_in(&value, 1, &outputs.raws())?;
+        kv.store().broadcast(&key_of(key)?, inputs.views()[0], &mut outputs.slices())
     })
 }
 

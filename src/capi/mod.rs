@@ -68,6 +68,7 @@ pub extern "C" fn gp_kernel_name() -> *const c_char {
 }
 
 /// A raw buffer described by the caller, checked before it becomes a slice.
+#[derive(Clone)]
 pub(crate) struct Raw {
     what: &'static str,
     addr: usize,
@@ -79,12 +80,28 @@ impl Raw {
         if ptr.is_null() && len > 0 {
             return Err(Error::NullPointer { what });
         }
-        Ok(Raw { what, addr: ptr as usize, bytes: len as usize * std::mem::size_of::<T>() })
+        // A span past isize::MAX bytes (or the address space) is no slice.
+        let bytes = usize::try_from(len)
+            .ok()
+            .and_then(|n| n.checked_mul(std::mem::size_of::<T>()))
+            .filter(|&b| b <= isize::MAX as usize && (ptr as usize).checked_add(b).is_some())
+            .ok_or_else(|| Error::InvalidParam { key: what.into(), problem: format!("{len} elements do not fit in memory") })?;
+        Ok(Raw { what, addr: ptr as usize, bytes })
+    }
+
+    /// Elements of `T` the buffer spans.
+    pub(crate) fn len<T>(&self) -> u64 {
+        (self.bytes / std::mem::size_of::<T>()) as u64
+    }
+
+    /// True when the two buffers share a byte (`new` checked that neither
+    /// wraps the address space).
+    pub(crate) fn overlaps(&self, other: &Raw) -> bool {
+        self.bytes > 0 && other.bytes > 0 && self.addr < other.addr + other.bytes && other.addr < self.addr + self.bytes
     }
 
     pub(crate) fn check_disjoint(&self, other: &Raw) -> Result<()> {
-        let overlap = self.bytes > 0 && other.bytes > 0 && self.addr < other.addr + other.bytes && other.addr < self.addr + self.bytes;
-        if overlap {
+        if self.overlaps(other) {
             Err(Error::OverlappingBuffers { a: self.what, b: other.what })
         } else {
             Ok(())

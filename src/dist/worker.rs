@@ -17,7 +17,7 @@ use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME, FL
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::{check_outputs, check_push, check_shape, key_error, sum_into, Array, ArrayMut, Key};
+use crate::kvstore::{check_outputs, check_push, check_shape, key_error, sum_into, Array, ArrayMut, Key, Store};
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
 
@@ -260,6 +260,7 @@ impl DistWorker {
     /// Initialises a key: rank 0 sends the value (lossless) to its servers,
     /// then every worker waits at a barrier.
     pub fn init(&self, key: &Key, value: Array) -> Result<()> {
+        key.check()?;
         let Grad::F32(data) = value.data else {
             return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
         };
@@ -319,6 +320,20 @@ impl DistWorker {
             let merged = single.unwrap_or(&e.merge);
             return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, merged, compression);
         }
+        if let Compression::TwoBit(_) = compression {
+            // Every slice's sums are checked before any residual changes.
+            for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
+                residual.resize(s.len, 0.0); // a slice's first push starts from a zero residual
+                let part = match single {
+                    Some(g) => &g[s.offset..s.offset + s.len],
+                    None => &e.merge[s.offset..s.offset + s.len],
+                };
+                codec::check_finite("merged gradient", part, residual).map_err(|err| match err {
+                    Error::NonFinite { what, index, value } => key_error(key, Error::NonFinite { what, index: s.offset + index, value }.to_string()),
+                    other => other,
+                })?;
+            }
+        }
         let mut parts = Vec::with_capacity(e.slices.len());
         for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
             let mut m = s.meta(Command::Push, key);
@@ -332,9 +347,8 @@ impl DistWorker {
             let payload = match compression {
                 Compression::None => f32s_to_bytes(part),
                 Compression::TwoBit(th) => {
-                    residual.resize(s.len, 0.0);
                     let mut compr = codec::create_2bit(s.len);
-                    codec::quantize_2bit(part, residual, &mut compr, th)?;
+                    codec::quantize_2bit_finite(part, residual, &mut compr, th)?;
                     m.flags |= FLAG_COMPRESSED;
                     f32s_to_bytes(&compr)
                 }
@@ -423,14 +437,9 @@ impl DistWorker {
         Ok(())
     }
 
-    pub fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
-        self.push(key, values)?;
-        self.pull(key, outs)
-    }
-
-    pub fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
-        self.init(key, value)?;
-        self.pull(key, outs)
+    /// The shape `key` was initialised with.
+    pub fn shape(&self, key: &Key) -> Result<Vec<usize>> {
+        Ok(self.entry(key)?.lock().unwrap().shape.clone())
     }
 
     /// Leaves the job: the scheduler ends it once every worker has left.
@@ -439,6 +448,21 @@ impl DistWorker {
             self.post.worker_done(); // delivered even as the sockets close (linger)
             self.post.stop();
         }
+    }
+}
+
+impl Store for DistWorker {
+    fn init(&self, key: &Key, value: Array) -> Result<()> {
+        DistWorker::init(self, key, value)
+    }
+    fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        DistWorker::push(self, key, values)
+    }
+    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
+        DistWorker::pull(self, key, outs)
+    }
+    fn shape(&self, key: &Key) -> Result<Vec<usize>> {
+        DistWorker::shape(self, key)
     }
 }
 

@@ -13,6 +13,18 @@ impl Key {
         matches!(self, Key::Str(_))
     }
 
+    /// Refuses a key no store may create: a str holding NUL, which C strings
+    /// would cut onto another key ('w\0evil' -> 'w'). Checked by every init.
+    pub fn check(&self) -> crate::error::Result<()> {
+        match self {
+            Key::Str(s) if s.contains('\0') => Err(crate::error::Error::Key {
+                key: self.to_string(),
+                problem: format!("string keys cannot contain NUL (found at byte {})", s.find('\0').unwrap_or(0)),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// FNV-1a of the key: the same on every worker and process (std's hasher
     /// is seeded per process), for placing keys on servers and seeding noise.
     pub fn stable_hash(&self) -> u64 {
@@ -28,7 +40,8 @@ impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Key::Int(k) => write!(f, "{k}"),
-            Key::Str(k) => write!(f, "'{k}'"),
+            // Escaped, so a NUL or control character never cuts or garbles a message.
+            Key::Str(k) => write!(f, "'{}'", k.escape_debug()),
         }
     }
 }

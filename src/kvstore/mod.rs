@@ -129,12 +129,45 @@ pub struct KVStore {
     collective_order: Mutex<()>,
 }
 
+/// Sums a worker's devices into `e.merge_buf` (scratch, not state) and, under
+/// 2-bit, checks that the sum plus the residual is finite: all before an
+/// all-reduce push agrees with the other workers or changes anything.
+fn merge_for_allreduce(key: &Key, e: &mut Entry, values: &[Array], compression: Compression) -> Result<()> {
+    let n = e.value.len();
+    let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
+    e.merge_buf.resize(n, 0.0);
+    sum_into(&mut e.merge_buf, &grads);
+    if let Compression::TwoBit(_) = compression {
+        let zeros;
+        let residual = match e.states.first() {
+            Some(s) if s.residual.len() == n => &s.residual[..],
+            _ => {
+                zeros = vec![0f32; n]; // a first push starts from a zero residual
+                &zeros[..]
+            }
+        };
+        codec::check_finite("merged gradient", &e.merge_buf, residual).map_err(|err| key_error(key, err.to_string()))?;
+    }
+    Ok(())
+}
+
 pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
     Error::Key { key: key.to_string(), problem: problem.into() }
 }
 
+/// The element count of a shape from outside, with checked arithmetic: a
+/// product that overflows, or more float32 bytes than a slice may span, is an
+/// error (never a wrapped count such as [2^32, 2^32] -> 0).
+pub fn elements(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n.checked_mul(std::mem::size_of::<f32>()).is_some_and(|b| b <= isize::MAX as usize))
+        .ok_or_else(|| Error::InvalidParam { key: "shape".into(), problem: format!("{shape:?} has more elements than memory can hold") })
+}
+
 pub(crate) fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
-    if shape.iter().product::<usize>() != len {
+    if elements(shape).map_err(|e| key_error(key, format!("{what}: {e}")))? != len {
         return Err(key_error(key, format!("{what} has shape {shape:?} but {len} elements")));
     }
     if shape != want {
@@ -167,6 +200,47 @@ pub(crate) fn check_outputs(key: &Key, what: &str, outs: &[ArrayMut], shape: &[u
         check_shape(key, &format!("{what} output {i}"), o.shape, o.data.len(), shape)?;
     }
     Ok(())
+}
+
+/// What every store shares: its calls that combine others are written once
+/// here, and check every output before the push or init changes anything
+/// (validate, then mutate). The local/device, parameter-server and MPI
+/// stores implement it.
+pub trait Store {
+    fn init(&self, key: &Key, value: Array) -> Result<()>;
+    fn push(&self, key: &Key, values: &[Array]) -> Result<()>;
+    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()>;
+    /// The shape `key` was initialised with.
+    fn shape(&self, key: &Key) -> Result<Vec<usize>>;
+
+    /// push, then pull into `outs`; outputs of the wrong shape fail before the push.
+    fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
+        check_outputs(key, "pushpull", outs, &self.shape(key)?)?;
+        self.push(key, values)?;
+        self.pull(key, outs)
+    }
+
+    /// init, then pull into `outs`; outputs of the wrong shape fail before the init.
+    fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
+        check_outputs(key, "broadcast", outs, value.shape)?;
+        self.init(key, value)?;
+        self.pull(key, outs)
+    }
+}
+
+impl Store for KVStore {
+    fn init(&self, key: &Key, value: Array) -> Result<()> {
+        KVStore::init(self, key, value)
+    }
+    fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        KVStore::push(self, key, values)
+    }
+    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
+        KVStore::pull(self, key, outs)
+    }
+    fn shape(&self, key: &Key) -> Result<Vec<usize>> {
+        KVStore::shape(self, key)
+    }
 }
 
 /// Applies the updater to the merged gradient, or makes it the value.
@@ -344,6 +418,7 @@ impl KVStore {
 
     /// The checks of an init; the value as float32.
     fn check_init(&self, key: &Key, value: Array) -> Result<Vec<f32>> {
+        key.check()?;
         let Grad::F32(data) = value.data else {
             return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
         };
@@ -371,10 +446,13 @@ impl KVStore {
         let checked = check_push(key, values, &e.shape, compression);
         let n = e.value.len();
         if let Some(world) = &self.world {
+            // The merge and its 2-bit finiteness check come before the agreement,
+            // so that a worker's non-finite gradient fails every worker's push.
+            let checked = checked.and_then(|()| merge_for_allreduce(key, e, values, compression));
             let agreed = allreduce::check_agree(world, &format!("the push of key {key}"), &[key.stable_hash(), n as u64, e.pushes, checked.is_ok() as u64]);
             checked?; // a worker's own error first, then the others'
             agreed?;
-            return self.push_allreduce(world, key, e, values, compression, updater.as_deref());
+            return self.push_allreduce(world, key, e, compression, updater.as_deref());
         }
         checked?; // every check before anything is written
         e.merge_buf.resize(n, 0.0);
@@ -398,7 +476,7 @@ impl KVStore {
                 let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
                 let mut residuals: Vec<&mut [f32]> = e.residuals.iter_mut().take(devices).map(|r| &mut r[..]).collect();
                 let mut comprs: Vec<&mut [f32]> = e.compr_bufs.iter_mut().take(devices).map(|c| &mut c[..]).collect();
-                codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th)?;
+                codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th).map_err(|err| key_error(key, err.to_string()))?;
             }
             c if c.is_scheme() => {
                 // One member per device, on its own thread, through the same
@@ -440,11 +518,9 @@ impl KVStore {
 
     /// A push on an `Allreduce` store (checks done, agreed by every worker):
     /// merge the devices, reduce with every worker through MPI, update.
-    fn push_allreduce(&self, world: &World, key: &Key, e: &mut Entry, values: &[Array], compression: Compression, updater: Option<&Updater>) -> Result<()> {
+    /// The all-reduce push of the local sum that `merge_for_allreduce` left in `e.merge_buf`.
+    fn push_allreduce(&self, world: &World, key: &Key, e: &mut Entry, compression: Compression, updater: Option<&Updater>) -> Result<()> {
         let n = e.value.len();
-        let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
-        e.merge_buf.resize(n, 0.0);
-        sum_into(&mut e.merge_buf, &grads);
         let sent = world.bytes_sent();
         let mut member = world;
         if compression.is_none() {
@@ -478,29 +554,9 @@ impl KVStore {
         Ok(())
     }
 
-    /// push, then pull into `outs`.
-    pub fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
-        let entry = self.entry(key)?;
-        {
-            let e = entry.lock().unwrap();
-            for (i, o) in outs.iter().enumerate() {
-                check_shape(key, &format!("pushpull output {i}"), o.shape, o.data.len(), &e.shape)?;
-            }
-        }
-        if outs.is_empty() {
-            return Err(key_error(key, "pushpull into an empty list of outputs"));
-        }
-        self.push(key, values)?;
-        self.pull(key, outs)
-    }
-
-    /// init, then pull into `outs`.
-    pub fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
-        for (i, o) in outs.iter().enumerate() {
-            check_shape(key, &format!("broadcast output {i}"), o.shape, o.data.len(), value.shape)?;
-        }
-        self.init(key, value)?;
-        self.pull(key, outs)
+    /// The shape `key` was initialised with.
+    pub fn shape(&self, key: &Key) -> Result<Vec<usize>> {
+        Ok(self.entry(key)?.lock().unwrap().shape.clone())
     }
 
     /// The stored value of a key (a copy), for tests and inspection.

@@ -261,3 +261,71 @@ fn one_bit_device_store_sums_plus_minus_one_with_per_device_residuals() {
     assert_eq!(pulled(&kv, &k), vec![-3.0; N]);
     assert_eq!(kv.residual(&k, 2).unwrap(), vec![0.75; N]);
 }
+
+#[test]
+fn shapes_whose_product_overflows_are_errors_not_wrapped() {
+    // [2^32, 2^32] wraps to 0 elements in unchecked arithmetic; it must be refused.
+    let huge: &[usize] = &[1 << 32, 1 << 32];
+    assert!(elements(huge).unwrap_err().to_string().contains("more elements than memory can hold"));
+    assert!(elements(&[usize::MAX / 2, 1]).is_err(), "more float32 bytes than a slice may span");
+    assert_eq!(elements(&[3, 0, 5]).unwrap(), 0);
+    assert_eq!(elements(&[]).unwrap(), 1);
+    for store in ["local", "device"] {
+        let kv = KVStore::new(store).unwrap();
+        let err = kv.init(&Key::Int(0), Array { shape: huge, data: Grad::F32(&[]) }).unwrap_err().to_string();
+        assert!(err.contains("more elements than memory can hold"), "{store}: {err}");
+        kv.init(&Key::Int(1), f32s(&[1.0; N])).unwrap();
+        let err = kv.push(&Key::Int(1), &[Array { shape: huge, data: Grad::F32(&[]) }]).unwrap_err().to_string();
+        assert!(err.contains("more elements than memory can hold"), "{store}: {err}");
+        assert_eq!(pulled(&kv, &Key::Int(1)), vec![1.0; N]);
+        assert!(kv.value(&Key::Int(0)).is_err(), "{store}: the huge init left no key");
+    }
+}
+
+#[test]
+fn keys_holding_nul_are_refused_not_cut() {
+    for store in ["local", "device"] {
+        let kv = KVStore::new(store).unwrap();
+        let w = Key::Str("w".into());
+        kv.init(&w, f32s(&[1.0; N])).unwrap();
+        let evil = Key::Str("w\0evil".into());
+        let err = kv.init(&evil, f32s(&[9.0; N])).unwrap_err().to_string();
+        assert!(err.contains("cannot contain NUL") && err.contains("byte 1"), "{store}: {err}");
+        assert!(kv.push(&evil, &[f32s(&[9.0; N])]).unwrap_err().to_string().contains("not initialized"));
+        assert_eq!(pulled(&kv, &w), vec![1.0; N]);
+    }
+}
+
+#[test]
+fn non_finite_pushes_under_2bit_change_nothing() {
+    // f32, f16 and bf16 gradients; NaN, ±inf, and a residual that would overflow.
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    let k = Key::Int(4);
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
+    push_all(&kv, &k, 0.3, 2); // residual 0.3 on both devices
+    let before = (kv.value(&k).unwrap(), kv.residual(&k, 0).unwrap(), kv.residual(&k, 1).unwrap());
+    let mut bad = vec![0.3f32; N];
+    bad[9] = f32::NAN;
+    let good = vec![0.3f32; N];
+    let err = kv.push(&k, &[f32s(&good), f32s(&bad)]).unwrap_err().to_string();
+    assert!(err.contains("key 4") && err.contains("pushed value 1") && err.contains("at element 9"), "{err}");
+    let half: Vec<f16> = bad.iter().map(|&x| f16::from_f32(if x.is_nan() { f32::INFINITY } else { x })).collect();
+    let err = kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&half) }, f32s(&good)]).unwrap_err().to_string();
+    assert!(err.contains("pushed value 0") && err.contains("at element 9") && err.contains("inf"), "{err}");
+    let brain: Vec<bf16> = bad.iter().map(|&x| bf16::from_f32(if x.is_nan() { f32::NEG_INFINITY } else { x })).collect();
+    assert!(kv.push(&k, &[f32s(&good), Array { shape: SHAPE, data: Grad::Bf16(&brain) }]).unwrap_err().to_string().contains("-inf"));
+    assert_eq!((kv.value(&k).unwrap(), kv.residual(&k, 0).unwrap(), kv.residual(&k, 1).unwrap()), before);
+    // The next push goes on from the kept residuals: 0.3 + 0.3 -> 0.5 per device.
+    push_all(&kv, &k, 0.3, 2);
+    assert_eq!(pulled(&kv, &k), vec![1.0; N]);
+
+    // 3e38 twice overflows the residual: refused, and the residual stays finite.
+    let big = KVStore::new("device").unwrap();
+    big.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    big.init(&k, f32s(&[0.0; N])).unwrap();
+    push_all(&big, &k, 3e38, 1);
+    let residual = big.residual(&k, 0).unwrap();
+    assert!(big.push(&k, &[f32s(&[3e38; N])]).unwrap_err().to_string().contains("at element 0"));
+    assert_eq!(big.residual(&k, 0).unwrap(), residual);
+}

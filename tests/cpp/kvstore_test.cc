@@ -77,6 +77,12 @@ static void test_two_bit_device_store() {
           KVStore local("local");
           local.SetGradientCompression({{"type", "2bit"}, {"threshold", "0.5"}});
         }).find("'device'") != std::string::npos);
+  // A key holding NUL is refused, never cut onto "w".
+  const std::string evil("w\0evil", 6);
+  CHECK(error_of([&] { kv.Init(evil, init.t()); }).find("cannot contain NUL") != std::string::npos);
+  CHECK(error_of([&] { kv.Push(evil, {init.t()}); }).find("not initialized") != std::string::npos);
+  kv.Pull("w", &outs);
+  CHECK(out.all(want[4]));
 }
 
 static void test_updater_and_optimizer() {
