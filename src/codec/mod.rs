@@ -104,7 +104,7 @@ pub fn check_finite<G: Gradient>(what: &str, grad: &[G], residual: &[f32]) -> Re
 /// (header and blocks). On error, a non-finite `residual + grad` included,
 /// nothing is written.
 pub fn quantize_2bit<G: Gradient>(grad: &[G], residual: &mut [f32], compr: &mut [f32], th: Thresholds) -> Result<()> {
-    check_len("residual", grad.len(), residual.len())?;
+    // Sizes before the scan (check_finite checks the residual's).
     check_len("compressed array", compressed_len(grad.len()), compr.len())?;
     check_finite("gradient", grad, residual)?;
     quantize_2bit_finite(grad, residual, compr, th)
@@ -142,10 +142,15 @@ pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &mut [&mut [f32]], comprs
         check_len("compressed array", compressed_len(n), c.len())?;
     }
     for (d, (g, r)) in grads.iter().zip(residuals.iter()).enumerate() {
-        match g {
-            Grad::F32(g) => check_finite(&format!("pushed value {d}"), g, r)?,
-            Grad::F16(g) => check_finite(&format!("pushed value {d}"), g, r)?,
-            Grad::Bf16(g) => check_finite(&format!("pushed value {d}"), g, r)?,
+        let p = Platform::detect();
+        let bad = match g {
+            Grad::F32(g) => join::first_non_finite(p, g, r)?,
+            Grad::F16(g) => join::first_non_finite(p, g, r)?,
+            Grad::Bf16(g) => join::first_non_finite(p, g, r)?,
+        };
+        // The device's name is formatted only on failure, off the hot path.
+        if let Some((index, value)) = bad {
+            return Err(Error::NonFinite { what: format!("pushed value {d}"), index, value });
         }
     }
     let mut blocks: Vec<&mut [u32]> = Vec::with_capacity(comprs.len());
