@@ -8,7 +8,7 @@ use half::{bf16, f16};
 
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
-use crate::error::{Error, Result};
+use crate::error::{catch_panic as guarded, Error, Result};
 use crate::kvstore::{elements, Array, ArrayMut, Grad, KVStore, Key, Store as _, Updater};
 use std::borrow::Cow;
 use crate::optimizer::Optimizer;
@@ -82,7 +82,9 @@ fn key_of(k: &ffi::KeyArg) -> Key {
 }
 
 fn store_new(type_name: &str) -> Result<Box<Store>> {
-    Ok(Box::new(Store(KVStore::new(type_name)?)))
+    guarded(|| {
+        Ok(Box::new(Store(KVStore::new(type_name)?)))
+    })
 }
 
 fn store_type(store: &Store) -> &'static str {
@@ -90,7 +92,9 @@ fn store_type(store: &Store) -> &'static str {
 }
 
 fn store_init(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: &[f32]) -> Result<()> {
-    store.0.init(&key_of(key), Array { shape, data: Grad::F32(value) })
+    guarded(|| {
+        store.0.init(&key_of(key), Array { shape, data: Grad::F32(value) })
+    })
 }
 
 /// The bytes of an array of `n` floats at `addr`: null only when empty, and
@@ -146,22 +150,30 @@ fn arrays_mut<'a>(shape: &'a [usize], outs: Vec<&'a mut [f32]>) -> Vec<ArrayMut<
 }
 
 unsafe fn store_push(store: &Store, key: &ffi::KeyArg, shape: &[usize], values: &[usize]) -> Result<()> {
-    let vals = inputs(shape, values, &[])?;
-    store.0.push(&key_of(key), &arrays(shape, &vals))
+    guarded(|| {
+        let vals = inputs(shape, values, &[])?;
+        store.0.push(&key_of(key), &arrays(shape, &vals))
+    })
 }
 
 unsafe fn store_pull(store: &Store, key: &ffi::KeyArg, shape: &[usize], outs: &[usize]) -> Result<()> {
-    store.0.pull(&key_of(key), &mut arrays_mut(shape, outputs(shape, outs)?))
+    guarded(|| {
+        store.0.pull(&key_of(key), &mut arrays_mut(shape, outputs(shape, outs)?))
+    })
 }
 
 unsafe fn store_pushpull(store: &Store, key: &ffi::KeyArg, shape: &[usize], values: &[usize], outs: &[usize]) -> Result<()> {
-    let vals = inputs(shape, values, outs)?;
-    store.0.pushpull( &key_of(key), &arrays(shape, &vals), &mut arrays_mut(shape, outputs(shape, outs)?))
+    guarded(|| {
+        let vals = inputs(shape, values, outs)?;
+        store.0.pushpull( &key_of(key), &arrays(shape, &vals), &mut arrays_mut(shape, outputs(shape, outs)?))
+    })
 }
 
 unsafe fn store_broadcast(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: usize, outs: &[usize]) -> Result<()> {
-    let vals = inputs(shape, &[value], outs)?;
-    store.0.broadcast( &key_of(key), arrays(shape, &vals)[0], &mut arrays_mut(shape, outputs(shape, outs)?))
+    guarded(|| {
+        let vals = inputs(shape, &[value], outs)?;
+        store.0.broadcast( &key_of(key), arrays(shape, &vals)[0], &mut arrays_mut(shape, outputs(shape, outs)?))
+    })
 }
 
 fn string_pairs(keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<cxx::CxxString>) -> Result<Vec<(String, String)>> {
@@ -172,28 +184,34 @@ fn string_pairs(keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<c
 }
 
 fn store_set_compress(store: &Store, keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<cxx::CxxString>) -> Result<()> {
-    let pairs = string_pairs(keys, values)?;
-    store.0.set_compress(Compression::from_params(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?)
+    guarded(|| {
+        let pairs = string_pairs(keys, values)?;
+        store.0.set_compress(Compression::from_params(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?)
+    })
 }
 
 fn store_set_optimizer(store: &Store, name: &str, keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<cxx::CxxString>) -> Result<()> {
-    let pairs = string_pairs(keys, values)?;
-    store.0.set_optimizer(Optimizer::from_params(name, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?);
-    Ok(())
+    guarded(|| {
+        let pairs = string_pairs(keys, values)?;
+        store.0.set_optimizer(Optimizer::from_params(name, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?);
+        Ok(())
+    })
 }
 
 fn store_set_updater(store: &Store, updater: cxx::UniquePtr<ffi::Updater>) -> Result<()> {
-    if updater.is_null() {
-        return Err(Error::NullPointer { what: "updater" });
-    }
-    store.0.set_updater(Updater::Custom(Box::new(move |key, merged, stored| {
-        let arg = match key {
-            Key::Int(k) => ffi::KeyArg { is_str: false, int_key: *k, str_key: String::new() },
-            Key::Str(s) => ffi::KeyArg { is_str: true, int_key: 0, str_key: s.clone() },
-        };
-        updater.call(&arg, merged, stored).map_err(|e| Error::Updater { key: key.to_string(), message: e.what().to_string() })
-    })));
-    Ok(())
+    guarded(|| {
+        if updater.is_null() {
+            return Err(Error::NullPointer { what: "updater" });
+        }
+        store.0.set_updater(Updater::Custom(Box::new(move |key, merged, stored| {
+            let arg = match key {
+                Key::Int(k) => ffi::KeyArg { is_str: false, int_key: *k, str_key: String::new() },
+                Key::Str(s) => ffi::KeyArg { is_str: true, int_key: 0, str_key: s.clone() },
+            };
+            updater.call(&arg, merged, stored).map_err(|e| Error::Updater { key: key.to_string(), message: e.what().to_string() })
+        })));
+        Ok(())
+    })
 }
 
 fn compressed_len(n: usize) -> usize {
@@ -201,29 +219,41 @@ fn compressed_len(n: usize) -> usize {
 }
 
 fn check_thresholds(neg: f32, pos: f32) -> Result<()> {
-    Thresholds::new(neg, pos).map(|_| ())
+    guarded(|| {
+        Thresholds::new(neg, pos).map(|_| ())
+    })
 }
 
 fn quantize_2bit_f32(grad: &[f32], residual: &mut [f32], compr: &mut [f32], neg: f32, pos: f32) -> Result<()> {
-    codec::quantize_2bit(grad, residual, compr, Thresholds::new(neg, pos)?)
+    guarded(|| {
+        codec::quantize_2bit(grad, residual, compr, Thresholds::new(neg, pos)?)
+    })
 }
 
 fn quantize_2bit_f16(grad: &[u16], residual: &mut [f32], compr: &mut [f32], neg: f32, pos: f32) -> Result<()> {
-    // SAFETY: f16 is a transparent wrapper of u16; every bit pattern is valid.
-    let grad = unsafe { std::slice::from_raw_parts(grad.as_ptr().cast::<f16>(), grad.len()) };
-    codec::quantize_2bit(grad, residual, compr, Thresholds::new(neg, pos)?)
+    guarded(|| {
+        // SAFETY: f16 is a transparent wrapper of u16; every bit pattern is valid.
+        let grad = unsafe { std::slice::from_raw_parts(grad.as_ptr().cast::<f16>(), grad.len()) };
+        codec::quantize_2bit(grad, residual, compr, Thresholds::new(neg, pos)?)
+    })
 }
 
 fn quantize_2bit_bf16(grad: &[u16], residual: &mut [f32], compr: &mut [f32], neg: f32, pos: f32) -> Result<()> {
-    // SAFETY: bf16 is a transparent wrapper of u16; every bit pattern is valid.
-    let grad = unsafe { std::slice::from_raw_parts(grad.as_ptr().cast::<bf16>(), grad.len()) };
-    codec::quantize_2bit(grad, residual, compr, Thresholds::new(neg, pos)?)
+    guarded(|| {
+        // SAFETY: bf16 is a transparent wrapper of u16; every bit pattern is valid.
+        let grad = unsafe { std::slice::from_raw_parts(grad.as_ptr().cast::<bf16>(), grad.len()) };
+        codec::quantize_2bit(grad, residual, compr, Thresholds::new(neg, pos)?)
+    })
 }
 
 fn dequantize_2bit(compr: &[f32], out: &mut [f32]) -> Result<()> {
-    codec::dequantize_2bit(compr, out)
+    guarded(|| {
+        codec::dequantize_2bit(compr, out)
+    })
 }
 
 fn dequantize_2bit_add(compr: &[f32], sum: &mut [f32]) -> Result<()> {
-    codec::dequantize_2bit_add(compr, sum)
+    guarded(|| {
+        codec::dequantize_2bit_add(compr, sum)
+    })
 }

@@ -87,3 +87,13 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Runs `f`; a panic becomes `Error::Internal` with its message. The fronts
+/// (C ABI, cxx bridge) and the device store's member threads run through it,
+/// so no panic unwinds into C or C++ or leaves another thread waiting.
+pub fn catch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+        Err(Error::Internal(what.unwrap_or_else(|| "panic".into())))
+    })
+}

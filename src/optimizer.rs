@@ -67,6 +67,31 @@ pub struct Optimizer {
     rates: Mutex<HashMap<Key, (f64, f64)>>,
 }
 
+fn wrong_state(key: &Key, n: usize) -> Error {
+    Error::OptimizerStates(format!("state of key {key} has the wrong size for a weight of {n}"))
+}
+
+/// A learning rate or weight decay: finite and not negative.
+fn check_rate(name: &str, x: f64) -> Result<()> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidParam { key: name.into(), problem: format!("must be a finite number, 0 or more, got {x}") })
+    }
+}
+
+/// Every hyper-parameter in range: rates as `check_rate`, rescale_grad finite
+/// and not negative, clip_gradient finite (negative turns clipping off).
+fn check_hyper(h: &Hyper) -> Result<()> {
+    check_rate("learning_rate", h.learning_rate)?;
+    check_rate("wd", h.wd)?;
+    check_rate("rescale_grad", h.rescale_grad as f64)?;
+    if !h.clip_gradient.is_finite() {
+        return Err(Error::InvalidParam { key: "clip_gradient".into(), problem: format!("must be finite (negative or None turns clipping off), got {}", h.clip_gradient) });
+    }
+    Ok(())
+}
+
 #[inline(always)]
 fn clip(x: f32, bound: f32) -> f32 {
     if x > bound {
@@ -116,6 +141,12 @@ impl Optimizer {
                 _ => return Err(bad(&format!("unknown parameter for optimizer '{name}'"))),
             }
         }
+        check_hyper(&hyper)?;
+        let range = |key: &str, x: f64, ok: bool, want: &str| if ok { Ok(()) } else { Err(Error::InvalidParam { key: key.into(), problem: format!("must be {want}, got {x}") }) };
+        range("momentum", momentum as f64, momentum >= 0.0, "0 or more")?;
+        range("beta1", beta1, (0.0..1.0).contains(&beta1), "in [0, 1)")?;
+        range("beta2", beta2, (0.0..1.0).contains(&beta2), "in [0, 1)")?;
+        range("epsilon", epsilon as f64, epsilon >= 0.0, "0 or more")?;
         let rule = match name.as_str() {
             "sgd" => Rule::Sgd { momentum },
             "nag" => Rule::Nag { momentum },
@@ -129,17 +160,34 @@ impl Optimizer {
     }
 
     /// The learning rate and weight decay of one key's next updates, as MXNet's
-    /// optimizer computes them per parameter (in Python doubles).
-    pub fn set_rates(&self, key: &Key, learning_rate: f64, wd: f64) {
+    /// optimizer computes them per parameter (in Python doubles). Both must be
+    /// finite and not negative; the store checks that the key exists.
+    pub fn set_rates(&self, key: &Key, learning_rate: f64, wd: f64) -> Result<()> {
+        check_rate("learning_rate", learning_rate)?;
+        check_rate("wd", wd)?;
         self.rates.lock().unwrap().insert(key.clone(), (learning_rate, wd));
+        Ok(())
     }
 
     /// MXNet's `rescale_grad` and `clip_gradient` (negative: off), which Trainer
-    /// and Module change as the batch size is known.
-    pub fn set_grad_scaling(&self, rescale_grad: f32, clip_gradient: f32) {
+    /// and Module change as the batch size is known. NaN or infinity in either
+    /// is refused and the current scaling kept.
+    pub fn set_grad_scaling(&self, rescale_grad: f32, clip_gradient: f32) -> Result<()> {
         let mut h = self.hyper.lock().unwrap();
-        h.rescale_grad = rescale_grad;
-        h.clip_gradient = clip_gradient;
+        let next = Hyper { rescale_grad, clip_gradient, ..*h };
+        check_hyper(&next)?;
+        *h = next;
+        Ok(())
+    }
+
+    /// Fails, changing nothing, when `update` of `key` with `n` elements would
+    /// fail: the push calls it before it changes any residual.
+    pub fn check(&self, key: &Key, n: usize) -> Result<()> {
+        let state = self.states.lock().unwrap().get(key).cloned();
+        match state {
+            Some(s) if s.lock().unwrap().arrays.iter().any(|a| a.len() != n) => Err(wrong_state(key, n)),
+            _ => Ok(()),
+        }
     }
 
     fn state_for(&self, key: &Key, n: usize) -> Arc<Mutex<State>> {
@@ -158,7 +206,7 @@ impl Optimizer {
         let state = self.state_for(key, weight.len());
         let mut state = state.lock().unwrap();
         if state.arrays.iter().any(|a| a.len() != weight.len()) {
-            return Err(Error::OptimizerStates(format!("state of key {key} has the wrong size for a weight of {}", weight.len())));
+            return Err(wrong_state(key, weight.len()));
         }
         state.step += 1;
         let hyper = *self.hyper.lock().unwrap();

@@ -80,6 +80,8 @@ fn every_scheme_matches_the_device_store_bit_for_bit() {
     ];
     for (s, c) in schemes.iter().enumerate() {
         let key = Key::Int(10 + s as i64);
+        // Compression comes before init: a store per scheme (one MPI world).
+        let kv = KVStore::new("dist_sync_allreduce").unwrap();
         kv.set_compress(*c).unwrap();
         kv.init(&key, f32s(&shape, &vec![0.0; n])).unwrap();
         let device = KVStore::new("device").unwrap();
@@ -122,10 +124,12 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     let kv = KVStore::new("dist_sync_allreduce").unwrap();
     let rank = kv.rank();
     let shape = [8usize];
+    kv.set_compress(params(&[("compress", "qsgd_mn"), ("bits", "4")])).unwrap();
     for k in 0..2 {
         kv.init(&Key::Int(k), f32s(&shape, &[1.0; 8])).unwrap();
     }
-    kv.set_compress(params(&[("compress", "qsgd_mn"), ("bits", "4")])).unwrap();
+    let err = kv.set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap_err().to_string();
+    assert_eq!(err, "set the gradient compression before initializing any key (2 already initialized)");
     // rank 1 pushes another key: nobody hangs, everyone gets the error
     let key = Key::Int(if rank == 1 { 1 } else { 0 });
     let err = kv.push(&key, &[f32s(&shape, &[0.5; 8])]).unwrap_err().to_string();
@@ -146,6 +150,30 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     // then a matched push works: 3 workers * 0.5, exact at 4 bits (scale 0.5: codes 15)
     kv.push(&Key::Int(0), &[f32s(&shape, &[0.5; 8])]).unwrap();
     assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.5; 8]);
+
+    // 2-bit: rank 1's inf at element 3 fails every worker's push (rank 1 names
+    // the element), before any residual or value changes; the next push is exact.
+    let two = KVStore::new("dist_sync_allreduce").unwrap();
+    two.set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap();
+    two.init(&Key::from("w"), f32s(&shape, &[0.0; 8])).unwrap();
+    two.push(&Key::from("w"), &[f32s(&shape, &[0.25; 8])]).unwrap(); // below the threshold: residual 0.25
+    assert_eq!(pull(&two, &Key::from("w"), &shape), vec![0.0; 8]);
+    let residual = two.residual(&Key::from("w"), 0).unwrap();
+    assert_eq!(residual, vec![0.25; 8]);
+    let mut g = [0.25f32; 8];
+    if rank == 1 {
+        g[3] = f32::INFINITY;
+    }
+    let err = two.push(&Key::from("w"), &[f32s(&shape, &g)]).unwrap_err().to_string();
+    if rank == 1 {
+        assert!(err.contains("key 'w'") && err.contains("inf at element 3"), "{err}");
+    } else {
+        assert!(err.contains("workers disagree on the push of key 'w'"), "{err}");
+    }
+    assert_eq!(two.residual(&Key::from("w"), 0).unwrap(), residual);
+    assert_eq!(pull(&two, &Key::from("w"), &shape), vec![0.0; 8]);
+    two.push(&Key::from("w"), &[f32s(&shape, &[0.25; 8])]).unwrap(); // 0.5 per worker: 3 * 0.5
+    assert_eq!(pull(&two, &Key::from("w"), &shape), vec![1.5; 8]);
     kv.barrier();
     println!("rank done");
 }

@@ -92,3 +92,68 @@ fn version_and_kernel_are_static_strings() {
     let k = unsafe { CStr::from_ptr(gp_kernel_name()) }.to_str().unwrap();
     assert!(k == "avx2" || k == "portable");
 }
+
+/// A device store through the C ABI with careless calls: each fails with its
+/// reason, and the residuals and value stay as the next push proves.
+#[test]
+fn careless_store_calls_fail_and_change_nothing() {
+    use std::ffi::c_int;
+    const N: u64 = 8;
+    let shape = [N];
+    let key = gp_key_t { int_key: 3, str_key: ptr::null() };
+    let arr = |v: &[f32]| gp_array_t { data: v.as_ptr().cast(), dtype: 0, ndim: 1, shape: shape.as_ptr() };
+    let out = |v: &mut [f32]| gp_array_mut_t { data: v.as_mut_ptr(), ndim: 1, shape: shape.as_ptr() };
+    let mut kv = ptr::null_mut();
+    unsafe {
+        assert_eq!(gp_kvstore_new(c"device".as_ptr(), &mut kv), 0);
+        let (k, v) = ([c"compress".as_ptr(), c"threshold".as_ptr()], [c"2bit".as_ptr(), c"0.5".as_ptr()]);
+        assert_eq!(gp_kvstore_set_compress(kv, k.as_ptr(), v.as_ptr(), 2), 0);
+        let zeros = [0f32; N as usize];
+        assert_eq!(gp_kvstore_init(kv, key, arr(&zeros)), 0);
+        assert_eq!(gp_kvstore_set_compress(kv, k.as_ptr(), v.as_ptr(), 2), -1);
+        assert_eq!(last_error(), "set the gradient compression before initializing any key (1 already initialized)");
+
+        // pushpull with each input as its own output: inputs are read first.
+        let (mut a, mut b) = ([0.3f32; N as usize], [0.3f32; N as usize]);
+        let outs = [out(&mut a), out(&mut b)]; // one pointer per array, read and written
+        let ins = outs.each_ref().map(|o| gp_array_t { data: o.data.cast_const().cast(), dtype: 0, ndim: 1, shape: shape.as_ptr() });
+        assert_eq!(gp_kvstore_pushpull(kv, key, ins.as_ptr(), 2, outs.as_ptr(), 2), 0, "{}", last_error());
+        assert_eq!((a, b), ([0.0; N as usize], [0.0; N as usize])); // 0.3 < 0.5: residuals 0.3
+        let mut r = [9f32; N as usize];
+        assert_eq!(gp_kvstore_residual(kv, key, 5, r.as_mut_ptr(), N), -1);
+        assert_eq!(last_error(), "key 3: has no residual on device 5: 2 device(s) pushed it with compression (devices 0 to 1)");
+
+        // An updater that writes half-way and then fails.
+        unsafe extern "C" fn failing(_: gp_key_t, _: *const f32, stored: *mut f32, _: u64, _: *mut c_void) -> c_int {
+            *stored = 42.0;
+            -1
+        }
+        unsafe extern "C" fn add(_: gp_key_t, merged: *const f32, stored: *mut f32, n: u64, _: *mut c_void) -> c_int {
+            for i in 0..n as usize {
+                *stored.add(i) += *merged.add(i);
+            }
+            0
+        }
+        assert_eq!(gp_kvstore_set_updater(kv, Some(failing), ptr::null_mut()), 0);
+        let g = [0.3f32; N as usize];
+        let ins = [arr(&g), arr(&g)];
+        assert_eq!(gp_kvstore_push(kv, key, ins.as_ptr(), 2), -1);
+        assert!(last_error().starts_with("updater failed for key 3"), "{}", last_error());
+        let mut nan = [0.3f32; N as usize];
+        nan[6] = f32::NAN;
+        let bad = [arr(&g), arr(&nan)];
+        assert_eq!(gp_kvstore_push(kv, key, bad.as_ptr(), 2), -1);
+        assert!(last_error().contains("key 3: pushed value 1") && last_error().contains("NaN at element 6"), "{}", last_error());
+        assert_eq!(gp_kvstore_residual(kv, key, 1, r.as_mut_ptr(), N), 0);
+        assert_eq!(r, [0.3; N as usize]);
+
+        // The next push goes on from residuals 0.3: 0.6 sends 0.5 per device.
+        assert_eq!(gp_kvstore_set_updater(kv, Some(add), ptr::null_mut()), 0);
+        assert_eq!(gp_kvstore_push(kv, key, ins.as_ptr(), 2), 0, "{}", last_error());
+        let mut got = [9f32; N as usize];
+        let outs = [out(&mut got)];
+        assert_eq!(gp_kvstore_pull(kv, key, outs.as_ptr(), 1), 0);
+        assert_eq!(got, [1.0; N as usize]);
+        gp_kvstore_free(kv);
+    }
+}

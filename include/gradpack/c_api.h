@@ -6,7 +6,49 @@
  *  - the caller owns every buffer it passes; gradpack keeps no pointer after
  *    a call returns;
  *  - on error no output buffer has been written;
- *  - no call aborts the process on bad input: errors come back as -1.
+ *  - no call aborts the process on bad input: errors come back as -1;
+ *  - validate, then mutate: a call that fails has changed no stored value,
+ *    residual, optimizer state or output (the exceptions are listed below).
+ *
+ * Aliasing (which arguments may share memory):
+ *  - gp_2bit_quantize: grad, residual and compr must be pairwise disjoint;
+ *    an overlap is refused with an error before anything is read.
+ *  - gp_2bit_dequantize(_add): compr and out/sum must be disjoint (refused).
+ *  - gp_kvstore_pushpull / gp_kvstore_broadcast: an input may be one of the
+ *    outputs, or overlap it (MXNet's Trainer passes the same array when
+ *    update_on_kvstore is off). Such inputs are copied before any output is
+ *    written, so the result is as if the input had been a separate array.
+ *  - gp_kvstore_pull / pushpull / broadcast: the outputs must be pairwise
+ *    disjoint (refused with an error otherwise).
+ *  - gp_kvstore_push: inputs may overlap each other (they are only read).
+ *  - An updater's `merged` and `stored` are gradpack's own buffers, valid
+ *    only during the call; `stored` is a scratch copy of the stored value
+ *    that becomes the value only when the updater returns 0.
+ *
+ * Threads (which calls may race):
+ *  - Every gp_2bit_* call is independent; calls on disjoint buffers may run
+ *    on any threads at once.
+ *  - A store may be used from several threads at once. Calls on different
+ *    keys run concurrently; calls on one key are serialised (each holds the
+ *    key's lock for the whole push or pull). set_compress, set_optimizer and
+ *    set_updater may race with pushes: a push already running finishes with
+ *    the setting it started with.
+ *  - gp_kvstore_free must not race with any other call on that store, and
+ *    no call may use the handle afterwards.
+ *  - An updater must not push or pull the key it is updating (it runs with
+ *    that key's lock held) and may be called from whichever thread pushes.
+ *  - gp_error_last is per thread.
+ *
+ * Panics (what a caught panic leaves behind): a panic inside gradpack, a bug,
+ * never unwinds into C. Every export catches it and returns -1 with
+ * "internal error (a bug in gradpack): ..." in gp_error_last().
+ *  - In an updater written in Rust, or in a device thread of a compressed
+ *    push, the push fails with that message and leaves the value, residuals
+ *    and scheme states as they were; the other device threads are woken, not
+ *    left waiting; the key stays usable.
+ *  - Anywhere else while a key's lock is held, that key refuses every later
+ *    call with "an earlier call panicked while changing this key" (its state
+ *    is unknown); other keys and the store stay usable.
  */
 #ifndef GRADPACK_C_API_H_
 #define GRADPACK_C_API_H_
@@ -85,7 +127,9 @@ typedef struct {
 } gp_array_mut_t;
 
 /* Updater: update `stored` (n floats) in place from `merged`; return 0 on
- * success. Called on the pushing thread; must not push or pull the same key. */
+ * success. Called on the pushing thread; must not push or pull the same key.
+ * A non-zero return fails the push and leaves the stored value, residuals
+ * and scheme states as they were before it (`stored` is a copy). */
 typedef int (*gp_updater_fn)(gp_key_t key, const float* merged, float* stored,
                              uint64_t n, void* user);
 
@@ -119,7 +163,10 @@ int gp_kvstore_broadcast(gp_kvstore_t* store, gp_key_t key, gp_array_t value,
 
 /* compress_params as `num` key/value strings, e.g. {"compress","2bit"},
  * {"pos_threshold","0.5"}, {"neg_threshold","-0.5"}. A "local" store
- * refuses compression. Changing compression forgets every residual. */
+ * refuses compression. Every store refuses it once a key is initialized
+ * (as MXNet does): set it first. Under 2-bit, a push whose residual +
+ * gradient is NaN, infinite or overflows float32 fails, naming the key,
+ * device and element, and changes nothing. */
 int gp_kvstore_set_compress(gp_kvstore_t* store, const char* const* keys,
                             const char* const* vals, int num);
 /* gradpack's optimizer `name` ("sgd", "nag", "adam") with MXNet's parameter
@@ -128,9 +175,11 @@ int gp_kvstore_set_compress(gp_kvstore_t* store, const char* const* keys,
 int gp_kvstore_set_optimizer(gp_kvstore_t* store, const char* name, const char* const* keys,
                              const char* const* vals, int num);
 /* Learning rate and weight decay of one key's next updates, as MXNet's
- * optimizer computes them per parameter (schedule, lr_mult, wd_mult applied). */
+ * optimizer computes them per parameter (schedule, lr_mult, wd_mult applied).
+ * The key must be initialized; both must be finite and not negative. */
 int gp_kvstore_set_rates(gp_kvstore_t* store, gp_key_t key, double learning_rate, double wd);
-/* rescale_grad and clip_gradient (negative: off) of the current optimizer. */
+/* rescale_grad (finite, not negative) and clip_gradient (finite; negative:
+ * off) of the current optimizer. On error the current scaling is kept. */
 int gp_kvstore_set_grad_scaling(gp_kvstore_t* store, float rescale_grad, float clip_gradient);
 /* A caller's updater; `user` stays owned by the caller and must outlive the
  * store. Local stores only (as are set_rates, set_grad_scaling and the
@@ -143,8 +192,9 @@ int gp_kvstore_load_optimizer_states(gp_kvstore_t* store, const uint8_t* data, u
 void gp_buffer_free(uint8_t* data, uint64_t len);
 
 /* The error-feedback residual of `key` on `device` (2-bit's or a scheme's),
- * copied into `out` (`len` floats, the key's size; zeros before the first
- * compressed push). Local, device and all-reduce stores. */
+ * copied into `out` (`len` floats, the key's size). An error for a device
+ * that has not pushed the key with compression, or a scheme that keeps no
+ * residual. Local, device and all-reduce stores. */
 int gp_kvstore_residual(const gp_kvstore_t* store, gp_key_t key, uint64_t device, float* out, uint64_t len);
 
 /* Local stores: bytes pushes moved between devices as float32 (a) and as sent

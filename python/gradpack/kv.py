@@ -384,7 +384,8 @@ class KVStore(object):
 
     def residual(self, key, device=0):
         """The error-feedback residual of ``key`` on ``device`` (2-bit's or a
-        scheme's; zeros before its first compressed push), as a new array."""
+        scheme's), as a new array; an error for a device that has not pushed
+        the key with compression."""
         size = int(np.prod(self._shapes[key])) if key in self._shapes else None
         if size is None:
             raise Error("key %r: not initialized (call init first)" % (key,))

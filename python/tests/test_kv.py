@@ -455,3 +455,61 @@ def test_pushpull_into_the_pushed_array_and_non_finite_pushes():
         kv.pushpull("w", [a, b], out=np.zeros(3, np.float32))
     kv.pull("w", out=out)
     assert out.tolist() == [1.0] * 20
+
+
+@pytest.mark.parametrize("store", ["local", "device"])
+def test_careless_configuration_is_refused_and_changes_nothing(store):
+    """Each of these was accepted silently: now an error naming the problem,
+    with the store's values, residuals and settings as they were."""
+    kv = gradpack.kv.create(store)
+    if store == "device":
+        kv.set_compress({"compress": "2bit", "threshold": 0.5})
+    kv.init("w", np.zeros(8, np.float32))
+    with pytest.raises(gradpack.Error, match="set the gradient compression before initializing any key"):
+        kv.set_compress({"compress": "2bit", "threshold": 0.25} if store == "device" else {"compress": "none"})
+    with pytest.raises(gradpack.Error, match="'momentum': must be 0 or more, got -1"):
+        kv.set_optimizer("sgd", learning_rate=1.0, momentum=-1)
+    kv.set_optimizer("sgd", learning_rate=1.0)
+    with pytest.raises(gradpack.Error, match="'rescale_grad': must be a finite number, 0 or more, got NaN"):
+        kv.set_grad_scaling(float("nan"))
+    with pytest.raises(gradpack.Error, match="'clip_gradient': must be finite"):
+        kv.set_grad_scaling(1.0, float("inf"))
+    with pytest.raises(gradpack.Error, match="key 'v': not initialized"):
+        kv.set_rates("v", 0.1, 0.0)
+    with pytest.raises(gradpack.Error, match="'wd': must be a finite number, 0 or more, got -1"):
+        kv.set_rates("w", 0.1, -1.0)
+    g = np.full(8, -0.3, np.float32)
+    kv.push("w", [g, g])  # lr 1: sgd's w -= merged
+    out = np.zeros(8, np.float32)
+    kv.pull("w", out=out)
+    assert out.tolist() == ([0.0] * 8 if store == "device" else [np.float32(0.6)] * 8)
+    if store == "device":
+        assert kv.residual("w", 1).tolist() == [np.float32(-0.3)] * 8
+        with pytest.raises(gradpack.Error, match="no residual on device 5: 2 device\\(s\\) pushed it"):
+            kv.residual("w", 5)
+    else:
+        with pytest.raises(gradpack.Error, match="no residual on device 0: it has not been pushed with compression"):
+            kv.residual("w", 0)
+
+
+def test_an_updater_that_raises_leaves_value_and_residuals():
+    kv = gradpack.kv.create("device")
+    kv.set_compress({"compress": "2bit", "threshold": 0.5})
+    kv.init(3, np.zeros(8, np.float32))
+    g = np.full(8, 0.3, np.float32)
+    kv.push(3, [g, g])  # residuals 0.3, value 0
+
+    def broken(key, merged, stored):
+        stored[:] = 42  # half-way through ...
+        raise RuntimeError("updater gave up")
+    kv.set_updater(broken)
+    with pytest.raises(RuntimeError, match="updater gave up"):
+        kv.push(3, [g, g])
+    assert kv.residual(3, 0).tolist() == [np.float32(0.3)] * 8
+    out = np.full(8, 9, np.float32)
+    kv.pull(3, out=out)
+    assert out.tolist() == [0.0] * 8
+    kv.set_updater(lambda key, merged, stored: stored.__iadd__(merged))
+    kv.push(3, [g, g])  # 0.6 on both devices: 0.5 each sent
+    kv.pull(3, out=out)
+    assert out.tolist() == [1.0] * 8

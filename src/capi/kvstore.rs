@@ -282,8 +282,8 @@ pub unsafe extern "C" fn gp_kvstore_barrier(store: *const gp_kvstore_t) -> c_int
 }
 
 /// Copies the error-feedback residual of `key` on `device` (2-bit's, or a
-/// scheme's) into `out`: `len` floats, the key's size, or 0 when the device
-/// has none yet. Local and device stores only.
+/// scheme's) into `out`: `len` floats, the key's size. An error for a device
+/// that has not pushed the key with compression. Local and device stores only.
 ///
 /// # Safety
 /// `store` is live; `out` holds `len` floats.
@@ -298,12 +298,7 @@ pub unsafe extern "C" fn gp_kvstore_residual(store: *const gp_kvstore_t, key: gp
         if len as usize != want {
             return Err(Error::SizeMismatch { what: "residual output", expected: want, got: len as usize });
         }
-        let out = slice_mut(out, len);
-        if r.is_empty() {
-            out.fill(0.0);
-        } else {
-            out.copy_from_slice(&r);
-        }
+        slice_mut(out, len).copy_from_slice(&r);
         Ok(())
     })
 }
@@ -434,12 +429,7 @@ pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_key_t, learning_rate: f64, wd: f64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?.local("per-key rates")?;
-        let key = key_of(key)?;
-        kv.with_optimizer(|o| {
-            o.set_rates(&key, learning_rate, wd);
-            Ok(())
-        })
+        self::store(store)?.local("per-key rates")?.set_rates(&key_of(key)?, learning_rate, wd)
     })
 }
 
@@ -450,11 +440,7 @@ pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_grad_scaling(store: *mut gp_kvstore_t, rescale_grad: f32, clip_gradient: f32) -> c_int {
     guard(|| {
-        let kv = self::store(store)?.local("gradient scaling")?;
-        kv.with_optimizer(|o| {
-            o.set_grad_scaling(rescale_grad, clip_gradient);
-            Ok(())
-        })
+        self::store(store)?.local("gradient scaling")?.set_grad_scaling(rescale_grad, clip_gradient)
     })
 }
 

@@ -11,7 +11,6 @@ pub use kvstore::*;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::codec::Platform;
 use crate::error::{Error, Result};
@@ -27,15 +26,10 @@ fn set_last_error(message: String) {
 
 /// Runs `f`, converting an error or a panic into status -1 and the last-error message.
 pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> i32 {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => 0,
-        Ok(Err(e)) => {
+    match crate::error::catch_panic(f) {
+        Ok(()) => 0,
+        Err(e) => {
             set_last_error(e.to_string());
-            -1
-        }
-        Err(panic) => {
-            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-            set_last_error(Error::Internal(what.unwrap_or_else(|| "panic".into())).to_string());
             -1
         }
     }

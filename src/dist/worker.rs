@@ -230,9 +230,7 @@ impl DistWorker {
                 )));
             }
         }
-        if !self.keys.read().unwrap().is_empty() {
-            return Err(Error::Store("set the gradient compression before initializing any key".into()));
-        }
+        crate::kvstore::check_compress_before_init(self.keys.read().unwrap().len())?;
         if self.rank() == 0 {
             self.to_all_servers(Command::SetCompress, encode_pairs(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))))?;
         }

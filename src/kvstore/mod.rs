@@ -101,6 +101,23 @@ struct Entry {
     pushes: u64,
 }
 
+/// What a push changes besides the value, kept while a caller's updater runs.
+struct Undo {
+    residuals: Vec<Vec<f32>>,
+    states: Vec<scheme::State>,
+    pushes: u64,
+}
+
+impl Undo {
+    fn save(e: &Entry) -> Undo {
+        Undo { residuals: e.residuals.clone(), states: e.states.clone(), pushes: e.pushes }
+    }
+
+    fn restore(self, e: &mut Entry) {
+        (e.residuals, e.states, e.pushes) = (self.residuals, self.states, self.pushes);
+    }
+}
+
 #[derive(Default)]
 struct Keys {
     map: HashMap<Key, Arc<Mutex<Entry>>>,
@@ -149,6 +166,21 @@ fn merge_for_allreduce(key: &Key, e: &mut Entry, values: &[Array], compression: 
         codec::check_finite("merged gradient", &e.merge_buf, residual).map_err(|err| key_error(key, err.to_string()))?;
     }
     Ok(())
+}
+
+/// The rule of every store, as MXNet's: compression is chosen before the
+/// first init, so no residual is ever dropped or reinterpreted.
+pub(crate) fn check_compress_before_init(keys: usize) -> Result<()> {
+    if keys > 0 {
+        return Err(Error::Store(format!("set the gradient compression before initializing any key ({keys} already initialized)")));
+    }
+    Ok(())
+}
+
+/// A key's lock. A panic while it was held (a bug; caller's updaters are
+/// caught before that) leaves the key unusable with this error, never a panic.
+fn lock<'a>(key: &Key, entry: &'a Mutex<Entry>) -> Result<std::sync::MutexGuard<'a, Entry>> {
+    entry.lock().map_err(|_| key_error(key, "an earlier call panicked while changing this key; its state is unknown, so it refuses every call"))
 }
 
 pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
@@ -249,10 +281,15 @@ fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<(
         // The merged sum becomes the value; the old value's buffer is reused next push.
         None => std::mem::swap(&mut e.value, &mut e.merge_buf),
         Some(Updater::Optimizer(o)) => o.update(key, &e.merge_buf, &mut e.value)?,
-        Some(Updater::Custom(f)) => f(key, &e.merge_buf, &mut e.value).map_err(|err| match err {
-            Error::Updater { .. } => err,
-            other => Error::Updater { key: key.to_string(), message: other.to_string() },
-        })?,
+        Some(Updater::Custom(f)) => {
+            // On a copy: a function that fails half-way leaves the stored value as it was.
+            let mut updated = e.value.clone();
+            crate::error::catch_panic(|| f(key, &e.merge_buf, &mut updated)).map_err(|err| match err {
+                Error::Updater { .. } => err,
+                other => Error::Updater { key: key.to_string(), message: other.to_string() },
+            })?;
+            e.value = updated;
+        }
     }
     Ok(())
 }
@@ -329,8 +366,8 @@ impl KVStore {
         *self.compression.read().unwrap()
     }
 
-    /// Sets compression (SPEC §2). A `local` store refuses anything but `None`.
-    /// Changing it forgets every residual.
+    /// Sets compression (SPEC §2). A `local` store refuses anything but `None`;
+    /// every store refuses it once a key exists (`check_compress_before_init`).
     pub fn set_compress(&self, compression: Compression) -> Result<()> {
         if self.kind == StoreType::Local && !compression.is_none() {
             return Err(Error::Store(
@@ -340,15 +377,21 @@ impl KVStore {
             ));
         }
         let mut current = self.compression.write().unwrap();
-        if *current != compression {
-            for entry in self.keys.read().unwrap().map.values() {
-                let mut e = entry.lock().unwrap();
-                e.residuals.clear();
-                e.states.clear();
-            }
-        }
+        check_compress_before_init(self.keys.read().unwrap().map.len())?;
         *current = compression;
         Ok(())
+    }
+
+    /// One key's learning rate and weight decay for the store's optimizer;
+    /// the key must exist.
+    pub fn set_rates(&self, key: &Key, learning_rate: f64, wd: f64) -> Result<()> {
+        self.entry(key)?;
+        self.with_optimizer(|o| o.set_rates(key, learning_rate, wd))
+    }
+
+    /// The optimizer's rescale_grad and clip_gradient (negative: off).
+    pub fn set_grad_scaling(&self, rescale_grad: f32, clip_gradient: f32) -> Result<()> {
+        self.with_optimizer(|o| o.set_grad_scaling(rescale_grad, clip_gradient))
     }
 
     pub fn set_updater(&self, updater: Updater) {
@@ -389,7 +432,7 @@ impl KVStore {
     /// Stores `value` under a new key; init is never lossy. On an `Allreduce`
     /// store every worker takes rank 0's value (as a dist store does).
     pub fn init(&self, key: &Key, value: Array) -> Result<()> {
-        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap());
+        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap_or_else(|p| p.into_inner()));
         let checked = self.check_init(key, value);
         let mut data = match (&self.world, checked) {
             (None, checked) => checked?,
@@ -440,10 +483,27 @@ impl KVStore {
         let entry = self.entry(key)?;
         let compression = self.compression();
         let updater = self.updater.read().unwrap().clone();
-        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap());
-        let mut guard = entry.lock().unwrap();
+        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut guard = lock(key, &entry)?;
         let e = &mut *guard;
-        let checked = check_push(key, values, &e.shape, compression);
+        let n = e.value.len();
+        let checked = check_push(key, values, &e.shape, compression).and_then(|()| match updater.as_deref() {
+            Some(Updater::Optimizer(o)) => o.check(key, n),
+            _ => Ok(()),
+        });
+        // A caller's updater may fail after the residuals moved on: keep what
+        // it could undo, and put it back if it does.
+        let undo = matches!(updater.as_deref(), Some(Updater::Custom(_))).then(|| Undo::save(e));
+        let pushed = self.push_checked(key, e, values, compression, updater.as_deref(), checked);
+        if let (Err(_), Some(undo)) = (&pushed, undo) {
+            undo.restore(e);
+        }
+        pushed
+    }
+
+    /// The push after its checks (`checked`): on an `Allreduce` store the
+    /// agreement first, then every write.
+    fn push_checked(&self, key: &Key, e: &mut Entry, values: &[Array], compression: Compression, updater: Option<&Updater>, checked: Result<()>) -> Result<()> {
         let n = e.value.len();
         if let Some(world) = &self.world {
             // The merge and its 2-bit finiteness check come before the agreement,
@@ -452,7 +512,7 @@ impl KVStore {
             let agreed = allreduce::check_agree(world, &format!("the push of key {key}"), &[key.stable_hash(), n as u64, e.pushes, checked.is_ok() as u64]);
             checked?; // a worker's own error first, then the others'
             agreed?;
-            return self.push_allreduce(world, key, e, compression, updater.as_deref());
+            return self.push_allreduce(world, key, e, compression, updater);
         }
         checked?; // every check before anything is written
         e.merge_buf.resize(n, 0.0);
@@ -463,6 +523,7 @@ impl KVStore {
             }
             Compression::TwoBit(th) => {
                 let devices = values.len();
+                let known = e.residuals.len();
                 if e.residuals.len() < devices {
                     e.residuals.resize_with(devices, Vec::new);
                 }
@@ -476,7 +537,10 @@ impl KVStore {
                 let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
                 let mut residuals: Vec<&mut [f32]> = e.residuals.iter_mut().take(devices).map(|r| &mut r[..]).collect();
                 let mut comprs: Vec<&mut [f32]> = e.compr_bufs.iter_mut().take(devices).map(|c| &mut c[..]).collect();
-                codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th).map_err(|err| key_error(key, err.to_string()))?;
+                if let Err(err) = codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th) {
+                    e.residuals.truncate(known); // a device's first push that failed leaves no residual behind
+                    return Err(key_error(key, err.to_string()));
+                }
             }
             c if c.is_scheme() => {
                 // One member per device, on its own thread, through the same
@@ -488,11 +552,9 @@ impl KVStore {
                     }
                 }
                 let devices = values.len();
-                if e.states.len() < devices {
-                    e.states.resize_with(devices, Default::default);
-                }
-                // Work on copies: a failed push leaves every residual as it was.
-                let states: Vec<Mutex<scheme::State>> = e.states[..devices].iter().map(|s| Mutex::new(s.clone())).collect();
+                // Work on copies (new devices start from a default state): a
+                // failed push leaves every residual and state as it was.
+                let states: Vec<Mutex<scheme::State>> = (0..devices).map(|d| Mutex::new(e.states.get(d).cloned().unwrap_or_default())).collect();
                 let (shape, key_hash) = (&e.shape[..], key.stable_hash());
                 let step = e.pushes;
                 let mut outs = collective::run_group(devices, |d, member| {
@@ -503,6 +565,9 @@ impl KVStore {
                 })?;
                 debug_assert!(outs.iter().all(|o| o == &outs[0]), "every device decodes the same aggregate");
                 e.merge_buf = outs.swap_remove(0);
+                if e.states.len() < devices {
+                    e.states.resize_with(devices, Default::default);
+                }
                 for (dst, src) in e.states.iter_mut().zip(states) {
                     *dst = src.into_inner().unwrap();
                 }
@@ -513,7 +578,7 @@ impl KVStore {
         let devices = values.len() as u64;
         self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
         self.wire_bytes.fetch_add(devices * compression.wire_bytes(&e.shape) as u64, Ordering::Relaxed);
-        apply_update(key, e, updater.as_deref())
+        apply_update(key, e, updater)
     }
 
     /// A push on an `Allreduce` store (checks done, agreed by every worker):
@@ -546,7 +611,7 @@ impl KVStore {
     /// Copies the stored value into every output.
     pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
         let entry = self.entry(key)?;
-        let e = entry.lock().unwrap();
+        let e = lock(key, &entry)?;
         check_outputs(key, "pull", outs, &e.shape)?;
         for o in outs.iter_mut() {
             copy_into(o.data, &e.value);
@@ -556,20 +621,38 @@ impl KVStore {
 
     /// The shape `key` was initialised with.
     pub fn shape(&self, key: &Key) -> Result<Vec<usize>> {
-        Ok(self.entry(key)?.lock().unwrap().shape.clone())
+        let entry = self.entry(key)?;
+        let shape = lock(key, &entry)?.shape.clone();
+        Ok(shape)
     }
 
     /// The stored value of a key (a copy), for tests and inspection.
     pub fn value(&self, key: &Key) -> Result<Vec<f32>> {
-        Ok(self.entry(key)?.lock().unwrap().value.clone())
+        let entry = self.entry(key)?;
+        let value = lock(key, &entry)?.value.clone();
+        Ok(value)
     }
 
-    /// The residual of a key on one device (a copy; empty if never compressed):
-    /// 2-bit's, or a scheme's error-feedback residual.
+    /// The residual of a key on one device (a copy): 2-bit's, or a scheme's
+    /// error-feedback residual. An error for a device that has not pushed the
+    /// key with compression.
     pub fn residual(&self, key: &Key, device: usize) -> Result<Vec<f32>> {
-        let e = self.entry(key)?;
-        let e = e.lock().unwrap();
-        Ok(e.residuals.get(device).or_else(|| e.states.get(device).map(|s| &s.residual)).cloned().unwrap_or_default())
+        let entry = self.entry(key)?;
+        let e = lock(key, &entry)?;
+        let found = if e.residuals.is_empty() { e.states.get(device).map(|s| &s.residual) } else { e.residuals.get(device) };
+        match found {
+            Some(r) if r.len() == e.value.len() => Ok(r.clone()),
+            _ => {
+                let devices = e.residuals.len().max(e.states.len());
+                Err(key_error(key, if device < devices {
+                    format!("has no residual on device {device}: compression '{}' keeps no error-feedback residual", self.compression().name())
+                } else if devices == 0 {
+                    format!("has no residual on device {device}: it has not been pushed with compression")
+                } else {
+                    format!("has no residual on device {device}: {devices} device(s) pushed it with compression (devices 0 to {})", devices - 1)
+                }))
+            }
+        }
     }
 }
 

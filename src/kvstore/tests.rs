@@ -167,7 +167,9 @@ fn half_precision_gradients_need_compression() {
     let g16 = vec![f16::from_f32(0.75); N];
     let err = kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&g16) }]).unwrap_err().to_string();
     assert!(err.contains("float16; without compression values must be float32"), "{err}");
+    let kv = KVStore::new("device").unwrap();
     kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
     let gbf = vec![bf16::from_f32(0.75); N];
     kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&g16) }, Array { shape: SHAPE, data: Grad::Bf16(&gbf) }]).unwrap();
     assert_eq!(pulled(&kv, &k), vec![1.0; N]);
@@ -328,4 +330,364 @@ fn non_finite_pushes_under_2bit_change_nothing() {
     let residual = big.residual(&k, 0).unwrap();
     assert!(big.push(&k, &[f32s(&[3e38; N])]).unwrap_err().to_string().contains("at element 0"));
     assert_eq!(big.residual(&k, 0).unwrap(), residual);
+}
+
+#[test]
+fn compression_is_set_before_init_on_every_store() {
+    for kind in ["local", "device"] {
+        let kv = KVStore::new(kind).unwrap();
+        kv.init(&Key::Int(0), f32s(&[0.0; N])).unwrap();
+        let c = if kind == "local" { Compression::None } else { two_bit(-0.5, 0.5) };
+        let err = kv.set_compress(c).unwrap_err().to_string();
+        assert_eq!(err, "set the gradient compression before initializing any key (1 already initialized)");
+        assert_eq!(kv.compression(), Compression::None);
+    }
+}
+
+#[test]
+fn residual_of_a_device_that_never_pushed_is_an_error() {
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
+    let k = Key::from("w");
+    kv.init(&k, f32s(&[0.0; N])).unwrap();
+    let err = kv.residual(&k, 0).unwrap_err().to_string();
+    assert_eq!(err, "key 'w': has no residual on device 0: it has not been pushed with compression");
+    push_all(&kv, &k, 0.3, 1);
+    assert_eq!(kv.residual(&k, 0).unwrap(), vec![0.3; N]);
+    let err = kv.residual(&k, 5).unwrap_err().to_string();
+    assert_eq!(err, "key 'w': has no residual on device 5: 1 device(s) pushed it with compression (devices 0 to 0)");
+    assert!(kv.residual(&Key::from("v"), 0).unwrap_err().to_string().contains("not initialized"));
+}
+
+/// A store with an updater that fails on its `fail_on`-th call (counting from
+/// 1), and the same store that never saw that push: after the failure both
+/// must hold the same value and residuals, and go on identically.
+#[test]
+fn a_failing_updater_leaves_value_and_residuals_as_they_were() {
+    use std::sync::atomic::AtomicUsize;
+    for compression in [two_bit(-0.5, 0.5), Compression::from_params([("compress", "1bit")]).unwrap()] {
+        for panics in [false, true] {
+            let kv = KVStore::new("device").unwrap();
+            kv.set_compress(compression).unwrap();
+            let k = Key::Int(7);
+            kv.init(&k, f32s(&[0.0; N])).unwrap();
+            let calls = Arc::new(AtomicUsize::new(0));
+            let seen = calls.clone();
+            kv.set_updater(Updater::Custom(Box::new(move |_, merged, stored| {
+                stored[0] = 99.0; // half-way through the update ...
+                if seen.fetch_add(1, Ordering::SeqCst) == 1 {
+                    if panics {
+                        panic!("updater bug");
+                    }
+                    return Err(Error::Store("no".into())); // ... it fails
+                }
+                stored.iter_mut().zip(merged).for_each(|(s, m)| *s += m);
+                stored[0] = 99.0;
+                Ok(())
+            })));
+            let grads: Vec<Vec<f32>> = (0..3).map(|d| (0..N).map(|i| 0.1 * (i as f32 - 7.0) + 0.05 * d as f32).collect()).collect();
+            let push = |kv: &KVStore| kv.push(&k, &grads.iter().map(|g| f32s(g)).collect::<Vec<_>>());
+            push(&kv).unwrap();
+            let state = |kv: &KVStore| (kv.value(&k).unwrap(), (0..3).map(|d| kv.residual(&k, d).unwrap()).collect::<Vec<_>>());
+            let before = state(&kv);
+            let err = push(&kv).unwrap_err().to_string();
+            let want = if panics { "updater failed for key 7: internal error (a bug in gradpack): updater bug" } else { "updater failed for key 7: no" };
+            assert_eq!(err, want);
+            assert_eq!(state(&kv), before, "{}", compression.name());
+            push(&kv).unwrap(); // the third call: as the second push of a store that never failed
+            let twin = KVStore::new("device").unwrap();
+            twin.set_compress(compression).unwrap();
+            twin.init(&k, f32s(&[0.0; N])).unwrap();
+            twin.set_updater(Updater::Custom(Box::new(|_, merged, stored| {
+                stored.iter_mut().zip(merged).for_each(|(s, m)| *s += m);
+                stored[0] = 99.0;
+                Ok(())
+            })));
+            push(&twin).unwrap();
+            push(&twin).unwrap();
+            assert_eq!(state(&kv), state(&twin), "{}", compression.name());
+        }
+    }
+}
+
+#[test]
+fn optimizer_parameters_out_of_range_are_errors() {
+    let kv = KVStore::new("device").unwrap();
+    let k = Key::Int(0);
+    kv.init(&k, f32s(&[1.0; N])).unwrap();
+    let bad = |name: &str, p: &[(&str, &str)]| Optimizer::from_params(name, p.iter().copied()).unwrap_err().to_string();
+    assert_eq!(bad("sgd", &[("momentum", "-1")]), "invalid parameter 'momentum': must be 0 or more, got -1");
+    assert_eq!(bad("sgd", &[("learning_rate", "-0.1")]), "invalid parameter 'learning_rate': must be a finite number, 0 or more, got -0.1");
+    assert_eq!(bad("adam", &[("beta1", "1")]), "invalid parameter 'beta1': must be in [0, 1), got 1");
+    assert_eq!(bad("sgd", &[("rescale_grad", "nan")]), "invalid parameter 'rescale_grad': must be finite");
+    kv.set_optimizer(Optimizer::from_params("sgd", [("learning_rate", "1")]).unwrap());
+    let err = kv.set_grad_scaling(f32::NAN, -1.0).unwrap_err().to_string();
+    assert_eq!(err, "invalid parameter 'rescale_grad': must be a finite number, 0 or more, got NaN");
+    let err = kv.set_grad_scaling(1.0, f32::NAN).unwrap_err().to_string();
+    assert_eq!(err, "invalid parameter 'clip_gradient': must be finite (negative or None turns clipping off), got NaN");
+    let err = kv.set_rates(&Key::Int(5), 0.1, 0.0).unwrap_err().to_string();
+    assert_eq!(err, "key 5: not initialized (call init first)");
+    assert!(kv.set_rates(&k, f64::INFINITY, 0.0).unwrap_err().to_string().contains("'learning_rate'"));
+    // Nothing above changed the optimizer: lr 1, rescale 1, no clipping.
+    push_all(&kv, &k, 0.25, 2);
+    assert_eq!(pulled(&kv, &k), vec![0.5; N]);
+}
+
+/// Random calls against a model of the local/device store: random keys (NUL
+/// and mixed kinds among them), shapes (with wrong lengths), dtypes,
+/// thresholds (invalid among them) and NaN / inf / overflow patterns. Every
+/// call must either fail, leaving every value, residual and output exactly as
+/// it was, or succeed with the model's result, bit for bit.
+#[test]
+fn random_calls_match_the_model_or_fail_changing_nothing() {
+    use std::collections::HashMap;
+    use crate::codec::reference;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn chance(&mut self, percent: usize) -> bool {
+            self.below(100) < percent
+        }
+    }
+
+    #[derive(Clone)]
+    struct Kept {
+        shape: Vec<usize>,
+        value: Vec<f32>,
+        residuals: Vec<Vec<f32>>,
+    }
+    /// A gradient as generated: its values (exact in its dtype) and dtype.
+    struct Input {
+        shape: Vec<usize>,
+        values: Vec<f32>,
+        dtype: Dtype,
+    }
+    impl Input {
+        fn bits16(&self) -> (Vec<f16>, Vec<bf16>) {
+            (self.values.iter().map(|&x| f16::from_f32(x)).collect(), self.values.iter().map(|&x| bf16::from_f32(x)).collect())
+        }
+    }
+
+    // Mostly one kind of key per trial, with the other kind and NUL now and then.
+    let int_keys = [Key::Int(0), Key::Int(1), Key::Int(-7), Key::Int(1 << 40), Key::Int(0), Key::Int(1), Key::Int(-7), Key::Int(1 << 40), Key::from("w"), Key::from("w\0evil")];
+    let str_keys_ = [Key::from("w"), Key::from("é"), Key::from("b"), Key::from(""), Key::from("w"), Key::from("é"), Key::from("b"), Key::from(""), Key::Int(0), Key::from("w\0evil")];
+    let shapes: [&[usize]; 6] = [&[4], &[2, 3], &[0], &[1, 17], &[33], &[3, 0, 2]];
+    let negs = ["-0.5", "-0.25", "-1", "-2.5", "-1e-30", "0", "nan", "0.5"];
+    let poss = ["0.5", "0.25", "1", "1e-30", "2.5", "inf", "-1", "0"];
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (mut ok, mut failed, mut two_bit_pushes) = (0usize, 0usize, 0usize);
+    let mut reasons = std::collections::BTreeMap::new();
+    let mut non_finite = 0usize;
+    for trial in 0..400 {
+        let kind = if trial % 4 == 0 { "local" } else { "device" };
+        let kv = KVStore::new(kind).unwrap();
+        let mut th: Option<Thresholds> = None;
+        let mut model: HashMap<Key, Kept> = HashMap::new();
+        let mut str_keys: Option<bool> = None;
+        for step in 0..40 {
+            // 0 set_compress, 1 init, 2 push, 3 pushpull, 4 pull, 5 residual
+            let op = if step == 0 { 0 } else { [0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 5, 5, 5, 5][rng.below(20)] };
+            let keys = if trial % 2 == 0 { &int_keys } else { &str_keys_ };
+            let mut known: Vec<&Key> = model.keys().collect();
+            known.sort();
+            let key = if op >= 2 && !known.is_empty() && rng.chance(85) { known[rng.below(known.len())].clone() } else { keys[rng.below(keys.len())].clone() };
+            let key_shape = model.get(&key).map(|k| k.shape.clone()).unwrap_or_else(|| shapes[rng.below(shapes.len())].to_vec());
+            let input = |rng: &mut Rng| {
+                let shape = if rng.chance(4) { shapes[rng.below(shapes.len())].to_vec() } else { key_shape.clone() };
+                let n: usize = shape.iter().product::<usize>() + usize::from(rng.chance(3)); // a wrong length now and then
+                let dtype = [Dtype::F32, Dtype::F32, Dtype::F32, Dtype::F32, Dtype::F16, Dtype::Bf16][rng.below(6)];
+                let mut values: Vec<f32> = (0..n).map(|_| (rng.below(41) as f32 - 20.0) / 16.0).collect();
+                if n > 0 && rng.chance(10) {
+                    values[rng.below(n)] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3e38, -3e38][rng.below(5)];
+                }
+                let values = match dtype {
+                    Dtype::F32 => values,
+                    Dtype::F16 => values.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+                    Dtype::Bf16 => values.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+                };
+                Input { shape, values, dtype }
+            };
+            let mut outs_kept: Option<(Vec<Vec<f32>>, bool)> = None; // outputs, and whether they must be untouched
+            // The model's verdict: Err(()) when the call must fail.
+            let expected: std::result::Result<(), ()>;
+            let got: Result<()>;
+            match op {
+                0 => {
+                    // set_compress, sometimes with invalid thresholds, sometimes after init
+                    // The first five of each list are valid: mostly those on a trial's first call.
+                    let valid_only = step == 0 && rng.chance(75);
+                    let (neg, pos) = if valid_only { (negs[rng.below(5)], poss[rng.below(5)]) } else { (negs[rng.below(negs.len())], poss[rng.below(poss.len())]) };
+                    let parse = |s: &str| s.parse::<f32>().unwrap();
+                    let valid = parse(neg).is_finite() && parse(neg) < 0.0 && parse(pos).is_finite() && parse(pos) > 0.0;
+                    let none = !valid_only && rng.chance(20);
+                    expected = if !none && (!valid || kind == "local") || !model.is_empty() { Err(()) } else { Ok(()) };
+                    got = if none {
+                        Compression::from_params([("compress", "none")])
+                    } else {
+                        Compression::from_params([("compress", "2bit"), ("neg_threshold", neg), ("pos_threshold", pos)])
+                    }
+                    .and_then(|c| kv.set_compress(c));
+                    if expected.is_ok() {
+                        th = if none { None } else { Some(Thresholds::new(parse(neg), parse(pos)).unwrap()) };
+                    }
+                }
+                1 => {
+                    let x = input(&mut rng);
+                    let mixed = str_keys.is_some_and(|s| s != key.is_str());
+                    let bad = key.check().is_err() || mixed || model.contains_key(&key) || x.dtype != Dtype::F32 || x.values.len() != x.shape.iter().product::<usize>();
+                    expected = if bad { Err(()) } else { Ok(()) };
+                    let (h, b) = x.bits16();
+                    let data = match x.dtype {
+                        Dtype::F32 => Grad::F32(&x.values),
+                        Dtype::F16 => Grad::F16(&h),
+                        Dtype::Bf16 => Grad::Bf16(&b),
+                    };
+                    got = kv.init(&key, Array { shape: &x.shape, data });
+                    if !bad {
+                        model.insert(key.clone(), Kept { shape: x.shape.clone(), value: x.values.clone(), residuals: Vec::new() });
+                        str_keys = Some(key.is_str());
+                    }
+                }
+                2 | 3 | 4 => {
+                    // push (2), pushpull (3), pull (4)
+                    let devices = if op == 4 { 0 } else { [0, 1, 1, 2, 2, 3][rng.below(6)] };
+                    let inputs: Vec<Input> = (0..devices).map(|_| input(&mut rng)).collect();
+                    let halves: Vec<(Vec<f16>, Vec<bf16>)> = inputs.iter().map(|x| x.bits16()).collect();
+                    let arrays: Vec<Array> = inputs
+                        .iter()
+                        .zip(&halves)
+                        .map(|(x, (h, b))| Array {
+                            shape: &x.shape,
+                            data: match x.dtype {
+                                Dtype::F32 => Grad::F32(&x.values),
+                                Dtype::F16 => Grad::F16(h),
+                                Dtype::Bf16 => Grad::Bf16(b),
+                            },
+                        })
+                        .collect();
+                    let out_shapes: Vec<Vec<usize>> = (0..1 + rng.below(2)).map(|_| if rng.chance(10) { shapes[rng.below(shapes.len())].to_vec() } else { key_shape.clone() }).collect();
+                    let mut outs: Vec<Vec<f32>> = out_shapes.iter().map(|s| vec![7.0; s.iter().product()]).collect();
+                    let kept = model.get(&key).cloned();
+                    let outs_ok = kept.as_ref().is_some_and(|k| out_shapes.iter().all(|s| *s == k.shape));
+                    // The push's verdict and the new state.
+                    let pushed: std::result::Result<Option<Kept>, ()> = match &kept {
+                        _ if op == 4 => Ok(None),
+                        None => Err(()),
+                        Some(k) => {
+                            let n = k.value.len();
+                            if inputs.is_empty() || inputs.iter().any(|x| x.shape != k.shape || x.values.len() != n) || (th.is_none() && inputs.iter().any(|x| x.dtype != Dtype::F32)) {
+                                Err(())
+                            } else if let Some(t) = th {
+                                let mut next = k.clone();
+                                next.residuals.resize(next.residuals.len().max(devices), vec![0.0; n]);
+                                let finite = inputs.iter().zip(&next.residuals).all(|(x, r)| reference::first_non_finite(&x.values, r).is_none());
+                                if !finite {
+                                    Err(())
+                                } else {
+                                    let mut merged = vec![0f32; n];
+                                    for (x, r) in inputs.iter().zip(next.residuals.iter_mut()) {
+                                        for i in 0..n {
+                                            let (code, rest) = reference::quantize_one(r[i], x.values[i], t);
+                                            r[i] = rest;
+                                            merged[i] += reference::value_of(code, t);
+                                        }
+                                    }
+                                    next.value = merged;
+                                    Ok(Some(next))
+                                }
+                            } else {
+                                let mut next = k.clone();
+                                next.value = inputs[0].values.clone();
+                                for x in &inputs[1..] {
+                                    next.value.iter_mut().zip(&x.values).for_each(|(v, g)| *v += g);
+                                }
+                                Ok(Some(next))
+                            }
+                        }
+                    };
+                    let mut views: Vec<ArrayMut> = out_shapes.iter().zip(outs.iter_mut()).map(|(s, o)| ArrayMut { shape: s, data: o }).collect();
+                    got = match op {
+                        2 => kv.push(&key, &arrays),
+                        3 => Store::pushpull(&kv, &key, &arrays, &mut views),
+                        _ => kv.pull(&key, &mut views),
+                    };
+                    expected = match op {
+                        2 => pushed.clone().map(|_| ()),
+                        _ if !outs_ok => Err(()),
+                        _ => pushed.clone().map(|_| ()),
+                    };
+                    if expected.is_ok() && op != 4 && th.is_some() {
+                        two_bit_pushes += 1;
+                    }
+                    if expected.is_ok() {
+                        if let Ok(Some(next)) = pushed {
+                            model.insert(key.clone(), next);
+                        }
+                    }
+                    if op != 2 {
+                        outs_kept = Some((outs, expected.is_err()));
+                    }
+                }
+                _ => {
+                    let device = rng.below(4);
+                    let kept = model.get(&key);
+                    expected = match kept {
+                        Some(k) if device < k.residuals.len() => Ok(()),
+                        _ => Err(()),
+                    };
+                    let r = kv.residual(&key, device);
+                    if let (Ok(r), Some(k)) = (&r, kept) {
+                        assert!(r.iter().map(|x| x.to_bits()).eq(k.residuals[device].iter().map(|x| x.to_bits())), "trial {trial} step {step}: residual of {key} on {device}");
+                    }
+                    got = r.map(|_| ());
+                }
+            }
+            let what = format!("trial {trial} ({kind}) step {step} op {op} key {key}");
+            match (&expected, &got) {
+                (Ok(()), Err(e)) => panic!("{what}: the model accepts, the store says: {e}"),
+                (Err(()), Ok(())) => panic!("{what}: the store accepted what the model refuses"),
+                (Err(()), Err(e)) => {
+                    assert!(!e.to_string().is_empty());
+                    non_finite += usize::from(e.to_string().contains("(NaN, infinity or float32 overflow)"));
+                    *reasons.entry(format!("{op}: {}", e.to_string().chars().take(50).collect::<String>())).or_insert(0usize) += 1;
+                    failed += 1;
+                }
+                (Ok(()), Ok(())) => ok += 1,
+            }
+            if let Some((outs, untouched)) = outs_kept {
+                let value = model.get(&key).map(|k| k.value.clone());
+                for o in &outs {
+                    if untouched {
+                        assert!(o.iter().all(|&x| x == 7.0), "{what}: an output was written by a failed call");
+                    } else {
+                        assert!(value.as_ref().is_some_and(|v| v.iter().map(|x| x.to_bits()).eq(o.iter().map(|x| x.to_bits()))), "{what}: output");
+                    }
+                }
+            }
+            // The whole store against the model, bit for bit.
+            for (k, m) in &model {
+                let v = kv.value(k).unwrap();
+                assert!(v.iter().map(|x| x.to_bits()).eq(m.value.iter().map(|x| x.to_bits())), "{what}: value of {k}: {v:?} vs {:?}", m.value);
+                assert_eq!(kv.shape(k).unwrap(), m.shape, "{what}");
+                for (d, r) in m.residuals.iter().enumerate() {
+                    assert!(kv.residual(k, d).unwrap().iter().map(|x| x.to_bits()).eq(r.iter().map(|x| x.to_bits())), "{what}: residual of {k} on device {d}");
+                }
+                assert!(kv.residual(k, m.residuals.len()).is_err(), "{what}");
+            }
+        }
+    }
+    // The generator reaches both outcomes often (else the test proves little).
+    let mut top: Vec<_> = reasons.iter().collect();
+    top.sort_by_key(|x| std::cmp::Reverse(*x.1));
+    eprintln!("{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite); most common errors: {:#?}", &top[..top.len().min(8)]);
+    assert!(ok > 3000 && failed > 3000 && two_bit_pushes > 1000 && non_finite > 150, "{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite)");
 }

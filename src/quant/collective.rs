@@ -66,7 +66,7 @@ impl LocalGroup {
 
     /// Wakes every waiting member with an error (a member failed).
     pub fn abort(&self, why: &str) {
-        let mut s = self.state.lock().unwrap();
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.aborted.get_or_insert_with(|| why.to_string());
         self.ready.notify_all();
     }
@@ -150,7 +150,11 @@ pub fn run_group<T: Send>(size: usize, work: impl Fn(usize, &mut LocalMember) ->
     let results: Vec<Result<T>> = std::thread::scope(|s| {
         let run = |rank: usize| {
             let mut m = group.member(rank);
-            let r = work(rank, &mut m);
+            // A panicking member fails the push like an error, and wakes the others.
+            let r = crate::error::catch_panic(|| work(rank, &mut m)).map_err(|e| match e {
+                Error::Internal(why) => Error::Internal(format!("device {rank} panicked: {why}")),
+                other => other,
+            });
             if let Err(e) = &r {
                 group.abort(&e.to_string());
             }
@@ -158,7 +162,7 @@ pub fn run_group<T: Send>(size: usize, work: impl Fn(usize, &mut LocalMember) ->
         };
         let handles: Vec<_> = (1..size).map(|rank| s.spawn(move || run(rank))).collect();
         let mut out = vec![run(0)];
-        out.extend(handles.into_iter().map(|h| h.join().expect("a device thread panicked")));
+        out.extend(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("a device thread panicked".into())))));
         out
     });
     // Report the member that failed first, not the ones it aborted.
@@ -206,5 +210,18 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("device 1 broke"), "{err}");
+    }
+
+    #[test]
+    fn a_panicking_member_fails_the_group_without_a_deadlock() {
+        let err = run_group(3, |rank, m| {
+            m.sum_f32(&mut [1.0])?;
+            if rank == 2 {
+                panic!("device 2 blew up");
+            }
+            m.sum_f32(&mut [1.0]) // the others wait here for device 2
+        })
+        .unwrap_err();
+        assert_eq!(err, Error::Internal("device 2 panicked: device 2 blew up".into()));
     }
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -136,11 +137,61 @@ static void test_errors() {
   CHECK(error_of([] { KVStore bad("dist_x"); }).find("unknown KVStore type 'dist_x'") != std::string::npos);
 }
 
+// Careless input through the bridge: each call fails with its reason and
+// changes nothing; the next good call gives exactly what it would have.
+static void test_bad_input_changes_nothing() {
+  KVStore kv("device");
+  kv.SetGradientCompression({{"compress", "2bit"}, {"threshold", "0.5"}});
+  Buf init(0);
+  kv.Init("w", init.t());
+  // Compression is set before init, on every store.
+  CHECK(error_of([&] { kv.SetGradientCompression({{"compress", "2bit"}, {"threshold", "0.25"}}); })
+            .find("before initializing any key") != std::string::npos);
+  // PushPull into the pushed arrays themselves (MXNet's Trainer without
+  // update_on_kvstore): the inputs are read before any output is written.
+  Buf a(0.3f), b(0.3f);
+  std::vector<Tensor> both{a.t(), b.t()};
+  kv.PushPull("w", {a.t(), b.t()}, &both);  // residuals 0.3 each, below 0.5
+  CHECK(a.all(0) && b.all(0));
+  // A NaN gradient: an error naming the key, the device and the element.
+  Buf nan(0.3f);
+  nan.v[5] = std::nanf("");
+  Buf out(9);
+  std::vector<Tensor> outs{out.t()};
+  std::string err = error_of([&] { kv.PushPull("w", {Buf(0.3f).t(), nan.t()}, &outs); });
+  CHECK(err.find("key 'w'") != std::string::npos && err.find("pushed value 1") != std::string::npos &&
+        err.find("at element 5") != std::string::npos);
+  CHECK(out.all(9));
+  // An updater that throws: the residuals stay at 0.3, the value at 0.
+  kv.set_updater([](const std::string&, const Tensor& merged, Tensor* stored) {
+    stored->data[0] = 42;  // half-way ...
+    throw std::runtime_error("updater refuses");
+  });
+  Buf g0(0.3f), g1(0.3f);
+  CHECK(error_of([&] { kv.Push("w", {g0.t(), g1.t()}); }).find("updater refuses") != std::string::npos);
+  kv.Pull("w", &outs);
+  CHECK(out.all(0));
+  kv.set_updater([](const std::string&, const Tensor& merged, Tensor* stored) {
+    for (size_t i = 0; i < stored->size(); ++i) stored->data[i] += merged.data[i];
+  });
+  // 0.3 + 0.3 reaches 0.5 on both devices only if no failed call moved a residual.
+  Buf h0(0.3f), h1(0.3f);
+  kv.Push("w", {h0.t(), h1.t()});
+  kv.Pull("w", &outs);
+  CHECK(out.all(1));
+  // Shapes whose element count overflows are errors, not wrapped counts.
+  Tensor huge{a.v.data(), {size_t(1) << 32, size_t(1) << 32}};
+  CHECK(error_of([&] { kv.Init("h", huge); }).find("more elements than memory") != std::string::npos);
+  CHECK(error_of([&] { kv.SetOptimizer("sgd", {{"momentum", "-1"}}); }).find("'momentum': must be 0 or more") !=
+        std::string::npos);
+}
+
 int main() {
   test_sum_and_pull();
   test_two_bit_device_store();
   test_updater_and_optimizer();
   test_errors();
+  test_bad_input_changes_nothing();
   std::printf("C++ KVStore: %d checks passed\n", checks);
   return 0;
 }

@@ -33,6 +33,7 @@ rank, workers = store.rank, store.num_workers
 shape = (8, 12)
 report = {"rank": rank, "workers": workers, "schemes": {}}
 for i, params in enumerate(SCHEMES):
+    store = kv.create("dist_sync_allreduce")  # compression comes before init: a store per scheme
     store.set_compress(params)
     device = kv.create("device")
     if params["compress"] != "none":
