@@ -436,3 +436,122 @@ fn a_failed_scheme_round_fails_every_worker_and_the_next_one_works() {
         assert!(w.set_compress(c, &params).unwrap_err().to_string().contains("use 'dist_sync'"));
     });
 }
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Registrations an outsider might send the scheduler: a host that is no
+/// address (once: the scheduler exited), port 0, and 400 refused ones (once:
+/// two file descriptors left open by each). The scheduler survives, closes
+/// what it opened, and the job then runs with exact values.
+#[test]
+fn rogue_registrations_do_not_hurt_the_scheduler() {
+    use gradpack::dist::message::{encode_pairs, Command, Meta};
+    let port = free_port();
+    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
+    let ctx = zmq::Context::new();
+    let rogue = ctx.socket(zmq::DEALER).unwrap();
+    rogue.set_linger(0).unwrap();
+    rogue.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let register = |host: &str, port: &str, job: &str| {
+        let mut m = Meta::new(Command::Register, 0);
+        m.body = encode_pairs([("role", "worker"), ("host", host), ("port", port), ("job", job)]);
+        vec![m.encode(), Vec::new()]
+    };
+    // The job forms first; then the outsider registers.
+    let server = thread::spawn(move || serve(config(Role::Server, port, 1, 1)));
+    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
+    w.init(&Key::Int(0), Array { shape: &[2], data: Grad::F32(&[3.0, 4.0]) }).unwrap();
+    let before = open_fds();
+    for f in [register("no host", "1", "x"), register("", "1", "x"), register("127.0.0.1", "0", "x"), register("-rm", "1", "x")] {
+        rogue.send_multipart(f, 0).unwrap();
+    }
+    // Refused (the job is full, and of another configuration), each refusal
+    // sent to a port where nobody listens.
+    let closed = free_port();
+    for _ in 0..400 {
+        rogue.send_multipart(register("127.0.0.1", &closed.to_string(), "another job"), 0).unwrap();
+    }
+    // The job still runs, with exact values.
+    w.push(&Key::Int(0), &[Array { shape: &[2], data: Grad::F32(&[1.0, 2.0]) }]).unwrap();
+    assert_eq!(pull(&w, &Key::Int(0), &[2]), vec![1.0, 2.0]);
+    // The refusals' sockets close within their 2 s linger: none of the 400
+    // leaves a descriptor behind (each once left two).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while open_fds() > before + 8 {
+        assert!(std::time::Instant::now() < deadline, "{} descriptors open, {before} before 400 refusals", open_fds());
+        thread::sleep(Duration::from_millis(100));
+    }
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}
+
+/// Scheme frames that claim 2^40 or 2^62 values in a few bytes: once an
+/// abort on allocation, then a panic of the receive thread. Now each is
+/// refused and counted, and the server goes on serving exact values.
+#[test]
+fn scheme_frames_claiming_huge_sizes_are_refused() {
+    use gradpack::dist::message::{encode_pairs, Command, Meta};
+    use gradpack::dist::server::{FLAG_EXCHANGE, FLAG_SCHEME};
+    let port = free_port();
+    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
+    let (post_tx, post_rx) = std::sync::mpsc::channel();
+    let server = thread::spawn(move || {
+        let post = gradpack::dist::server::start_server(config(Role::Server, port, 1, 1))?;
+        post_tx.send(post.clone()).unwrap();
+        let result = post.customer.wait_until_over();
+        post.stop();
+        result
+    });
+    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
+    let post = post_rx.recv_timeout(Duration::from_secs(60)).expect("the server registered");
+    let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
+    let k = Key::Int(3);
+    w.init(&k, Array { shape: &[16], data: Grad::F32(&[1.0; 16]) }).unwrap();
+    let (host, server_port) = w.server_addresses()[0].clone();
+    let ctx = zmq::Context::new();
+    let rogue = ctx.socket(zmq::DEALER).unwrap();
+    rogue.set_linger(0).unwrap();
+    rogue.connect(&format!("tcp://{host}:{server_port}")).unwrap();
+    let mut frames = Vec::new();
+    for n in [1u64 << 40, 1 << 62] {
+        for (flags, body) in [(FLAG_SCHEME, encode_pairs([("step", "0")])), (FLAG_EXCHANGE, encode_pairs([("op", "max"), ("step", "0"), ("phase", "0")]))] {
+            // kind 2 (codes) in -1..=1, and kind 1 (scale indices) of 2 scales
+            let mut codes = vec![2u8];
+            codes.extend(n.to_le_bytes());
+            codes.extend((-1i32).to_le_bytes());
+            codes.extend(1i32.to_le_bytes());
+            codes.extend([0u8; 8]);
+            let mut levels = vec![1u8];
+            levels.extend(n.to_le_bytes());
+            levels.extend([2u8; 9]);
+            for payload in [codes, levels] {
+                let mut m = Meta::new(Command::Push, 9999);
+                m.key = Some(k.clone());
+                m.len = 16;
+                m.flags = flags;
+                m.body = body.clone();
+                frames.push(vec![m.encode(), payload]);
+            }
+        }
+    }
+    let dropped = || post.van.traffic.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    for f in &frames {
+        rogue.send_multipart(f, 0).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while dropped() < frames.len() as u64 {
+        assert!(std::time::Instant::now() < deadline, "the server handled {} of {} frames", dropped(), frames.len());
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(dropped(), frames.len() as u64);
+    // qsgd_mn at 2 bits: a constant gradient is exact (every element at the scale).
+    w.push(&k, &[Array { shape: &[16], data: Grad::F32(&[0.5; 16]) }]).unwrap();
+    assert_eq!(pull(&w, &k, &[16]), vec![0.5; 16]);
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}

@@ -351,13 +351,25 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                     van.traffic.drop_message("scheduler", format_args!("a registration without role, host or port"));
                     continue;
                 };
+                if !valid_host(host) || port == 0 {
+                    van.traffic.drop_message("scheduler", format_args!("a registration from {:?} port {port}: not a host name or address to answer", host.escape_debug().to_string()));
+                    continue;
+                }
+                // A refusal never ends the scheduler, and closes its socket
+                // once sent (or after the linger): refusals cannot pile up.
                 let mut refuse = |reason: String| -> Result<()> {
-                    eprintln!("[gradpack scheduler] refused {role} at {host}:{port}: {reason}");
+                    van.traffic.drop_message("scheduler", format_args!("a registration of {role} at {host}:{port}: {reason}"));
                     temp_id -= 1;
-                    van.connect(temp_id, host, port)?;
-                    let mut m = Meta::new(Command::Refused, SCHEDULER_ID);
-                    m.body = reason;
-                    van.send(temp_id, message(m))
+                    let sent = van.connect(temp_id, host, port).and_then(|()| {
+                        let mut m = Meta::new(Command::Refused, SCHEDULER_ID);
+                        m.body = reason;
+                        van.send(temp_id, message(m))
+                    });
+                    van.disconnect(temp_id);
+                    if let Err(e) = sent {
+                        eprintln!("[gradpack scheduler] could not deliver the refusal to {host}:{port}: {e}");
+                    }
+                    Ok(())
                 };
                 let job = pairs.get("job").cloned().unwrap_or_default();
                 if job != config.job_fingerprint() {
@@ -427,4 +439,12 @@ pub fn run_scheduler(config: Config) -> Result<()> {
             other => van.traffic.drop_message("scheduler", format_args!("an unexpected {other:?} message from node {}", msg.meta.sender)),
         }
     }
+}
+
+/// A host a registration may name: an IP address, or a DNS name (letters,
+/// digits, '-' and '.', at most 253 bytes). Anything else is no address to
+/// connect to, and is refused before the scheduler tries.
+fn valid_host(host: &str) -> bool {
+    host.parse::<std::net::IpAddr>().is_ok()
+        || (!host.is_empty() && host.len() <= 253 && host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.') && !host.starts_with(['-', '.']))
 }

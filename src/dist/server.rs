@@ -98,6 +98,9 @@ pub struct Server {
     slots: HashMap<Key, Slot>,
     optimizer: Option<Optimizer>,
     compression: Compression,
+    /// Set when a handler panicked (a bug): the state is unknown from then
+    /// on, so every later request is refused with this reason.
+    broken: Option<String>,
 }
 
 fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
@@ -132,12 +135,31 @@ fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec
 
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
-        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None }
+        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None, broken: None }
     }
 
     /// Handles one request; returns the responses to send (a sync push is
     /// answered only when the round completes).
     pub fn handle(&mut self, msg: Message) -> Vec<(i32, Message)> {
+        let meta = msg.meta.clone();
+        if let Some(why) = &self.broken {
+            return vec![response(&meta, self.my_id, Err(Error::JobFailed(why.clone())))];
+        }
+        // A panic (a bug) never takes the receive thread down with it: the
+        // request that caused it gets the error, and so does every later one.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle_checked(msg))) {
+            Ok(replies) => replies,
+            Err(panic) => {
+                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+                let why = format!("server node {} stopped serving after an internal error (a bug in gradpack) on a {:?} of key {}: {what}", self.my_id, meta.command, meta.key.as_ref().map_or("(none)".to_string(), |k| k.to_string()));
+                eprintln!("[gradpack server] {why}");
+                self.broken = Some(why.clone());
+                vec![response(&meta, self.my_id, Err(Error::JobFailed(why)))]
+            }
+        }
+    }
+
+    fn handle_checked(&mut self, msg: Message) -> Vec<(i32, Message)> {
         let meta = msg.meta.clone();
         match meta.command {
             Command::Push => match self.push(msg) {

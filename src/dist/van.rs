@@ -23,13 +23,60 @@ pub struct Traffic {
     pub sent: AtomicU64,
     pub received: AtomicU64,
     pub dropped: AtomicU64,
+    /// Lines written about dropped messages (at most `DROP_LOG_PER_SECOND`
+    /// a second, plus one line per second that counts the rest).
+    pub logged: AtomicU64,
+    window: Mutex<LogWindow>,
+}
+
+/// Dropped messages said on stderr per second; a flood is summarised.
+pub const DROP_LOG_PER_SECOND: u32 = 10;
+
+#[derive(Default)]
+struct LogWindow {
+    start: Option<std::time::Instant>,
+    printed: u32,
+    suppressed: u64,
 }
 
 impl Traffic {
-    /// Counts a dropped message and says why on stderr.
+    /// Counts a dropped message and says why on stderr, rate-limited so that
+    /// a flood of bad frames cannot grow a node's log without bound.
     pub fn drop_message(&self, who: &str, why: std::fmt::Arguments) {
         self.dropped.fetch_add(1, Ordering::Relaxed);
-        eprintln!("[gradpack {who}] dropped {why}");
+        let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        if w.start.is_none_or(|s| now.duration_since(s) >= Duration::from_secs(1)) {
+            if w.suppressed > 0 {
+                eprintln!("[gradpack {who}] dropped {} more messages in the last second without saying why (at most {DROP_LOG_PER_SECOND} a second are logged)", w.suppressed);
+                self.logged.fetch_add(1, Ordering::Relaxed);
+            }
+            *w = LogWindow { start: Some(now), printed: 0, suppressed: 0 };
+        }
+        if w.printed < DROP_LOG_PER_SECOND {
+            w.printed += 1;
+            self.logged.fetch_add(1, Ordering::Relaxed);
+            eprintln!("[gradpack {who}] dropped {why}");
+        } else {
+            w.suppressed += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_drops_is_counted_in_full_and_logged_in_few_lines() {
+        let t = Traffic::default();
+        for i in 0..5000 {
+            t.drop_message("test", format_args!("frame {i}"));
+        }
+        assert_eq!(t.dropped.load(Ordering::Relaxed), 5000);
+        // Ten lines, plus a summary line for each second boundary the loop crossed (normally none).
+        let logged = t.logged.load(Ordering::Relaxed);
+        assert!((10..=20).contains(&logged), "{logged} lines for 5000 drops");
     }
 }
 
@@ -92,6 +139,12 @@ impl Van {
         socket.connect(&endpoint).map_err(|e| zmq_error(&format!("connecting to {endpoint}"), e))?;
         self.senders.lock().unwrap().insert(id, socket);
         Ok(())
+    }
+
+    /// Closes the sending socket to node `id` (what it queued still leaves
+    /// within the linger).
+    pub fn disconnect(&self, id: i32) {
+        self.senders.lock().unwrap().remove(&id);
     }
 
     /// Sends a message to node `to`; the payload buffer is handed to ZeroMQ without a copy.

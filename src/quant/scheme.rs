@@ -385,6 +385,17 @@ pub fn value_from_wire(bytes: &[u8]) -> Result<(u64, Vec<Part>, Part)> {
     Ok((step, parts, sum))
 }
 
+/// A part claims `n` values of `width` bits: the frame must carry exactly the
+/// words they take, checked before anything of size `n` is allocated (so a
+/// claim of 2^40 or 2^62 values in a short frame is an error, not an abort).
+fn check_lanes(n: usize, width: u32, bytes: usize) -> Result<()> {
+    let want = lanes::words_for(n, width).checked_mul(8);
+    if want != Some(bytes) {
+        return Err(Error::Transport(format!("malformed message: {n} values of {width} bits need {} bytes, the frame carries {bytes}", want.map_or("more than 2^64".to_string(), |w| w.to_string()))));
+    }
+    Ok(())
+}
+
 /// Parses a wire part, checking every length and range.
 pub fn from_wire(bytes: &[u8]) -> Result<Part> {
     let malformed = |what: &str| Error::Transport(format!("malformed message: {what}"));
@@ -405,8 +416,10 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
             if count == 0 {
                 return Err(malformed("zero scales"));
             }
+            let width = lanes::width_for(count as u64 - 1);
+            check_lanes(n, width, words.len())?;
             let mut levels = vec![0u8; n];
-            lanes::unpack_bytes_into(words, lanes::width_for(count as u64 - 1), &mut levels, |v| v.min(255) as u8)?;
+            lanes::unpack_bytes_into(words, width, &mut levels, |v| v.min(255) as u8)?;
             if levels.iter().any(|&l| l >= count) {
                 return Err(malformed(&format!("a scale index is not below {count}")));
             }
@@ -423,9 +436,11 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
             }
             let span = (hi as i64 - lo as i64) as u64;
             // Out-of-range lanes become a sentinel outside lo..=hi, then one check.
+            let width = lanes::width_for(span);
+            check_lanes(n, width, rest.len() - 8)?;
             let mut codes = vec![0i32; n];
             let bad = if hi < i32::MAX { hi as i64 + 1 } else { lo as i64 - 1 };
-            lanes::unpack_bytes_into(&rest[8..], lanes::width_for(span), &mut codes, |v| {
+            lanes::unpack_bytes_into(&rest[8..], width, &mut codes, |v| {
                 (if v > span { bad } else { v as i64 + lo as i64 }) as i32
             })?;
             if codes.iter().any(|&c| c < lo || c > hi) {

@@ -217,6 +217,24 @@ fn wire_parts_round_trip_packed_and_reject_corruption() {
     let mut bad_range = to_wire(&parts[2]);
     bad_range[9..13].copy_from_slice(&9i32.to_le_bytes()); // lo 9 > hi 7
     assert!(from_wire(&bad_range).is_err());
+    // Claims of 2^40, 2^62 and 2^64-1 values in a short frame: errors before
+    // any allocation of that size (once an abort, then a capacity panic).
+    for n in [1u64 << 40, 1 << 62, u64::MAX] {
+        for p in &parts[1..] {
+            let mut w = to_wire(p);
+            w[1..9].copy_from_slice(&n.to_le_bytes());
+            let err = from_wire(&w).unwrap_err().to_string();
+            assert!(err.starts_with("transport: malformed message: ") && err.contains("the frame carries"), "{err}");
+        }
+    }
+    // The same inside a pull reply's scheme value.
+    let mut w = to_wire(&parts[2]);
+    w[1..9].copy_from_slice(&(1u64 << 62).to_le_bytes());
+    let mut value = 0u64.to_le_bytes().to_vec();
+    value.extend(1u32.to_le_bytes());
+    value.extend((w.len() as u64).to_le_bytes());
+    value.extend(&w);
+    assert!(value_from_wire(&value).unwrap_err().to_string().contains("the frame carries"));
 }
 
 #[test]
