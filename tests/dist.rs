@@ -240,8 +240,12 @@ fn rogue_frames(key: &Key) -> Vec<Vec<Vec<u8>>> {
     ]
 }
 
-#[test]
-fn malformed_frames_do_not_hurt_a_server() {
+type Node = thread::JoinHandle<gradpack::error::Result<()>>;
+
+/// A job of one worker and one server whose postoffice (and so its traffic
+/// counters) the test can read: the scheduler's and server's threads, the
+/// server's postoffice, and the worker.
+fn one_server_job() -> (Node, Node, std::sync::Arc<gradpack::dist::postoffice::Postoffice>, DistWorker) {
     let port = free_port();
     let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
     let (post_tx, post_rx) = std::sync::mpsc::channel();
@@ -254,6 +258,12 @@ fn malformed_frames_do_not_hurt_a_server() {
     });
     let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
     let post = post_rx.recv_timeout(Duration::from_secs(60)).expect("the server registered");
+    (sched, server, post, w)
+}
+
+#[test]
+fn malformed_frames_do_not_hurt_a_server() {
+    let (sched, server, post, w) = one_server_job();
     let shape = [32];
     let k = Key::Int(5);
     let (c, p) = two_bit();
@@ -495,18 +505,7 @@ fn rogue_registrations_do_not_hurt_the_scheduler() {
 fn scheme_frames_claiming_huge_sizes_are_refused() {
     use gradpack::dist::message::{encode_pairs, Command, Meta};
     use gradpack::dist::server::{FLAG_EXCHANGE, FLAG_SCHEME};
-    let port = free_port();
-    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
-    let (post_tx, post_rx) = std::sync::mpsc::channel();
-    let server = thread::spawn(move || {
-        let post = gradpack::dist::server::start_server(config(Role::Server, port, 1, 1))?;
-        post_tx.send(post.clone()).unwrap();
-        let result = post.customer.wait_until_over();
-        post.stop();
-        result
-    });
-    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
-    let post = post_rx.recv_timeout(Duration::from_secs(60)).expect("the server registered");
+    let (sched, server, post, w) = one_server_job();
     let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
     let k = Key::Int(3);
