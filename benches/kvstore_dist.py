@@ -6,6 +6,7 @@ dist_sync with and without its built-in 2-bit compression, all in this run.
   .venv/bin/python benches/kvstore_dist.py --netns    # workers and servers on two
         network namespaces joined by a veth pair limited to 1 Gbit/s with tc (root)
   add --schemes for issue 6's schemes (qsgd_mn, qsgd_mn_ts, grandk_mn, powersgd, 1bit)
+  add --auth for gradpack with GRADPACK_SECRET set (every message MACed) beside it without
 
 Every process is started by hand with MXNet's DMLC_* variables (MXNet's own
 launcher crashes on Python 3.11)."""
@@ -50,6 +51,11 @@ def run_job(impl, compress, n, iters, netns, timeout=900):
     root = ADDR[1] if netns else "127.0.0.1"
     base = dict(os.environ, DMLC_PS_ROOT_URI=root, DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_WORKER="2",
                 DMLC_NUM_SERVER="2", PS_HEARTBEAT_TIMEOUT="60", OMP_NUM_THREADS="1")
+    base.pop("GRADPACK_SECRET", None)
+    base.pop("GRADPACK_SECRET_FILE", None)
+    if impl == "gradpack+secret":
+        base["GRADPACK_SECRET"] = os.urandom(16).hex()
+        impl = "gradpack"
     node = [PY, "-m", "gradpack.node"] if impl == "gradpack" else [PY, "-c", "import mxnet"]
     flag = json.dumps(compress) if isinstance(compress, dict) else ("1" if compress else "0")
     worker = [PY, os.path.join(HERE, "dist_worker.py"), impl, flag, str(n), str(iters), out]
@@ -112,8 +118,11 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--skip-mxnet", action="store_true")
     ap.add_argument("--schemes", action="store_true", help="also issue 6's schemes (each key whole on one server)")
+    ap.add_argument("--auth", action="store_true", help="also gradpack with GRADPACK_SECRET (authenticated messages)")
     args = ap.parse_args()
     cases = [("gradpack", False), ("gradpack", True)]
+    if args.auth:
+        cases += [("gradpack+secret", False), ("gradpack+secret", True)]
     if args.schemes:
         cases += [("gradpack", SCHEMES[name]) for name in SCHEMES]
     if not args.skip_mxnet and not args.netns:
@@ -134,16 +143,22 @@ def main():
              ("mxnet", False): "MXNet 1.9.1 dist_sync, no compression",
              ("mxnet", True): "MXNet 1.9.1 dist_sync, 2bit 0.5"}
     names.update({("gradpack", name): "gradpack dist_sync, %s" % name for name in SCHEMES})
+    names.update({("gradpack+secret", False): "gradpack dist_sync + secret, no compression",
+                  ("gradpack+secret", True): "gradpack dist_sync + secret, 2bit +-0.5"})
     for c in cases:
         c = key(c)
         r = results[c]
-        b = "%18d" % r["bytes_sent_per_iter"] if c[0] == "gradpack" else "%18s" % "n/a"
+        b = "%18d" % r["bytes_sent_per_iter"] if c[0].startswith("gradpack") else "%18s" % "n/a"
         print("%-44s %10.1f %s" % (names[c], r["median_s"] * 1e3, b))
     g0, g1 = results[("gradpack", False)], results[("gradpack", True)]
     print()
     print("gradpack uncompressed / compressed time: %.1fx" % (g0["median_s"] / g1["median_s"]))
     print("gradpack compressed push bytes / uncompressed: 1/%.1f"
           % (g0["bytes_sent_per_iter"] / g1["bytes_sent_per_iter"]))
+    if ("gradpack+secret", True) in results:
+        a0, a1 = results[("gradpack+secret", False)], results[("gradpack+secret", True)]
+        print("with a secret / without, same run: compressed %.3fx, uncompressed %.3fx"
+              % (a1["median_s"] / g1["median_s"], a0["median_s"] / g0["median_s"]))
     if ("mxnet", True) in results:
         m0, m1 = results[("mxnet", False)], results[("mxnet", True)]
         print("MXNet compressed / gradpack compressed time: %.1fx" % (m1["median_s"] / g1["median_s"]))

@@ -7,6 +7,7 @@ use std::thread;
 use std::time::Duration;
 
 use gradpack::compression::Compression;
+use gradpack::dist::auth::Secret;
 use gradpack::dist::{serve, Config, DistWorker, Role};
 use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
 use gradpack::Thresholds;
@@ -25,6 +26,7 @@ fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
         heartbeat_timeout: Duration::from_secs(3),
         verbose: 0,
         bigarray_bound: 1000,
+        secret: None,
     }
 }
 
@@ -246,17 +248,25 @@ type Node = thread::JoinHandle<gradpack::error::Result<()>>;
 /// counters) the test can read: the scheduler's and server's threads, the
 /// server's postoffice, and the worker.
 fn one_server_job() -> (Node, Node, std::sync::Arc<gradpack::dist::postoffice::Postoffice>, DistWorker) {
+    one_server_job_with(None)
+}
+
+fn one_server_job_with(secret: Option<Secret>) -> (Node, Node, std::sync::Arc<gradpack::dist::postoffice::Postoffice>, DistWorker) {
     let port = free_port();
-    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
+    let node = move |role| Config { secret: secret.clone(), ..config(role, port, 1, 1) };
+    let sched = { let c = node(Role::Scheduler); thread::spawn(move || serve(c)) };
     let (post_tx, post_rx) = std::sync::mpsc::channel();
-    let server = thread::spawn(move || {
-        let post = gradpack::dist::server::start_server(config(Role::Server, port, 1, 1))?;
-        post_tx.send(post.clone()).unwrap();
-        let result = post.customer.wait_until_over();
-        post.stop();
-        result
-    });
-    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
+    let server = {
+        let c = node(Role::Server);
+        thread::spawn(move || {
+            let post = gradpack::dist::server::start_server(c)?;
+            post_tx.send(post.clone()).unwrap();
+            let result = post.customer.wait_until_over();
+            post.stop();
+            result
+        })
+    };
+    let w = DistWorker::start("dist_sync", node(Role::Worker)).unwrap();
     let post = post_rx.recv_timeout(Duration::from_secs(60)).expect("the server registered");
     (sched, server, post, w)
 }
@@ -309,12 +319,7 @@ fn a_node_with_another_job_configuration_is_refused() {
     let err = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 2)).err().expect("refused");
     let text = err.to_string();
     assert!(text.contains("refused") && text.contains("servers=2") && text.contains("servers=1"), "{text}");
-    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
-    w.init(&Key::Int(0), Array { shape: &[2], data: Grad::F32(&[3.0, 4.0]) }).unwrap();
-    assert_eq!(pull(&w, &Key::Int(0), &[2]), vec![3.0, 4.0]);
-    w.close();
-    sched.join().unwrap().unwrap();
-    server.join().unwrap().unwrap();
+    the_job_still_runs_and_ends(config(Role::Worker, port, 1, 1), sched, server);
 }
 
 #[test]
@@ -553,4 +558,118 @@ fn scheme_frames_claiming_huge_sizes_are_refused() {
     w.close();
     sched.join().unwrap().unwrap();
     server.join().unwrap().unwrap();
+}
+
+/// What an outsider without the job's secret could do before: overwrite a
+/// value, set the optimizer, end the job with WorkerDone, stop a node with
+/// Terminate or NodeFailed, keep a node alive with heartbeats, register. With
+/// GRADPACK_SECRET every such frame is dropped before it is parsed (also
+/// when signed with another secret), values stay exact and the job ends 0.
+#[test]
+fn a_job_with_a_secret_drops_every_forged_message() {
+    use gradpack::dist::auth::Auth;
+    use gradpack::dist::message::{encode_pairs, f32s_to_bytes, Command, Meta};
+    let secret = Secret::new(b"the job's secret").unwrap();
+    let (sched, server, post, w) = one_server_job_with(Some(secret));
+    let k = Key::Int(5);
+    w.init(&k, Array { shape: &[4], data: Grad::F32(&[1.0; 4]) }).unwrap();
+    let frame = |command, sender: i32, body: &str, data: Vec<u8>| {
+        let mut m = Meta::new(command, sender);
+        m.key = Some(k.clone());
+        m.len = 4;
+        m.body = body.to_string();
+        vec![m.encode(), data]
+    };
+    let forged = vec![
+        frame(Command::Push, 9, "", f32s_to_bytes(&[1000.0; 4])), // as the worker (node 9)
+        frame(Command::SetOptimizer, 9, &encode_pairs([("name", "sgd"), ("learning_rate", "1000")]), Vec::new()),
+        frame(Command::Terminate, 1, "", Vec::new()),
+        frame(Command::NodeFailed, 1, "the attacker's words", Vec::new()),
+        frame(Command::WorkerDone, 9, "", Vec::new()),
+        frame(Command::Heartbeat, 8, "", Vec::new()),
+        frame(Command::Register, 0, &encode_pairs([("role", "worker"), ("host", "127.0.0.1"), ("port", "1"), ("job", "workers=1 servers=1 bigarray_bound=1000")]), Vec::new()),
+    ];
+    // The same frames signed with another secret.
+    let other = Auth::new(Secret::new(b"a guess").unwrap());
+    let signed: Vec<Vec<Vec<u8>>> = forged.iter().map(|f| { let tag = other.sign(&f[0], &f[1]); vec![f[0].clone(), f[1].clone(), tag] }).collect();
+    let ctx = zmq::Context::new();
+    let send_all = |host: &str, port: u16| {
+        let s = ctx.socket(zmq::DEALER).unwrap();
+        s.set_linger(1000).unwrap();
+        s.connect(&format!("tcp://{host}:{port}")).unwrap();
+        for f in forged.iter().chain(&signed) {
+            s.send_multipart(f, 0).unwrap();
+        }
+        s
+    };
+    let (host, server_port) = w.server_addresses()[0].clone();
+    let (worker_host, worker_port) = w.address();
+    let _to_server = send_all(&host, server_port);
+    let _to_worker = send_all(&worker_host, worker_port);
+    let _to_scheduler = send_all("127.0.0.1", post.config.root_port);
+    let dropped = || post.van.traffic.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while dropped() < 2 * forged.len() as u64 {
+        assert!(std::time::Instant::now() < deadline, "the server dropped {} of {} forged frames", dropped(), 2 * forged.len());
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(dropped(), 2 * forged.len() as u64);
+    // The job goes on: no optimizer was set, the value was not overwritten,
+    // the worker and server were not stopped, the scheduler did not end the job.
+    assert_eq!(pull(&w, &k, &[4]), vec![1.0; 4]);
+    w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[0.25; 4]) }]).unwrap();
+    assert_eq!(pull(&w, &k, &[4]), vec![0.25; 4]);
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}
+
+/// A node whose secret differs from the scheduler's is refused at once with a
+/// reason that names the variable, and the job it tried to join is unaffected.
+#[test]
+fn a_node_with_another_secret_is_refused_with_a_clear_error() {
+    let port = free_port();
+    let secret = Secret::new(b"right").unwrap();
+    let node = move |role, s: &Secret| Config { secret: Some(s.clone()), ..config(role, port, 1, 1) };
+    let sched = { let c = node(Role::Scheduler, &secret); thread::spawn(move || serve(c)) };
+    let server = { let c = node(Role::Server, &secret); thread::spawn(move || serve(c)) };
+    for wrong in [Some(Secret::new(b"wrong").unwrap()), None] {
+        let c = Config { secret: wrong, ..config(Role::Worker, port, 1, 1) };
+        let err = DistWorker::start("dist_sync", c).err().expect("refused").to_string();
+        assert!(err.contains("refused this worker's messages") && err.contains("GRADPACK_SECRET"), "{err}");
+    }
+    the_job_still_runs_and_ends(node(Role::Worker, &secret), sched, server);
+}
+
+/// After refused nodes: the job's own worker joins, gets exact values and
+/// closes, and the scheduler and server end cleanly.
+fn the_job_still_runs_and_ends(worker: Config, sched: Node, server: Node) {
+    let w = DistWorker::start("dist_sync", worker).unwrap();
+    w.init(&Key::Int(0), Array { shape: &[2], data: Grad::F32(&[3.0, 4.0]) }).unwrap();
+    assert_eq!(pull(&w, &Key::Int(0), &[2]), vec![3.0, 4.0]);
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}
+
+/// One worker pushes once more than the other, which then closes normally:
+/// the extra push fails with an error naming the closed worker (it used to
+/// wait forever), the value is the last complete round's, and the job ends.
+#[test]
+fn unequal_push_counts_give_an_error_not_a_hang() {
+    let results = job_with(2, 1, "dist_sync", |rank, w: &DistWorker| {
+        let k = Key::Int(1);
+        w.init(&k, Array { shape: &[4], data: Grad::F32(&[0.0; 4]) }).unwrap();
+        w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[1.0; 4]) }]).unwrap();
+        w.barrier().unwrap();
+        if rank == 1 {
+            return Ok(pull(w, &k, &[4])); // closes after one push
+        }
+        let err = w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[5.0; 4]) }]).unwrap_err().to_string();
+        Err((err, pull(w, &k, &[4])))
+    });
+    assert!(results.contains(&Ok(vec![2.0; 4])), "{results:?}");
+    let (err, value) = results.iter().find_map(|r| r.clone().err()).expect("rank 0's extra push failed");
+    assert!(err.contains("worker node 11 closed its store") && err.contains("key 1"), "{err}");
+    assert_eq!(value, vec![2.0; 4]);
 }

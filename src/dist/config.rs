@@ -14,10 +14,13 @@
 //! | `PS_HEARTBEAT_TIMEOUT` | seconds of silence after which a node is dead | 10 |
 //! | `PS_VERBOSE` | 1: log membership events, 2: every message | 0 |
 //! | `MXNET_KVSTORE_BIGARRAY_BOUND` | keys of at least this many elements are split over all servers | 1000000 |
+//! | `GRADPACK_SECRET` | the job's shared secret: every message is authenticated (`auth`) | none (a warning) |
+//! | `GRADPACK_SECRET_FILE` | a file holding the secret, so it need not appear in the environment | none |
 
 use std::env;
 use std::time::Duration;
 
+use super::auth::Secret;
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +61,8 @@ pub struct Config {
     pub heartbeat_timeout: Duration,
     pub verbose: u32,
     pub bigarray_bound: usize,
+    /// The job's shared secret; None: messages are not authenticated.
+    pub secret: Option<Secret>,
 }
 
 fn config_error(var: &str, problem: &str) -> Error {
@@ -119,6 +124,7 @@ impl Config {
             heartbeat_timeout,
             verbose: var("PS_VERBOSE").map(|v| number::<u32>("PS_VERBOSE", &v)).transpose()?.unwrap_or(0),
             bigarray_bound,
+            secret: Secret::from_env()?,
         })
     }
 

@@ -4,6 +4,7 @@
 //! `customer` (request tracking) -> `worker` and `server`. `config` reads every
 //! setting from MXNet's `DMLC_*` variables in one place.
 
+pub mod auth;
 pub mod config;
 pub mod counts;
 pub mod customer;

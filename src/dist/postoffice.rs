@@ -72,7 +72,7 @@ impl Postoffice {
     /// threads. Servers pass the handler for data requests.
     pub fn start(config: Config, mut handler: Option<RequestHandler>) -> Result<Arc<Postoffice>> {
         debug_assert!(config.role != Role::Scheduler);
-        let van = Arc::new(Van::new());
+        let van = Arc::new(Van::new(config.secret.clone()));
         let host = config.node_host.clone().unwrap_or_else(|| local_address_towards(&config.root_uri, config.root_port));
         let (receiver, port) = van.bind(&host, 0)?;
         van.connect(SCHEDULER_ID, &config.root_uri, config.root_port)?;
@@ -99,7 +99,13 @@ impl Postoffice {
                     config.root_uri, config.root_port, deadline.duration_since(deadline - remaining), config.num_workers, config.num_servers
                 )));
             }
-            match receiver.recv(remaining.min(Duration::from_millis(200)), &van.traffic)? {
+            if let Some(why) = van.notice_from(SCHEDULER_ID) {
+                return Err(Error::JobFailed(format!(
+                    "the scheduler at {}:{} refused this {}'s messages: {why}. Every node of a job needs the same GRADPACK_SECRET (or GRADPACK_SECRET_FILE)",
+                    config.root_uri, config.root_port, config.role.name()
+                )));
+            }
+            match receiver.recv(remaining.min(Duration::from_millis(200)), &van)? {
                 Some(Ok(msg)) if msg.meta.command == Command::AddNodes => break parse_table(&msg.meta.body)?,
                 Some(Ok(msg)) if msg.meta.command == Command::Refused => {
                     return Err(Error::JobFailed(format!("the scheduler refused this {}: {}", config.role.name(), msg.meta.body)));
@@ -144,7 +150,7 @@ impl Postoffice {
         while !self.customer.is_over() {
             let next = match early.next() {
                 Some(msg) => Ok(Some(Ok(msg))),
-                None => receiver.recv(Duration::from_millis(100), &self.van.traffic),
+                None => receiver.recv(Duration::from_millis(100), &self.van),
             };
             let msg = match next {
                 Ok(None) => continue,
@@ -172,7 +178,7 @@ impl Postoffice {
                         self.van.traffic.drop_message(&self.who(), format_args!("a response to an unknown request"));
                     }
                 }
-                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull => match handler.as_mut() {
+                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => match handler.as_mut() {
                     Some(h) => {
                         for (to, reply) in h(msg) {
                             let refusal = (reply.meta.status != 0).then(|| reply.meta.body.clone()).unwrap_or_default();
@@ -242,8 +248,12 @@ impl Postoffice {
         self.customer.wait_barrier(seen)
     }
 
-    /// Tells the scheduler this worker is finished.
+    /// Tells every server, then the scheduler, that this worker is finished:
+    /// servers fail the sync rounds it will never join instead of waiting.
     pub fn worker_done(&self) {
+        for s in self.servers() {
+            let _ = self.van.send(s.id, message(Meta::new(Command::WorkerDone, self.me.id)));
+        }
         let _ = self.van.send(SCHEDULER_ID, message(Meta::new(Command::WorkerDone, self.me.id)));
     }
 
@@ -295,7 +305,7 @@ fn parse_table(body: &str) -> Result<(NodeInfo, Vec<NodeInfo>)> {
 /// Runs the scheduler until every worker is done (Ok) or a node fails (Err).
 pub fn run_scheduler(config: Config) -> Result<()> {
     let who = "scheduler".to_string();
-    let van = Van::new();
+    let van = Van::new(config.secret.clone());
     let (receiver, _) = van.bind(&config.root_uri, config.root_port).or_else(|_| van.bind("0.0.0.0", config.root_port))?;
     log(&config, &who, 1, &format!("waiting for {} workers and {} servers on port {}", config.num_workers, config.num_servers, config.root_port));
     let expected = config.num_workers + config.num_servers;
@@ -306,7 +316,7 @@ pub fn run_scheduler(config: Config) -> Result<()> {
     let mut done: Vec<i32> = Vec::new();
     let mut temp_id = -1000; // connections to nodes not (yet) in the table
     loop {
-        let polled = receiver.recv(Duration::from_millis(50), &van.traffic)?;
+        let polled = receiver.recv(Duration::from_millis(50), &van)?;
         if let Some(nodes) = &table {
             // Failure detection: every node must be heard from within the timeout.
             for n in nodes.iter().filter(|n| n.role != Role::Scheduler) {

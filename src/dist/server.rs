@@ -101,6 +101,15 @@ pub struct Server {
     /// Set when a handler panicked (a bug): the state is unknown from then
     /// on, so every later request is refused with this reason.
     broken: Option<String>,
+    /// Workers (node ids) that closed their store: no sync round can
+    /// complete after the first, so such rounds fail instead of waiting.
+    closed: Vec<i32>,
+}
+
+fn closed_error(node: i32, key: &Key) -> Error {
+    Error::JobFailed(format!(
+        "worker node {node} closed its store, so the sync round of key {key} can never complete (every worker must push each key as often as the others)"
+    ))
 }
 
 fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
@@ -135,7 +144,7 @@ fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec
 
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
-        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None, broken: None }
+        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None, broken: None, closed: Vec::new() }
     }
 
     /// Handles one request; returns the responses to send (a sync push is
@@ -162,6 +171,7 @@ impl Server {
     fn handle_checked(&mut self, msg: Message) -> Vec<(i32, Message)> {
         let meta = msg.meta.clone();
         match meta.command {
+            Command::WorkerDone => self.worker_closed(meta.sender),
             Command::Push => match self.push(msg) {
                 Ok(replies) => replies,
                 Err(e) => vec![response(&meta, self.my_id, Err(e))],
@@ -267,7 +277,41 @@ impl Server {
         Ok(slot)
     }
 
+    /// Worker `node` closed its store: every sync round it has not joined
+    /// fails for the workers waiting in it (values stay as they were), and so
+    /// does every later sync round.
+    fn worker_closed(&mut self, node: i32) -> Vec<(i32, Message)> {
+        if !self.closed.contains(&node) {
+            self.closed.push(node);
+        }
+        let me = self.my_id;
+        let mut replies = Vec::new();
+        let mut fail = |key: &Key, slot: &Slot, (to, request_id): (i32, u64)| {
+            let mut meta = Meta::new(Command::Response, to);
+            (meta.request_id, meta.key, meta.offset, meta.len) = (request_id, Some(key.clone()), slot.offset, slot.value.len() as u64);
+            replies.push(response(&meta, me, Err(closed_error(node, key))));
+        };
+        for (key, slot) in self.slots.iter_mut() {
+            if !slot.pushed.is_empty() && !slot.pushed.iter().any(|(s, _)| *s == node) {
+                let waiting: Vec<_> = slot.pushed.drain(..).collect();
+                slot.round = Round::Empty;
+                waiting.into_iter().for_each(|w| fail(key, slot, w));
+            }
+            if !slot.scheme.waiting.is_empty() && !slot.scheme.waiting.iter().any(|(s, _)| *s == node) {
+                let waiting: Vec<_> = slot.scheme.waiting.drain(..).collect();
+                slot.scheme.acc = None;
+                waiting.into_iter().for_each(|w| fail(key, slot, w));
+            }
+        }
+        replies
+    }
+
     fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
+        if msg.meta.flags & FLAG_ASYNC == 0 {
+            if let (Some(&node), Ok(key)) = (self.closed.first(), Self::key_of(&msg.meta)) {
+                return Err(closed_error(node, &key));
+            }
+        }
         if msg.meta.flags & (FLAG_EXCHANGE | FLAG_SCHEME) != 0 {
             return self.scheme_push(msg);
         }

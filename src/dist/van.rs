@@ -8,8 +8,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use super::auth::{Auth, Secret};
 use super::message::{Message, Meta};
 use crate::error::{Error, Result};
+
+/// The first bytes of a notice a node sends back on the connection of a
+/// message it could not authenticate; the registering node reads it and
+/// fails with the reason (the notice itself is not authenticated).
+pub const NOTICE: &[u8] = b"gradpack-refused: ";
 
 fn zmq_error(what: &str, e: zmq::Error) -> Error {
     Error::Transport(format!("{what}: {e}"))
@@ -85,6 +91,8 @@ pub struct Van {
     /// DEALER sockets by peer node id; zmq sockets are not Sync, hence the lock.
     senders: Mutex<HashMap<i32, zmq::Socket>>,
     pub traffic: Traffic,
+    /// With a job secret: signs what this node sends, checks what it receives.
+    auth: Option<Auth>,
 }
 
 /// The receiving end, owned by one thread.
@@ -105,11 +113,32 @@ pub fn local_address_towards(peer: &str, port: u16) -> String {
 }
 
 impl Van {
-    pub fn new() -> Van {
+    /// A transport; with `secret`, every message is authenticated (`auth`).
+    /// Without one, the process says once on stderr that anyone who reaches
+    /// its ports can join the job.
+    pub fn new(secret: Option<Secret>) -> Van {
         let ctx = zmq::Context::new();
         // Two I/O threads: sends to and receives from several peers overlap.
         let _ = ctx.set_io_threads(2);
-        Van { ctx, senders: Mutex::default(), traffic: Traffic::default() }
+        if secret.is_none() {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                eprintln!(
+                    "[gradpack] warning: GRADPACK_SECRET is not set, so this job's messages are not authenticated: any process that \
+                     reaches its ports can join it or change its values. Set GRADPACK_SECRET (or GRADPACK_SECRET_FILE) to the same \
+                     value on every node; python -m gradpack.launch makes one per job."
+                )
+            });
+        }
+        Van { ctx, senders: Mutex::default(), traffic: Traffic::default(), auth: secret.map(Auth::new) }
+    }
+
+    /// A notice the node `id` sent back on this node's connection to it
+    /// (see `NOTICE`), if one arrived.
+    pub fn notice_from(&self, id: i32) -> Option<String> {
+        let senders = self.senders.lock().unwrap();
+        let bytes = senders.get(&id)?.recv_bytes(zmq::DONTWAIT).ok()?;
+        bytes.strip_prefix(NOTICE).map(|r| String::from_utf8_lossy(r).into_owned())
     }
 
     /// Binds the receiving socket on `host:port` (port 0: any free port) and
@@ -153,16 +182,16 @@ impl Van {
         let bytes = (meta.len() + msg.data.len()) as u64;
         let senders = self.senders.lock().unwrap();
         let socket = senders.get(&to).ok_or_else(|| Error::Transport(format!("no connection to node {to}")))?;
+        // Signed under the lock, so one peer sees this node's sequence numbers in order.
+        let tag = self.auth.as_ref().map(|a| a.sign(&meta, &msg.data));
         socket.send(meta, zmq::SNDMORE).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
-        socket.send(zmq::Message::from(msg.data), 0).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
+        let last = if tag.is_some() { zmq::SNDMORE } else { 0 };
+        socket.send(zmq::Message::from(msg.data), last).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
+        if let Some(tag) = tag {
+            socket.send(tag, 0).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
+        }
         self.traffic.sent.fetch_add(bytes, Ordering::Relaxed);
         Ok(())
-    }
-}
-
-impl Default for Van {
-    fn default() -> Self {
-        Van::new()
     }
 }
 
@@ -170,25 +199,44 @@ impl Receiver {
     /// Waits up to `timeout` for a message. `Ok(None)`: nothing arrived.
     /// `Ok(Some(Err(_)))`: something arrived that is not a valid message (the
     /// caller logs it and goes on). `Err(_)`: the socket itself failed.
-    pub fn recv(&self, timeout: Duration, traffic: &Traffic) -> Result<Option<Result<Message>>> {
+    pub fn recv(&self, timeout: Duration, van: &Van) -> Result<Option<Result<Message>>> {
         let ready = self.socket.poll(zmq::POLLIN, timeout.as_millis().min(i64::MAX as u128) as i64).map_err(|e| zmq_error("polling", e))?;
         if ready == 0 {
             return Ok(None);
         }
         // Frames stay in ZeroMQ's buffers: no copy of the payload.
-        let mut frames = Vec::with_capacity(3);
+        let mut frames = Vec::with_capacity(4);
         loop {
             let frame = self.socket.recv_msg(0).map_err(|e| zmq_error("receiving", e))?;
             let more = frame.get_more();
-            frames.push(frame);
+            // A message of more frames than any valid one is read to its end, keeping few.
+            if frames.len() < 5 {
+                frames.push(frame);
+            }
             if !more {
                 break;
             }
         }
-        traffic.received.fetch_add(frames.iter().skip(1).map(|f| f.len() as u64).sum(), Ordering::Relaxed);
-        // ROUTER prepends the peer's identity frame.
-        if frames.len() != 3 {
-            return Ok(Some(Err(Error::Transport(format!("malformed message: {} frames, expected identity, header and payload", frames.len())))));
+        van.traffic.received.fetch_add(frames.iter().skip(1).map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+        // ROUTER prepends the peer's identity frame; then header, payload and,
+        // with a secret, the authentication frame.
+        let want = if van.auth.is_some() { 4 } else { 3 };
+        if frames.len() != want {
+            let why = match (van.auth.is_some(), frames.len()) {
+                (false, 4) => "the sender authenticates its messages, but this node has no GRADPACK_SECRET".to_string(),
+                (true, 3) => "this job requires authenticated messages (GRADPACK_SECRET), and the sender sent none".to_string(),
+                (_, n) => format!("{n} frames, expected {want}"),
+            };
+            self.notify(&frames[0], &why);
+            return Ok(Some(Err(Error::Transport(format!("malformed message: {why}")))));
+        }
+        if let Some(auth) = &van.auth {
+            // Checked before anything of the message is parsed.
+            if let Err(e) = auth.verify(&frames[1], &frames[2], &frames[3]) {
+                self.notify(&frames[0], &e.to_string());
+                return Ok(Some(Err(e)));
+            }
+            frames.pop();
         }
         let data = frames.pop().unwrap();
         let meta = match Meta::decode(&frames[1]) {
@@ -196,5 +244,11 @@ impl Receiver {
             Err(e) => return Ok(Some(Err(e))),
         };
         Ok(Some(Ok(Message { meta, data: data.into() })))
+    }
+
+    /// Sends `NOTICE` and `why` back on the connection a refused message came from.
+    fn notify(&self, identity: &zmq::Message, why: &str) {
+        let notice = [NOTICE, why.as_bytes()].concat();
+        let _ = self.socket.send_multipart([&identity[..], &notice[..]], zmq::DONTWAIT);
     }
 }

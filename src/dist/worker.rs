@@ -190,6 +190,11 @@ impl DistWorker {
         (self.post.bytes_sent(), self.post.bytes_received())
     }
 
+    /// Where this worker listens (host, port).
+    pub fn address(&self) -> (String, u16) {
+        (self.post.me.host.clone(), self.post.me.port)
+    }
+
     /// Where the servers listen (host, port), by rank.
     pub fn server_addresses(&self) -> Vec<(String, u16)> {
         self.post.servers().iter().map(|n| (n.host.clone(), n.port)).collect()

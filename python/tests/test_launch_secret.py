@@ -1,0 +1,72 @@
+"""gradpack.launch gives every process of a job the same secret, so that the
+job's messages are authenticated: a new random one per job unless the caller
+set GRADPACK_SECRET or GRADPACK_SECRET_FILE. It never appears on a command
+line: over ssh it travels on standard input."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradpack import launch
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts")
+
+
+def run_job(tmp_path, env_extra):
+    out = tmp_path / ("out%d" % len(list(tmp_path.iterdir())))
+    out.mkdir()
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(out), **env_extra)
+    for k in ("GRADPACK_SECRET", "GRADPACK_SECRET_FILE"):
+        if k not in env_extra:
+            env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", "2", "-s", "1",
+                        sys.executable, os.path.join(SCRIPTS, "secret_env.py")],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    reports = [json.load(open(f)) for f in sorted(glob.glob(str(out / "worker*.json")))]
+    assert len(reports) == 2
+    assert all(r["value"] == [2.0] * 4 for r in reports)  # both workers' pushes, exactly
+    assert "GRADPACK_SECRET is not set" not in p.stderr
+    return reports
+
+
+def test_each_job_gets_its_own_random_secret(tmp_path):
+    a = run_job(tmp_path, {})
+    b = run_job(tmp_path, {})
+    assert a[0]["secret_len"] == 64 and a[0]["secret_sha256"] == a[1]["secret_sha256"]
+    assert b[0]["secret_sha256"] == b[1]["secret_sha256"] != a[0]["secret_sha256"]
+
+
+def test_the_callers_secret_or_secret_file_is_used(tmp_path):
+    import hashlib
+    want = hashlib.sha256(b"correct horse").hexdigest()
+    r = run_job(tmp_path, {"GRADPACK_SECRET": "correct horse"})
+    assert [x["secret_sha256"] for x in r] == [want, want]
+    f = tmp_path / "secret"
+    f.write_text("correct horse\n")
+    r = run_job(tmp_path, {"GRADPACK_SECRET_FILE": str(f)})
+    assert [x["secret_sha256"] for x in r] == [want, want]
+
+
+def test_the_ssh_command_line_carries_no_secret():
+    cmd = launch.remote_command(["python", "train.py"], {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_PORT": "9"}, "/work dir")
+    assert cmd.startswith("IFS= read -r GRADPACK_SECRET && export GRADPACK_SECRET")
+    assert "'/work dir'" in cmd and cmd.endswith("python train.py")
+    # What the remote shell does with it: the secret read from stdin reaches the command.
+    p = subprocess.run(["sh", "-c", launch.remote_command(
+        [sys.executable, "-c", "import os; print(os.environ['GRADPACK_SECRET'], os.environ['DMLC_ROLE'])"],
+        {"DMLC_ROLE": "worker"}, os.getcwd())], input="s3cret\n", capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["s3cret", "worker"], p.stderr
+
+
+def test_a_bad_secret_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):
+        launch.job_secret({"GRADPACK_SECRET": "two\nlines"})
+    f = tmp_path / "empty"
+    f.write_text("\n")
+    with pytest.raises(SystemExit):
+        launch.job_secret({"GRADPACK_SECRET_FILE": str(f)})
+    assert len(launch.job_secret({})) == 64
