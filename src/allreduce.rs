@@ -67,7 +67,9 @@ mod imp {
                 // SAFETY: registering a plain extern "C" function with libc's atexit.
                 unsafe { atexit(finalize_at_exit) };
             }
-            let comm = u.as_ref().unwrap().world();
+            // A communicator of its own (MPI_Comm_dup): the store's
+            // collectives never match anyone else's on COMM_WORLD.
+            let comm = u.as_ref().unwrap().world().duplicate();
             let (rank, size) = (comm.rank() as usize, comm.size() as usize);
             Ok(World { comm: Mutex::new(comm), rank, size, sent: AtomicU64::new(0) })
         }
@@ -225,20 +227,79 @@ pub const AVAILABLE: bool = cfg!(feature = "mpi");
 /// The name MXNet gives its MPI store.
 pub const TYPE_NAME: &str = "dist_sync_allreduce";
 
-/// Checks that every worker holds the same metadata (a key's hash, its size,
-/// its push count) before collectives that depend on it, in one MAX
-/// reduction of the values and their negations (16-bit pieces, exact in
-/// float32): a mismatch is an error on every worker, never a hang or garbage.
-pub fn check_agree(world: &World, what: &str, values: &[u64]) -> Result<()> {
+/// The operations whose agreement `check_agree` checks; each has its own
+/// tag, so that one worker's init can never pair with another's push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Init = 1,
+    Push = 2,
+    Close = 3,
+}
+
+/// What every worker must agree on before a collective: one record of fixed
+/// width, whatever the operation.
+#[derive(Clone, Copy, Debug)]
+pub struct Agreement {
+    pub op: Op,
+    pub key_hash: u64,
+    pub size: u64,
+    /// Pushes of the key so far.
+    pub step: u64,
+    /// This worker's own checks passed.
+    pub ok: bool,
+    /// `fingerprint` of the compression parameters.
+    pub compression: u64,
+    /// `fingerprint` of the optimizer configuration (0: none).
+    pub optimizer: u64,
+}
+
+/// A stable 64-bit fingerprint of a configuration's text.
+pub fn fingerprint(text: &str) -> u64 {
+    u64::from_le_bytes(blake3::hash(text.as_bytes()).as_bytes()[..8].try_into().unwrap())
+}
+
+impl Agreement {
+    const FIELDS: [&'static str; 7] = ["operation", "key", "size", "push count", "", "compression", "optimizer"];
+
+    fn values(&self) -> [u64; 7] {
+        [self.op as u64, self.key_hash, self.size, self.step, self.ok as u64, self.compression, self.optimizer]
+    }
+}
+
+/// Checks that every worker holds the same `Agreement` before the
+/// collectives that depend on it, in one MAX reduction of its fields and
+/// their negations (16-bit pieces, exact in float32; always the same width,
+/// so mismatched operations never pair up or truncate). A mismatch, or a
+/// worker whose own checks failed, is an error on every worker that names
+/// what differs, never a hang or garbage. A worker must call it even when
+/// its own checks failed.
+pub fn check_agree(world: &World, what: &str, mine: &Agreement) -> Result<()> {
+    check_agree_or_closed(world, what, mine).map_err(|(e, _)| e)
+}
+
+/// As `check_agree`; the error also says whether another worker was closing
+/// its store (so this one takes part in no more collectives either).
+pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement) -> std::result::Result<(), (Error, bool)> {
+    let values = mine.values();
     let pieces: Vec<f32> = values.iter().flat_map(|&v| (0..4).map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32)).collect();
     let mut both: Vec<f32> = pieces.iter().copied().chain(pieces.iter().map(|p| -p)).collect();
-    crate::quant::collective::Collective::max_f32(&mut &*world, &mut both)?;
+    crate::quant::collective::Collective::max_f32(&mut &*world, &mut both).map_err(|e| (e, false))?;
     let (max, neg_min) = both.split_at(pieces.len());
-    if max.iter().zip(neg_min).any(|(a, b)| *a != -*b) {
-        return Err(Error::Store(format!(
-            "workers disagree on {what} (rank {} has {values:?}); every worker must init and push the same keys, with the same shapes, in the same order",
-            world.rank()
-        )));
+    let differs: Vec<&str> = (0..values.len()).filter(|&f| (0..4).any(|i| max[4 * f + i] != -neg_min[4 * f + i])).map(|f| Agreement::FIELDS[f]).collect();
+    if differs.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    let named: Vec<&str> = differs.iter().copied().filter(|f| !f.is_empty()).collect();
+    // The operation tag is field 0: its piece 0 holds the whole tag.
+    let closing = max[0] == Op::Close as u64 as f32 && mine.op != Op::Close;
+    let why = if closing {
+        "another worker closed its store, so this operation can never complete; every worker must init and push the same keys as often as the others".to_string()
+    } else if named.contains(&"operation") {
+        "another worker is in another operation (an init, a push, or closing its store); every worker must init and push the same keys in the same order, and close together".to_string()
+    } else if !named.is_empty() {
+        format!("the workers' {} differ; every worker must init and push the same keys, with the same shapes, compression and optimizer, in the same order", named.join(", "))
+    } else {
+        "another worker's own checks failed (its error says why)".to_string()
+    };
+    Err((Error::Store(format!("workers disagree on {what} (rank {}): {why}", world.rank())), closing || mine.op == Op::Close))
 }

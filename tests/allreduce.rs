@@ -177,3 +177,67 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     kv.barrier();
     println!("rank done");
 }
+
+/// The mismatches that used to hang, truncate or silently diverge: each is an
+/// error on every rank, naming what differs, and no rank waits forever.
+#[test]
+fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
+    if !under_mpi() {
+        return mpirun("every_mismatch_between_ranks_is_an_error_on_every_rank");
+    }
+    use gradpack::optimizer::Optimizer;
+    let shape = [8usize];
+    let store = |compress: Compression| {
+        let kv = KVStore::new("dist_sync_allreduce").unwrap();
+        kv.set_compress(compress).unwrap();
+        kv.init(&Key::Int(0), f32s(&shape, &[1.0; 8])).unwrap();
+        kv
+    };
+    let kv = store(Compression::None);
+    let rank = kv.rank();
+    let g = [0.5f32; 8];
+
+    // A push of a key that rank 1 never initialised: rank 1 still takes part.
+    let key = Key::Int(if rank == 1 { 99 } else { 0 });
+    let err = kv.push(&key, &[f32s(&shape, &g)]).unwrap_err().to_string();
+    if rank == 1 {
+        assert!(err.contains("key 99: not initialized"), "{err}");
+    } else {
+        assert!(err.contains("workers disagree on the push of key 0") && err.contains("key, size differ"), "{err}");
+    }
+    // An init on rank 0 only, while the others push: the operations differ.
+    let err = if rank == 0 { kv.init(&Key::Int(50), f32s(&shape, &g)) } else { kv.push(&Key::Int(0), &[f32s(&shape, &g)]) }.unwrap_err().to_string();
+    assert!(err.contains("another worker is in another operation"), "rank {rank}: {err}");
+    // An optimizer on rank 2 only.
+    if rank == 2 {
+        kv.set_optimizer(Optimizer::from_params("sgd", [("learning_rate", "0.1")]).unwrap());
+    }
+    let err = kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string();
+    assert!(err.contains("the workers' optimizer differ"), "rank {rank}: {err}");
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.0; 8]); // nothing changed anywhere
+
+    // Different compression (2-bit thresholds on rank 0, or another scheme): refused at init.
+    for other in [Compression::from_params([("compress", "2bit"), ("threshold", "0.25")]).unwrap(), Compression::from_params([("compress", "qsgd_mn"), ("bits", "4")]).unwrap()] {
+        let mine = if rank == 0 { other } else { Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap() };
+        let s = KVStore::new("dist_sync_allreduce").unwrap();
+        s.set_compress(mine).unwrap();
+        let err = s.init(&Key::Int(0), f32s(&shape, &g)).unwrap_err().to_string();
+        assert!(err.contains("the workers' compression differ"), "rank {rank}: {err}");
+        s.close().unwrap();
+    }
+
+    // One push more on rank 0 while the others close: an error, not a hang.
+    let s = store(Compression::None);
+    s.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap();
+    if rank == 0 {
+        let err = s.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string();
+        assert!(err.contains("another worker closed its store"), "{err}");
+        assert!(s.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string().contains("is closed"));
+        s.close().unwrap(); // closed already: no collective, no wait
+    } else {
+        assert!(s.close().is_err()); // rank 0 was pushing
+    }
+    assert_eq!(pull(&s, &Key::Int(0), &shape), vec![1.5; 8]); // the one complete push: 3 x 0.5
+    kv.close().unwrap();
+    println!("rank done");
+}

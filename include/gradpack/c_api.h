@@ -138,6 +138,12 @@ typedef int (*gp_updater_fn)(gp_key_t key, const float* merged, float* stored,
  * describe; blocks until every node registered). *out receives a handle owned
  * by the caller; gp_kvstore_free releases it (a worker then leaves the job). */
 int gp_kvstore_new(const char* type, gp_kvstore_t** out);
+/* Closes the store, keeping the handle: a "dist_sync_allreduce" store closes
+ * together with every other worker (one still waiting in an init or push of
+ * its own gets an error instead of waiting forever); a distributed worker
+ * leaves its job. Later calls fail. Freeing an all-reduce store without
+ * closing it takes part in no collective. */
+int gp_kvstore_close(gp_kvstore_t* store);
 void gp_kvstore_free(gp_kvstore_t* store);
 /* The store's type (static string). */
 const char* gp_kvstore_type(const gp_kvstore_t* store);

@@ -43,6 +43,7 @@ _int = ctypes.c_int
 LIB.gp_kvstore_new.argtypes = [ctypes.c_char_p, ctypes.POINTER(_p)]
 LIB.gp_kvstore_free.argtypes = [_p]
 LIB.gp_kvstore_free.restype = None
+LIB.gp_kvstore_close.argtypes = [_p]
 LIB.gp_kvstore_type.argtypes = [_p]
 LIB.gp_kvstore_type.restype = ctypes.c_char_p
 LIB.gp_kvstore_init.argtypes = [_p, _Key, _Array]
@@ -202,13 +203,26 @@ class KVStore(object):
         self._shapes = {}
 
     def close(self):
-        """Release the store; a distributed worker leaves the job."""
-        if getattr(self, "handle", None):
-            LIB.gp_kvstore_free(self.handle)
+        """Close and release the store: a distributed worker leaves the job;
+        a 'dist_sync_allreduce' store closes together with every other
+        worker, so that one still waiting in a push gets an error instead of
+        waiting forever."""
+        handle = getattr(self, "handle", None)
+        if handle:
+            status = LIB.gp_kvstore_close(handle)
+            message = LIB.gp_error_last().decode("utf-8", "replace") if status != 0 else None
+            LIB.gp_kvstore_free(handle)
             self.handle = None
+            if message is not None:
+                raise Error(message)
 
     def __del__(self):
-        self.close()
+        # Release only: garbage collection runs at different times on each
+        # worker, so it must not take part in a collective close.
+        handle = getattr(self, "handle", None)
+        if handle:
+            LIB.gp_kvstore_free(handle)
+            self.handle = None
 
     @property
     def type(self):

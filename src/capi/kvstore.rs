@@ -224,6 +224,25 @@ pub unsafe extern "C" fn gp_kvstore_free(store: *mut gp_kvstore_t) {
     }
 }
 
+/// Closes the store without releasing the handle: an all-reduce store
+/// closes together with every other worker (one still waiting in an init or
+/// push of its own then gets an error instead of waiting forever); a
+/// distributed worker leaves its job. Later calls on the store fail;
+/// `gp_kvstore_free` still releases it. A second close does nothing.
+///
+/// # Safety
+/// `store` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_close(store: *mut gp_kvstore_t) -> c_int {
+    guard(|| match self::store(store)? {
+        gp_kvstore_t::Local(s) => s.close(),
+        gp_kvstore_t::Dist(w) => {
+            w.close();
+            Ok(())
+        }
+    })
+}
+
 /// The store's type name (static string), or NULL for a NULL store.
 ///
 /// # Safety

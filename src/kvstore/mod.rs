@@ -144,6 +144,8 @@ pub struct KVStore {
     /// Held for a whole init or push on an `Allreduce` store: one process
     /// issues its collectives one key at a time.
     collective_order: Mutex<()>,
+    /// An `Allreduce` store closed (`close`): it takes part in no more collectives.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// Sums a worker's devices into `e.merge_buf` (scratch, not state) and, under
@@ -330,6 +332,7 @@ impl KVStore {
         Ok(KVStore {
             world: if kind == StoreType::Allreduce { Some(World::join()?) } else { None },
             collective_order: Mutex::new(()),
+            closed: std::sync::atomic::AtomicBool::new(false),
             kind,
             keys: RwLock::default(),
             compression: RwLock::default(),
@@ -438,7 +441,9 @@ impl KVStore {
             (None, checked) => checked?,
             (Some(world), checked) => {
                 let n = value.data.len() as u64;
-                let agreed = allreduce::check_agree(world, &format!("the init of key {key}"), &[key.stable_hash(), n, checked.is_ok() as u64]);
+                self.check_open()?;
+                let mine = self.agreement(allreduce::Op::Init, key, n, 0, checked.is_ok());
+                let agreed = self.agree(world, &format!("the init of key {key}"), &mine);
                 let mut data = checked?; // a worker's own error first, then the others'
                 agreed?;
                 world.broadcast_f32(&mut data);
@@ -480,7 +485,17 @@ impl KVStore {
 
     /// Sums `values` (one per device) and applies the updater, or stores the sum.
     pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
-        let entry = self.entry(key)?;
+        let entry = match (self.entry(key), &self.world) {
+            (Ok(e), _) => e,
+            (Err(err), None) => return Err(err),
+            (Err(err), Some(world)) => {
+                // Every worker takes part in the agreement, even one that failed here.
+                let _order = self.collective_order.lock().unwrap_or_else(|p| p.into_inner());
+                self.check_open()?;
+                let _ = self.agree(world, &format!("the push of key {key}"), &self.agreement(allreduce::Op::Push, key, 0, 0, false));
+                return Err(err);
+            }
+        };
         let compression = self.compression();
         let updater = self.updater.read().unwrap().clone();
         let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap_or_else(|p| p.into_inner()));
@@ -509,7 +524,9 @@ impl KVStore {
             // The merge and its 2-bit finiteness check come before the agreement,
             // so that a worker's non-finite gradient fails every worker's push.
             let checked = checked.and_then(|()| merge_for_allreduce(key, e, values, compression));
-            let agreed = allreduce::check_agree(world, &format!("the push of key {key}"), &[key.stable_hash(), n as u64, e.pushes, checked.is_ok() as u64]);
+            self.check_open()?;
+            let mine = self.agreement(allreduce::Op::Push, key, n as u64, e.pushes, checked.is_ok());
+            let agreed = self.agree(world, &format!("the push of key {key}"), &mine);
             checked?; // a worker's own error first, then the others'
             agreed?;
             return self.push_allreduce(world, key, e, compression, updater);
@@ -579,6 +596,50 @@ impl KVStore {
         self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
         self.wire_bytes.fetch_add(devices * compression.wire_bytes(&e.shape) as u64, Ordering::Relaxed);
         apply_update(key, e, updater)
+    }
+
+    /// This worker's side of an all-reduce agreement: the operation and key,
+    /// and fingerprints of its compression and optimizer.
+    fn agreement(&self, op: allreduce::Op, key: &Key, size: u64, step: u64, ok: bool) -> allreduce::Agreement {
+        let optimizer = match self.updater.read().unwrap().as_deref() {
+            None => 0,
+            Some(Updater::Optimizer(o)) => allreduce::fingerprint(&format!("{:?}", o.rule())),
+            Some(Updater::Custom(_)) => 1,
+        };
+        let compression = allreduce::fingerprint(&format!("{:?}", self.compression()));
+        allreduce::Agreement { op, key_hash: key.stable_hash(), size, step, ok, compression, optimizer }
+    }
+
+    /// Closes an `Allreduce` store together with every other worker: a
+    /// worker still waiting in an init or push of its own gets an error
+    /// saying that another worker closed (instead of waiting forever). A
+    /// no-op on other stores, and after the first call.
+    pub fn close(&self) -> Result<()> {
+        let Some(world) = &self.world else { return Ok(()) };
+        let _order = self.collective_order.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mine = allreduce::Agreement { op: allreduce::Op::Close, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
+        allreduce::check_agree(world, "closing the store", &mine)
+    }
+
+    /// An all-reduce agreement; when another worker was closing, this store
+    /// is closed too (it could only wait for workers that will not come).
+    fn agree(&self, world: &World, what: &str, mine: &allreduce::Agreement) -> Result<()> {
+        allreduce::check_agree_or_closed(world, what, mine).map_err(|(err, closed)| {
+            if closed {
+                self.closed.store(true, Ordering::SeqCst);
+            }
+            err
+        })
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Store(format!("this '{}' store is closed (by close(), or because another worker closed its store)", self.kind.name())));
+        }
+        Ok(())
     }
 
     /// A push on an `Allreduce` store (checks done, agreed by every worker):
