@@ -161,7 +161,9 @@ fn bad_input_is_refused_before_anything_changes() {
     use gradpack::kvstore::Store;
     // 2 workers, 2 servers, a key split over both (bigarray_bound 1000):
     // a non-finite sum in the second slice must leave the first slice's
-    // residual and every stored value as they were, on every worker.
+    // residual and every stored value as they were, on every worker. Each
+    // such push fails its round for both workers (rank 0's pushes in those
+    // rounds get rank 1's error, and their residuals are put back).
     let results = job(2, 2, "dist_sync", |rank, w| {
         let (c, p) = two_bit();
         w.set_compress(c, &p).unwrap();
@@ -172,13 +174,18 @@ fn bad_input_is_refused_before_anything_changes() {
         w.push(&k, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap(); // residual 0.3 everywhere
         assert_eq!(pull(w, &k, &shape), vec![0.0; 1600]);
         w.barrier().unwrap();
-        if rank == 1 {
-            for (at, bad) in [(1500, f32::NAN), (1599, f32::INFINITY), (3, f32::NEG_INFINITY)] {
-                let mut poisoned = g.clone();
+        for (at, bad) in [(1500, f32::NAN), (1599, f32::INFINITY), (3, f32::NEG_INFINITY)] {
+            let mut poisoned = g.clone();
+            if rank == 1 {
                 poisoned[at] = bad;
-                let err = w.push(&k, &[Array { shape: &shape, data: Grad::F32(&poisoned) }]).unwrap_err().to_string();
-                assert!(err.contains("key 7") && err.contains(&format!("at element {at}")) && err.contains("nothing was changed"), "{err}");
             }
+            let err = w.push(&k, &[Array { shape: &shape, data: Grad::F32(&poisoned) }]).unwrap_err().to_string();
+            assert!(err.contains("key 7") && err.contains(&format!("at element {at}")) && err.contains("nothing was changed"), "{err}");
+            if rank == 0 {
+                assert!(err.contains("worker node 11 failed its push of key 7"), "{err}");
+            }
+        }
+        if rank == 1 {
             // Validate, then mutate: an output of the wrong shape fails before the push.
             let mut wrong = vec![5f32; 8];
             let err = w.pushpull(&k, &[Array { shape: &shape, data: Grad::F32(&g) }], &mut [ArrayMut { shape: &[8], data: &mut wrong }]).unwrap_err().to_string();
@@ -614,6 +621,11 @@ fn a_job_with_a_secret_drops_every_forged_message() {
         thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(dropped(), 2 * forged.len() as u64);
+    while w.dropped() < 2 * forged.len() as u64 {
+        assert!(std::time::Instant::now() < deadline, "the worker dropped {} of {} forged frames", w.dropped(), 2 * forged.len());
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(w.dropped(), 2 * forged.len() as u64);
     // The job goes on: no optimizer was set, the value was not overwritten,
     // the worker and server were not stopped, the scheduler did not end the job.
     assert_eq!(pull(&w, &k, &[4]), vec![1.0; 4]);
@@ -672,4 +684,49 @@ fn unequal_push_counts_give_an_error_not_a_hang() {
     let (err, value) = results.iter().find_map(|r| r.clone().err()).expect("rank 0's extra push failed");
     assert!(err.contains("worker node 11 closed its store") && err.contains("key 1"), "{err}");
     assert_eq!(value, vec![2.0; 4]);
+}
+
+/// A worker whose push fails on the worker (a wrong shape, a NaN under
+/// 2-bit) tells the servers: the round fails for every worker with an error
+/// naming it and the cause (the others used to wait until the job was
+/// stopped). The value and every worker's residuals are as before the round,
+/// and the next rounds are exact.
+#[test]
+fn a_push_that_fails_on_one_worker_fails_the_round_for_all() {
+    let results = job_with(2, 2, "dist_sync", |rank, w: &DistWorker| {
+        let k = Key::Int(3);
+        let (c, p) = two_bit();
+        w.set_compress(c, &p).unwrap();
+        w.init(&k, Array { shape: &[2000], data: Grad::F32(&[0.0; 2000]) }).unwrap(); // split over both servers
+        let g = [0.3f32; 2000];
+        let push = |v: &[f32], shape: &[usize]| w.push(&k, &[Array { shape, data: Grad::F32(v) }]);
+        // Round 1: rank 1's push has the wrong shape; rank 0's 0.3 must not stay in its residual.
+        let err = if rank == 1 { push(&g[..4], &[4]) } else { push(&g, &[2000]) }.unwrap_err().to_string();
+        // Round 2: rank 0 has a NaN; rank 1's 0.3 must not stay in its residual.
+        let mut nan = g.to_vec();
+        nan[1500] = f32::NAN;
+        let err2 = push(if rank == 0 { &nan } else { &g }, &[2000]).unwrap_err().to_string();
+        let untouched = pull(w, &k, &[2000]);
+        // Residuals 0 + 0.3 on both: below the threshold, nothing is sent.
+        push(&g, &[2000]).unwrap();
+        let quiet = pull(w, &k, &[2000]);
+        // 0.3 + 0.3 = 0.6 on both: 0.5 each.
+        push(&g, &[2000]).unwrap();
+        (rank, err, err2, untouched, quiet, pull(w, &k, &[2000]))
+    });
+    for (rank, err, err2, untouched, quiet, after) in results {
+        if rank == 1 {
+            assert!(err.contains("has shape [4]"), "{err}");
+        } else {
+            assert!(err.contains("worker node 11 failed its push of key 3") && err.contains("has shape [4]"), "{err}");
+        }
+        if rank == 0 {
+            assert!(err2.contains("at element 1500"), "{err2}");
+        } else {
+            assert!(err2.contains("worker node 9 failed its push of key 3") && err2.contains("at element 1500"), "{err2}");
+        }
+        assert_eq!(untouched, vec![0.0; 2000]);
+        assert_eq!(quiet, vec![0.0; 2000]);
+        assert_eq!(after, vec![1.0; 2000]);
+    }
 }

@@ -206,6 +206,9 @@ int gp_kvstore_residual(const gp_kvstore_t* store, gp_key_t key, uint64_t device
 /* Local stores: bytes pushes moved between devices as float32 (a) and as sent
  * (b). Distributed workers: transport bytes sent (a) and received (b). */
 int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* a, uint64_t* b);
+/* Messages a distributed worker received and dropped: unauthenticated (see
+ * GRADPACK_SECRET), replayed, malformed or unexpected. 0 for other stores. */
+int gp_kvstore_dropped(const gp_kvstore_t* store, uint64_t* out);
 
 #ifdef __cplusplus
 }

@@ -65,6 +65,7 @@ LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), ctypes.c_uint64]
 LIB.gp_buffer_free.restype = None
 LIB.gp_kvstore_residual.argtypes = [_p, _Key, ctypes.c_uint64, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64]
 LIB.gp_kvstore_stats.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+LIB.gp_kvstore_dropped.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_rank.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_barrier.argtypes = [_p]
 LIB.gp_dist_serve.argtypes = []
@@ -412,9 +413,13 @@ class KVStore(object):
         """Traffic. Local stores: bytes pushes moved between devices as float32
         ('raw_bytes') and as sent ('wire_bytes'); 'dist_sync_allreduce': the
         same for what this worker handed to MPI. Parameter-server workers: this
-        node's transport payload bytes ('bytes_sent', 'bytes_received')."""
+        node's transport payload bytes ('bytes_sent', 'bytes_received') and
+        the messages it dropped ('dropped': unauthenticated, replayed,
+        malformed or unexpected)."""
         a, b = ctypes.c_uint64(), ctypes.c_uint64()
         self._call(LIB.gp_kvstore_stats(self.handle, ctypes.byref(a), ctypes.byref(b)))
         if self._dist:
-            return {"bytes_sent": a.value, "bytes_received": b.value}
+            dropped = ctypes.c_uint64()
+            self._call(LIB.gp_kvstore_dropped(self.handle, ctypes.byref(dropped)))
+            return {"bytes_sent": a.value, "bytes_received": b.value, "dropped": dropped.value}
         return {"raw_bytes": a.value, "wire_bytes": b.value}

@@ -29,6 +29,8 @@ def run_job(tmp_path, env_extra):
     reports = [json.load(open(f)) for f in sorted(glob.glob(str(out / "worker*.json")))]
     assert len(reports) == 2
     assert all(r["value"] == [2.0] * 4 for r in reports)  # both workers' pushes, exactly
+    # Every message of the job was authenticated: nothing was dropped.
+    assert all(r["stats"]["dropped"] == 0 for r in reports), reports
     assert "GRADPACK_SECRET is not set" not in p.stderr
     return reports
 

@@ -243,6 +243,25 @@ pub unsafe extern "C" fn gp_kvstore_close(store: *mut gp_kvstore_t) -> c_int {
     })
 }
 
+/// Messages a distributed worker received and dropped (unauthenticated,
+/// replayed, malformed or unexpected) into `*out`; 0 for other stores.
+///
+/// # Safety
+/// `store` is live; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_dropped(store: *const gp_kvstore_t, out: *mut u64) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Error::NullPointer { what: "out" });
+        }
+        *out = match self::store(store)? {
+            gp_kvstore_t::Local(_) => 0,
+            gp_kvstore_t::Dist(w) => w.dropped(),
+        };
+        Ok(())
+    })
+}
+
 /// The store's type name (static string), or NULL for a NULL store.
 ///
 /// # Safety

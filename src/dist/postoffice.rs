@@ -126,18 +126,41 @@ impl Postoffice {
         let post = Arc::new(Postoffice { config, van, customer: Arc::new(Customer::default()), me, nodes, threads: Mutex::default() });
         let last_contact = Arc::new(Mutex::new(Instant::now()));
 
+        // Data requests are served on a thread of their own (ps-lite's
+        // Customer thread), so that control messages (heartbeat acks,
+        // failure notices, terminate) are never queued behind data work.
+        let mut threads = Vec::new();
+        let data = match handler.take() {
+            None => None,
+            Some(mut h) => {
+                let (tx, rx) = std::sync::mpsc::channel::<Message>();
+                let p = post.clone();
+                threads.push(
+                    std::thread::Builder::new()
+                        .name("gradpack-serve".into())
+                        .spawn(move || {
+                            for msg in rx {
+                                p.serve(&mut h, msg);
+                            }
+                        })
+                        .map_err(|e| Error::Transport(format!("starting the serving thread: {e}")))?,
+                );
+                Some(tx)
+            }
+        };
         let p = post.clone();
         let contact = last_contact.clone();
         let receive = std::thread::Builder::new()
             .name("gradpack-receive".into())
-            .spawn(move || p.receive_loop(receiver, early, handler.as_mut(), &contact))
+            .spawn(move || p.receive_loop(receiver, early, data, &contact))
             .map_err(|e| Error::Transport(format!("starting the receive thread: {e}")))?;
         let p = post.clone();
         let heartbeat = std::thread::Builder::new()
             .name("gradpack-heartbeat".into())
             .spawn(move || p.heartbeat_loop(&last_contact))
             .map_err(|e| Error::Transport(format!("starting the heartbeat thread: {e}")))?;
-        post.threads.lock().unwrap().extend([receive, heartbeat]);
+        threads.extend([receive, heartbeat]);
+        post.threads.lock().unwrap().extend(threads);
         Ok(post)
     }
 
@@ -145,7 +168,17 @@ impl Postoffice {
         format!("{} {}", self.me.role.name(), self.me.rank)
     }
 
-    fn receive_loop(&self, receiver: Receiver, early: Vec<Message>, mut handler: Option<&mut RequestHandler>, last_contact: &Mutex<Instant>) {
+    /// Runs the handler on one data request and sends its replies.
+    fn serve(&self, handler: &mut RequestHandler, msg: Message) {
+        for (to, reply) in handler(msg) {
+            let refusal = (reply.meta.status != 0).then(|| reply.meta.body.clone()).unwrap_or_default();
+            if let Err(e) = self.van.send(to, reply) {
+                self.van.traffic.drop_message(&self.who(), format_args!("a request: cannot answer node {to} ({refusal}): {e}"));
+            }
+        }
+    }
+
+    fn receive_loop(&self, receiver: Receiver, early: Vec<Message>, data: Option<std::sync::mpsc::Sender<Message>>, last_contact: &Mutex<Instant>) {
         let mut early = early.into_iter();
         while !self.customer.is_over() {
             let next = match early.next() {
@@ -178,13 +211,11 @@ impl Postoffice {
                         self.van.traffic.drop_message(&self.who(), format_args!("a response to an unknown request"));
                     }
                 }
-                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => match handler.as_mut() {
-                    Some(h) => {
-                        for (to, reply) in h(msg) {
-                            let refusal = (reply.meta.status != 0).then(|| reply.meta.body.clone()).unwrap_or_default();
-                            if let Err(e) = self.van.send(to, reply) {
-                                self.van.traffic.drop_message(&self.who(), format_args!("a request: cannot answer node {to} ({refusal}): {e}"));
-                            }
+                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => match &data {
+                    Some(tx) => {
+                        if tx.send(msg).is_err() {
+                            self.customer.fail(format!("{} can no longer serve requests (its serving thread ended)", self.who()));
+                            return;
                         }
                     }
                     None => self.van.traffic.drop_message(&self.who(), format_args!("a {:?} request: only servers answer it", msg.meta.command)),

@@ -30,6 +30,10 @@ pub const FLAG_SCHEME: u16 = 16;
 /// Pull-response flag: the value is a scheme's decoded sum, sent as its
 /// exchanges and summed codes (`scheme::value_to_wire`); lossless.
 pub const FLAG_SCHEME_VALUE: u16 = 32;
+/// A sync push that failed on its worker (a wrong shape, a NaN): it takes the
+/// worker's turn in the round and fails the round for every worker; the body
+/// says why.
+pub const FLAG_ABORT: u16 = 64;
 
 /// A scheme's round in progress on one key.
 #[derive(Default)]
@@ -90,6 +94,10 @@ struct Slot {
     pull_cache: Option<(Vec<u8>, u16)>,
     /// Workers that pushed in the current sync round: (node id, request id).
     pushed: Vec<(i32, u64)>,
+    /// Why the current sync round fails: a worker's push failed on the
+    /// worker (`FLAG_ABORT`). Its turn counts; the round ends when every
+    /// worker has taken it, with this error for all and the value unchanged.
+    aborted: Option<String>,
 }
 
 pub struct Server {
@@ -241,6 +249,7 @@ impl Server {
                         value_counts: None,
                         pull_cache: None,
                         pushed: Vec::new(),
+                        aborted: None,
                     },
                 );
                 Ok(Vec::new())
@@ -306,6 +315,18 @@ impl Server {
         replies
     }
 
+    /// A sync round some worker aborted: once every worker took its turn,
+    /// all get the abort's error and the round is dropped (value unchanged).
+    fn end_failed_round(slot: &mut Slot, meta: &Meta, me: i32, num_workers: usize) -> Vec<(i32, Message)> {
+        if slot.pushed.len() < num_workers {
+            return Vec::new();
+        }
+        let why = slot.aborted.take().unwrap_or_default();
+        slot.round = Round::Empty;
+        let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
+        answer_all(meta, me, waiting, Err(Error::JobFailed(why)))
+    }
+
     fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
         if msg.meta.flags & FLAG_ASYNC == 0 {
             if let (Some(&node), Ok(key)) = (self.closed.first(), Self::key_of(&msg.meta)) {
@@ -323,6 +344,12 @@ impl Server {
         let slot = self.slots.get_mut(&key).unwrap();
         if slot.pushed.iter().any(|(s, _)| *s == meta.sender) {
             return Err(Error::Key { key: key.to_string(), problem: format!("node {} pushed twice in one sync round", meta.sender) });
+        }
+        if meta.flags & FLAG_ABORT != 0 && !asynchronous {
+            let cause: String = meta.body.chars().take(1000).collect();
+            slot.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
+            slot.pushed.push((meta.sender, meta.request_id));
+            return Ok(Self::end_failed_round(slot, &meta, self.my_id, num_workers));
         }
         let payload = f32_view(&msg.data)?;
         // Validate first: a bad push changes nothing.
@@ -365,6 +392,9 @@ impl Server {
             }
         };
         slot.pushed.push((meta.sender, meta.request_id));
+        if slot.aborted.is_some() {
+            return Ok(Self::end_failed_round(slot, &meta, self.my_id, num_workers));
+        }
         if !asynchronous && slot.pushed.len() < num_workers {
             return Ok(Vec::new()); // answered when the round completes
         }

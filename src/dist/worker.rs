@@ -13,7 +13,7 @@ use super::config::{Config, Role};
 use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
 use super::postoffice::Postoffice;
 use super::counts;
-use super::server::{FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME, FLAG_SCHEME_VALUE};
+use super::server::{FLAG_ABORT, FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME, FLAG_SCHEME_VALUE};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
@@ -61,6 +61,9 @@ struct WorkerKey {
     slices: Vec<Slice>,
     /// One residual per slice, allocated on the first compressed push.
     residuals: Vec<Vec<f32>>,
+    /// The residuals before the push in flight: put back when its round
+    /// fails (on the servers or another worker), as if it never happened.
+    saved: Vec<Vec<f32>>,
     merge: Vec<f32>,
     /// A scheme's state (residual, PowerSGD's Q, push count); such keys have one slice.
     state: scheme::State,
@@ -190,6 +193,12 @@ impl DistWorker {
         (self.post.bytes_sent(), self.post.bytes_received())
     }
 
+    /// Messages this worker received and dropped: unauthenticated, replayed,
+    /// malformed or unexpected (each also logged, at most 10 a second).
+    pub fn dropped(&self) -> u64 {
+        self.post.van.traffic.dropped.load(Ordering::Relaxed)
+    }
+
     /// Where this worker listens (host, port).
     pub fn address(&self) -> (String, u16) {
         (self.post.me.host.clone(), self.post.me.port)
@@ -295,7 +304,7 @@ impl DistWorker {
                 .collect();
             self.post.request(parts)?;
         }
-        let entry = WorkerKey { shape: value.shape.to_vec(), residuals: vec![Vec::new(); slices.len()], slices, merge: Vec::new(), state: scheme::State::default() };
+        let entry = WorkerKey { shape: value.shape.to_vec(), residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default() };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
         self.post.barrier()
     }
@@ -307,6 +316,30 @@ impl DistWorker {
         let compression = *self.compression.read().unwrap();
         let mut guard = entry.lock().unwrap();
         let e = &mut *guard;
+        let mut checked = false;
+        let pushed = self.push_checked(key, e, values, compression, &mut checked);
+        if let Err(err) = &pushed {
+            if !checked && !self.asynchronous && !compression.is_scheme() {
+                // The others wait for this worker in the round: its turn
+                // fails the round for all of them, with this error's cause.
+                let parts = e
+                    .slices
+                    .iter()
+                    .map(|s| {
+                        let mut m = s.meta(Command::Push, key);
+                        m.flags |= FLAG_ABORT;
+                        m.body = err.to_string();
+                        (s.server, m, Vec::new())
+                    })
+                    .collect();
+                let _ = self.post.request(parts);
+            }
+        }
+        pushed
+    }
+
+    /// The push once the key is known: every check, then (`checked` set) the round.
+    fn push_checked(&self, key: &Key, e: &mut WorkerKey, values: &[Array], compression: Compression, checked: &mut bool) -> Result<()> {
         check_push(key, values, &e.shape, compression)?;
         let n: usize = e.shape.iter().product();
         // One float32 device: push straight from its array, no merge copy.
@@ -320,6 +353,7 @@ impl DistWorker {
             sum_into(&mut e.merge, &grads);
         }
         if compression.is_scheme() {
+            *checked = true;
             let merged = single.unwrap_or(&e.merge);
             return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, merged, compression);
         }
@@ -336,6 +370,9 @@ impl DistWorker {
                     other => other,
                 })?;
             }
+        }
+        if let Compression::TwoBit(_) = compression {
+            e.saved.clone_from(&e.residuals);
         }
         let mut parts = Vec::with_capacity(e.slices.len());
         for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
@@ -359,7 +396,12 @@ impl DistWorker {
             };
             parts.push((s.server, m, payload));
         }
-        self.post.request(parts).map(|_| ())
+        *checked = true;
+        let sent = self.post.request(parts).map(|_| ());
+        if sent.is_err() && matches!(compression, Compression::TwoBit(_)) {
+            std::mem::swap(&mut e.residuals, &mut e.saved);
+        }
+        sent
     }
 
     /// A scheme's push: its exchanges through the key's server, then the

@@ -16,5 +16,5 @@ kv.pushpull(0, np.ones(4, np.float32), out=out)
 secret = os.environ.get("GRADPACK_SECRET", "")
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "worker%d.json" % kv.rank), "w") as f:
     json.dump({"secret_sha256": hashlib.sha256(secret.encode()).hexdigest(), "secret_len": len(secret),
-               "value": out.tolist()}, f)
+               "value": out.tolist(), "stats": kv.stats()}, f)
 kv.close()
