@@ -730,3 +730,70 @@ fn a_push_that_fails_on_one_worker_fails_the_round_for_all() {
         assert_eq!(after, vec![1.0; 2000]);
     }
 }
+
+/// The same for a scheme (qsgd_mn): a worker whose push fails before its
+/// first exchange (a wrong shape) fails the round for every worker (they
+/// used to wait forever); a NaN fails it through the scheme's own exchange;
+/// the next round is exact.
+#[test]
+fn a_scheme_push_that_fails_on_one_worker_fails_the_round_for_all() {
+    let results = job_with(2, 1, "dist_sync", |rank, w: &DistWorker| {
+        let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
+        let k = Key::Int(4);
+        w.init(&k, Array { shape: &[64], data: Grad::F32(&[0.0; 64]) }).unwrap();
+        let g = [0.5f32; 64];
+        let push = |v: &[f32], shape: &[usize]| w.push(&k, &[Array { shape, data: Grad::F32(v) }]);
+        let err = if rank == 1 { push(&g[..4], &[4]) } else { push(&g, &[64]) }.unwrap_err().to_string();
+        let mut nan = g.to_vec();
+        nan[7] = f32::NAN;
+        let err2 = push(if rank == 0 { &nan } else { &g }, &[64]).unwrap_err().to_string();
+        let untouched = pull(w, &k, &[64]);
+        push(&g, &[64]).unwrap();
+        (rank, err, err2, untouched, pull(w, &k, &[64]))
+    });
+    for (rank, err, err2, untouched, after) in results {
+        if rank == 0 {
+            assert!(err.contains("worker node 11 failed its push of key 4") && err.contains("has shape [4]"), "{err}");
+        }
+        // A NaN reaches every worker through the scheme's own first exchange.
+        assert!(err2.contains("non-finite"), "{err2}");
+        assert_eq!(untouched, vec![0.0; 64]);
+        assert_eq!(after, vec![1.0; 64]); // qsgd_mn at 2 bits: a constant gradient is exact
+    }
+}
+
+/// A server that can no longer serve (its handler panicked: a bug) tells the
+/// scheduler, which ends the job on every node with the server's reason. The
+/// report is played here by a message signed with the job's secret, as the
+/// server sends it (no input reaches a panic to test it end to end).
+#[test]
+fn a_server_that_stops_serving_ends_the_job_with_its_reason() {
+    use gradpack::dist::auth::Auth;
+    use gradpack::dist::message::{Command, Meta};
+    let secret = Secret::new(b"job").unwrap();
+    let (sched, server, post, w) = one_server_job_with(Some(secret.clone()));
+    w.init(&Key::Int(1), Array { shape: &[2], data: Grad::F32(&[1.0, 2.0]) }).unwrap();
+    let mut m = Meta::new(Command::NodeFailed, post.me.id);
+    m.body = "server node 8 stopped serving after an internal error (a bug in gradpack)".into();
+    let header = m.encode();
+    let tag = Auth::new(secret).sign(&header, &[]);
+    let ctx = zmq::Context::new();
+    let s = ctx.socket(zmq::DEALER).unwrap();
+    s.set_linger(1000).unwrap();
+    s.connect(&format!("tcp://127.0.0.1:{}", post.config.root_port)).unwrap();
+    s.send_multipart([header, Vec::new(), tag], 0).unwrap();
+    let err = sched.join().unwrap().unwrap_err().to_string();
+    assert!(err.contains("server 0") && err.contains("stopped serving after an internal error"), "{err}");
+    let err = server.join().unwrap().unwrap_err().to_string();
+    assert!(err.contains("stopped serving"), "{err}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let err = loop {
+        match w.push(&Key::Int(1), &[Array { shape: &[2], data: Grad::F32(&[1.0, 1.0]) }]) {
+            Err(e) => break e.to_string(),
+            Ok(()) => assert!(std::time::Instant::now() < deadline, "the worker never learned that the job failed"),
+        }
+    };
+    assert!(err.contains("stopped serving"), "{err}");
+    w.close();
+}

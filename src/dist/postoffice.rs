@@ -100,10 +100,14 @@ impl Postoffice {
                 )));
             }
             if let Some(why) = van.notice_from(SCHEDULER_ID) {
-                return Err(Error::JobFailed(format!(
-                    "the scheduler at {}:{} refused this {}'s messages: {why}. Every node of a job needs the same GRADPACK_SECRET (or GRADPACK_SECRET_FILE)",
-                    config.root_uri, config.root_port, config.role.name()
-                )));
+                return Err(Error::JobFailed(if why.starts_with("the scheduler refused") {
+                    format!("{why} (the scheduler at {}:{})", config.root_uri, config.root_port)
+                } else {
+                    format!(
+                        "the scheduler at {}:{} refused this {}'s messages: {why}. Every node of a job needs the same GRADPACK_SECRET (or GRADPACK_SECRET_FILE)",
+                        config.root_uri, config.root_port, config.role.name()
+                    )
+                }));
             }
             match receiver.recv(remaining.min(Duration::from_millis(200)), &van)? {
                 Some(Ok(msg)) if msg.meta.command == Command::AddNodes => break parse_table(&msg.meta.body)?,
@@ -345,7 +349,6 @@ pub fn run_scheduler(config: Config) -> Result<()> {
     let mut last_seen: HashMap<i32, Instant> = HashMap::new();
     let mut at_barrier: Vec<i32> = Vec::new();
     let mut done: Vec<i32> = Vec::new();
-    let mut temp_id = -1000; // connections to nodes not (yet) in the table
     loop {
         let polled = receiver.recv(Duration::from_millis(50), &van)?;
         if let Some(nodes) = &table {
@@ -392,26 +395,18 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                     van.traffic.drop_message("scheduler", format_args!("a registration without role, host or port"));
                     continue;
                 };
-                if !valid_host(host) || port == 0 {
-                    van.traffic.drop_message("scheduler", format_args!("a registration from {:?} port {port}: not a host name or address to answer", host.escape_debug().to_string()));
-                    continue;
-                }
-                // A refusal never ends the scheduler, and closes its socket
-                // once sent (or after the linger): refusals cannot pile up.
-                let mut refuse = |reason: String| -> Result<()> {
-                    van.traffic.drop_message("scheduler", format_args!("a registration of {role} at {host}:{port}: {reason}"));
-                    temp_id -= 1;
-                    let sent = van.connect(temp_id, host, port).and_then(|()| {
-                        let mut m = Meta::new(Command::Refused, SCHEDULER_ID);
-                        m.body = reason;
-                        van.send(temp_id, message(m))
-                    });
-                    van.disconnect(temp_id);
-                    if let Err(e) = sent {
-                        eprintln!("[gradpack scheduler] could not deliver the refusal to {host}:{port}: {e}");
-                    }
+                // A refusal goes back on the connection the registration came
+                // from: the scheduler opens no socket for it, so neither a bad
+                // address nor a flood of refusals can end it or pile up.
+                let refuse = |reason: String| -> Result<()> {
+                    van.traffic.drop_message("scheduler", format_args!("a registration of {role} at {:?}:{port}: {reason}", host.escape_debug().to_string()));
+                    receiver.refuse_last(&format!("the scheduler refused this {role}: {reason}"));
                     Ok(())
                 };
+                if !valid_host(host) || port == 0 {
+                    refuse(format!("its address {:?} port {port} is not a host name or address to reach it at", host.escape_debug().to_string()))?;
+                    continue;
+                }
                 let job = pairs.get("job").cloned().unwrap_or_default();
                 if job != config.job_fingerprint() {
                     refuse(format!("its job configuration ({job}) differs from the scheduler's ({})", config.job_fingerprint()))?;
@@ -462,6 +457,19 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                         let _ = van.send(id, message(Meta::new(Command::BarrierDone, SCHEDULER_ID)));
                     }
                 }
+            }
+            Command::NodeFailed if table.as_ref().is_some_and(|t| t.iter().any(|n| n.id == msg.meta.sender && n.role != Role::Scheduler)) => {
+                // A node reports that it can no longer serve: the job ends, everywhere, with its reason.
+                let nodes = table.as_ref().unwrap();
+                let who = nodes.iter().find(|n| n.id == msg.meta.sender).map(|n| n.describe()).unwrap_or_default();
+                let reason = format!("{who} stopped: {}", msg.meta.body.chars().take(1000).collect::<String>());
+                eprintln!("[gradpack scheduler] {reason}; the job stops");
+                for other in nodes.iter().filter(|o| o.role != Role::Scheduler) {
+                    let mut m = Meta::new(Command::NodeFailed, SCHEDULER_ID);
+                    m.body = reason.clone();
+                    let _ = van.send(other.id, message(m));
+                }
+                return Err(Error::JobFailed(reason));
             }
             Command::WorkerDone => {
                 if !done.contains(&msg.meta.sender) {

@@ -46,6 +46,9 @@ struct SchemeRound {
     acc: Option<(String, Part)>,
     /// Workers that contributed to it: (node id, request id).
     waiting: Vec<(i32, u64)>,
+    /// A worker's part failed on the worker (`FLAG_ABORT`): the round fails
+    /// for every worker once all took their turn.
+    aborted: Option<String>,
 }
 
 /// `acc = op(acc, part)` elementwise; both from workers of one round.
@@ -109,6 +112,8 @@ pub struct Server {
     /// Set when a handler panicked (a bug): the state is unknown from then
     /// on, so every later request is refused with this reason.
     broken: Option<String>,
+    /// `broken` is new: the postoffice tells the scheduler, which ends the job.
+    report_broken: bool,
     /// Workers (node ids) that closed their store: no sync round can
     /// complete after the first, so such rounds fail instead of waiting.
     closed: Vec<i32>,
@@ -152,7 +157,7 @@ fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec
 
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
-        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None, broken: None, closed: Vec::new() }
+        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None, broken: None, report_broken: false, closed: Vec::new() }
     }
 
     /// Handles one request; returns the responses to send (a sync push is
@@ -171,13 +176,23 @@ impl Server {
                 let why = format!("server node {} stopped serving after an internal error (a bug in gradpack) on a {:?} of key {}: {what}", self.my_id, meta.command, meta.key.as_ref().map_or("(none)".to_string(), |k| k.to_string()));
                 eprintln!("[gradpack server] {why}");
                 self.broken = Some(why.clone());
+                self.report_broken = true;
                 vec![response(&meta, self.my_id, Err(Error::JobFailed(why)))]
             }
         }
     }
 
+    /// Why this server stopped serving, once, for the scheduler.
+    pub fn take_broken(&mut self) -> Option<String> {
+        std::mem::take(&mut self.report_broken).then(|| self.broken.clone()).flatten()
+    }
+
     fn handle_checked(&mut self, msg: Message) -> Vec<(i32, Message)> {
         let meta = msg.meta.clone();
+        #[cfg(test)]
+        if meta.key == Some(Key::from("panic in the handler")) {
+            panic!("a bug injected by a test");
+        }
         match meta.command {
             Command::WorkerDone => self.worker_closed(meta.sender),
             Command::Push => match self.push(msg) {
@@ -446,12 +461,14 @@ impl Server {
         let get = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         let number = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| Error::Transport(format!("malformed message: scheme push without '{k}'")));
         let is_final = meta.flags & FLAG_SCHEME != 0;
+        let abort = meta.flags & FLAG_ABORT != 0;
         let step = number("step")?;
         let (op, phase) = if is_final { ("final", None) } else { (get("op").unwrap_or(""), Some(number("phase")? as usize)) };
-        if !["max", "sum", "min", "final"].contains(&op) {
+        if !abort && !["max", "sum", "min", "final"].contains(&op) {
             return Err(Error::Transport(format!("malformed message: unknown exchange '{op}'")));
         }
-        let part = scheme::from_wire(&msg.data)?;
+        let part = if abort { None } else { Some(scheme::from_wire(&msg.data)?) };
+        let cause: String = get("cause").unwrap_or("").chars().take(1000).collect();
         let num_workers = self.num_workers;
         let slot = self.slots.get_mut(&key).unwrap();
         let round = &mut slot.scheme;
@@ -471,14 +488,23 @@ impl Server {
         if round.waiting.iter().any(|(s, _)| *s == meta.sender) {
             return Err(Error::Key { key: key.to_string(), problem: format!("node {} sent twice in one exchange", meta.sender) });
         }
-        match &mut round.acc {
-            None => round.acc = Some((op.to_string(), part)),
-            Some((o, acc)) if o == op => combine(op, acc, part)?,
-            Some((o, _)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{op}' while the workers' '{o}' is being gathered") }),
+        match (&mut round.acc, part) {
+            (_, None) => {
+                round.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
+            }
+            (None, Some(part)) => round.acc = Some((op.to_string(), part)),
+            (Some((o, acc)), Some(part)) if o == op => combine(op, acc, part)?,
+            (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{op}' while the workers' '{o}' is being gathered") }),
         }
         round.waiting.push((meta.sender, meta.request_id));
         if round.waiting.len() < num_workers {
             return Ok(Vec::new()); // answered when every worker contributed
+        }
+        if let Some(why) = round.aborted.take() {
+            // Every worker gives up this round; the next first exchange starts over.
+            round.acc = None;
+            let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
+            return Ok(answer_all(&meta, self.my_id, waiting, Err(Error::JobFailed(why))));
         }
         let (_, reduced) = round.acc.take().unwrap();
         let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
@@ -528,9 +554,41 @@ pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
     let handler = Box::new(move |msg: Message| {
         let mut guard = s.lock().unwrap();
         let srv = guard.get_or_insert_with(|| Server::new(num_workers, 0));
-        srv.handle(msg)
+        let mut replies = srv.handle(msg);
+        if let Some(why) = srv.take_broken() {
+            // A server that can no longer serve says so; the scheduler ends the job.
+            let mut m = Meta::new(Command::NodeFailed, srv.my_id);
+            m.body = why;
+            replies.push((crate::dist::postoffice::SCHEDULER_ID, Message { meta: m, data: Payload::empty() }));
+        }
+        replies
     });
     let post = Postoffice::start(config, Some(handler))?;
     server.lock().unwrap().get_or_insert_with(|| Server::new(num_workers, post.me.id)).my_id = post.me.id;
     Ok(post)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_handler_answers_then_refuses_and_reports_once() {
+        let mut server = Server::new(1, 8);
+        let request = |key: &str| {
+            let mut m = Meta::new(Command::Pull, 9);
+            (m.key, m.request_id, m.len) = (Some(Key::from(key)), 5, 2);
+            Message { meta: m, data: Payload::empty() }
+        };
+        let replies = server.handle(request("panic in the handler"));
+        assert_eq!(replies.len(), 1);
+        let (to, reply) = &replies[0];
+        assert_eq!((*to, reply.meta.request_id, reply.meta.status), (9, 5, -1));
+        assert!(reply.meta.body.contains("server node 8 stopped serving after an internal error") && reply.meta.body.contains("a bug injected by a test"), "{}", reply.meta.body);
+        let why = server.take_broken().expect("reported");
+        assert!(why.contains("stopped serving"));
+        assert_eq!(server.take_broken(), None); // once
+        let later = server.handle(request("w"));
+        assert!(later[0].1.meta.body.contains("stopped serving"), "{}", later[0].1.meta.body);
+    }
 }

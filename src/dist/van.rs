@@ -98,6 +98,8 @@ pub struct Van {
 /// The receiving end, owned by one thread.
 pub struct Receiver {
     socket: zmq::Socket,
+    /// The connection the last message came from, for `refuse_last`.
+    last_peer: std::cell::RefCell<Vec<u8>>,
 }
 
 /// The address of this host as seen from `peer` (the interface that routes there).
@@ -154,7 +156,7 @@ impl Van {
             .map_err(|e| zmq_error("reading the bound endpoint", e))?
             .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
         let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
-        Ok((Receiver { socket }, port))
+        Ok((Receiver { socket, last_peer: Default::default() }, port))
     }
 
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
@@ -168,12 +170,6 @@ impl Van {
         socket.connect(&endpoint).map_err(|e| zmq_error(&format!("connecting to {endpoint}"), e))?;
         self.senders.lock().unwrap().insert(id, socket);
         Ok(())
-    }
-
-    /// Closes the sending socket to node `id` (what it queued still leaves
-    /// within the linger).
-    pub fn disconnect(&self, id: i32) {
-        self.senders.lock().unwrap().remove(&id);
     }
 
     /// Sends a message to node `to`; the payload buffer is handed to ZeroMQ without a copy.
@@ -218,6 +214,7 @@ impl Receiver {
             }
         }
         van.traffic.received.fetch_add(frames.iter().skip(1).map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+        *self.last_peer.borrow_mut() = frames[0].to_vec();
         // ROUTER prepends the peer's identity frame; then header, payload and,
         // with a secret, the authentication frame.
         let want = if van.auth.is_some() { 4 } else { 3 };
@@ -247,8 +244,14 @@ impl Receiver {
     }
 
     /// Sends `NOTICE` and `why` back on the connection a refused message came from.
-    fn notify(&self, identity: &zmq::Message, why: &str) {
+    fn notify(&self, identity: &[u8], why: &str) {
         let notice = [NOTICE, why.as_bytes()].concat();
-        let _ = self.socket.send_multipart([&identity[..], &notice[..]], zmq::DONTWAIT);
+        let _ = self.socket.send_multipart([identity, &notice[..]], zmq::DONTWAIT);
+    }
+
+    /// Refuses the last message received with `why`, on the connection it
+    /// came from: no socket is opened, whatever address the message claims.
+    pub fn refuse_last(&self, why: &str) {
+        self.notify(&self.last_peer.borrow(), why);
     }
 }

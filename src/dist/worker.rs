@@ -86,6 +86,8 @@ struct ServerExchange<'a> {
     step: u64,
     phase: usize,
     workers: usize,
+    /// The server answered an exchange with an error: the round already failed there.
+    refused: bool,
 }
 
 impl ServerExchange<'_> {
@@ -94,7 +96,7 @@ impl ServerExchange<'_> {
         m.flags |= FLAG_EXCHANGE;
         m.body = encode_pairs([("op", op), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
         self.phase += 1;
-        let replies = self.post.request(vec![(self.slice.server, m, scheme::to_wire(&part))])?;
+        let replies = self.post.request(vec![(self.slice.server, m, scheme::to_wire(&part))]).inspect_err(|_| self.refused = true)?;
         scheme::from_wire(&replies[0].data)
     }
 
@@ -319,7 +321,9 @@ impl DistWorker {
         let mut checked = false;
         let pushed = self.push_checked(key, e, values, compression, &mut checked);
         if let Err(err) = &pushed {
-            if !checked && !self.asynchronous && !compression.is_scheme() {
+            if !checked && compression.is_scheme() && !self.asynchronous {
+                self.abort_scheme_round(key, &e.slices[0], e.state.step, 0, err);
+            } else if !checked && !self.asynchronous {
                 // The others wait for this worker in the round: its turn
                 // fails the round for all of them, with this error's cause.
                 let parts = e
@@ -404,6 +408,17 @@ impl DistWorker {
         sent
     }
 
+    /// Tells the key's server that this worker's part of a scheme round
+    /// failed here (before exchange `phase`): the round fails for every
+    /// worker, with `err` as the cause. Waits for the round to end.
+    fn abort_scheme_round(&self, key: &Key, slice: &Slice, step: u64, phase: usize, err: &Error) {
+        let mut m = slice.meta(Command::Push, key);
+        m.flags |= FLAG_EXCHANGE | FLAG_ABORT;
+        let cause = err.to_string().replace('\n', " ");
+        m.body = encode_pairs([("op", "abort"), ("step", step.to_string().as_str()), ("phase", phase.to_string().as_str()), ("cause", cause.as_str())]);
+        let _ = self.post.request(vec![(slice.server, m, Vec::new())]);
+    }
+
     /// A scheme's push: its exchanges through the key's server, then the
     /// final contribution, which the server sums, decodes and applies. The
     /// worker's state changes only when the server accepted the round.
@@ -411,8 +426,16 @@ impl DistWorker {
         let mut next = state.clone();
         let (rank, workers) = (self.rank(), self.num_workers());
         let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
-        let mut exchange = ServerExchange { post: &self.post, key, slice, step: state.step, phase: 0, workers };
-        let (_, part) = scheme::encode(&compression, &mut next, merged, &ctx, &mut exchange)?;
+        let mut exchange = ServerExchange { post: &self.post, key, slice, step: state.step, phase: 0, workers, refused: false };
+        let (_, part) = match scheme::encode(&compression, &mut next, merged, &ctx, &mut exchange) {
+            Ok(encoded) => encoded,
+            Err(err) => {
+                if !exchange.refused {
+                    self.abort_scheme_round(key, slice, state.step, exchange.phase, &err);
+                }
+                return Err(err);
+            }
+        };
         let mut m = slice.meta(Command::Push, key);
         m.flags |= FLAG_SCHEME;
         m.body = encode_pairs([("step", state.step.to_string().as_str())]);
