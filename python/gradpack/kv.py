@@ -73,10 +73,21 @@ LIB.gp_dist_serve.argtypes = []
 # Distributed workers leave the job when the process ends, even if the store
 # object is still referenced then.
 _open_stores = weakref.WeakSet()
+# All-reduce stores, in the order this worker created them (every worker
+# creates them in the same order): at exit they close collectively in that
+# order, so that a worker still waiting in a push of its own gets an error.
+_collective_stores = []
 
 
 @atexit.register
 def _close_open_stores():
+    for ref in _collective_stores:
+        store = ref()
+        if store is not None and store.handle:
+            try:
+                store.close()
+            except Error as e:
+                print("gradpack: closing a '%s' store at exit: %s" % (ALLREDUCE_TYPE, e), file=sys.stderr)
     for store in list(_open_stores):
         store.close()
 
@@ -199,6 +210,8 @@ class KVStore(object):
         self._dist = name in DIST_TYPES
         if self._dist:
             _open_stores.add(self)
+        if name == ALLREDUCE_TYPE:
+            _collective_stores.append(weakref.ref(self))
         self._updater = None
         self._updater_error = None
         self._shapes = {}

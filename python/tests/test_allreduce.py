@@ -58,3 +58,12 @@ def test_a_dead_worker_ends_the_job(tmp_path):
     assert out.returncode != 0
     assert "Exit code:    3" in out.stderr + out.stdout, out.stderr[-2000:]
     assert "push returned" not in out.stdout
+
+
+def test_a_worker_that_ends_without_close_does_not_leave_another_waiting(tmp_path):
+    """Rank 1 ends its script (no close()) while rank 0 pushes once more: the
+    store closes collectively at exit, so rank 0 gets an error naming the
+    reason instead of waiting forever, and the job ends 0."""
+    results = mpirun(2, "allreduce_exit.py", [], tmp_path, timeout=120)
+    assert [r["value"] for r in results] == [[2.0] * 4, [2.0] * 4]
+    assert "another worker closed its store" in results[0]["extra"], results[0]
