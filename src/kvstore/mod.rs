@@ -580,8 +580,20 @@ impl KVStore {
                     scheme::allreduce(&c, &mut states[d].lock().unwrap(), &widened[d], &ctx, member, &mut out)?;
                     Ok(out)
                 })?;
-                debug_assert!(outs.iter().all(|o| o == &outs[0]), "every device decodes the same aggregate");
+                debug_assert!(matches!(c, Compression::Qsgd(q) if q.keep_local) || outs.iter().all(|o| o == &outs[0]), "every device decodes the same aggregate");
                 e.merge_buf = outs.swap_remove(0);
+                if let Compression::Qsgd(q) = c {
+                    // unselected='local' keeps the worker's own gradient where nothing
+                    // was sent; this store is one worker, so that is the sum over its
+                    // devices (each member above filled in only its own).
+                    if let (true, Some(idx)) = (q.keep_local, scheme::selection(&q, n, step, key_hash)) {
+                        let mut selected = vec![false; n];
+                        idx.iter().for_each(|&i| selected[i] = true);
+                        for (i, m) in e.merge_buf.iter_mut().enumerate().filter(|(i, _)| !selected[*i]) {
+                            *m = widened.iter().skip(1).fold(widened[0][i], |acc, g| acc + g[i]);
+                        }
+                    }
+                }
                 if e.states.len() < devices {
                     e.states.resize_with(devices, Default::default);
                 }

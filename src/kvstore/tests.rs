@@ -691,3 +691,22 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
     eprintln!("{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite); most common errors: {:#?}", &top[..top.len().min(8)]);
     assert!(ok > 3000 && failed > 3000 && two_bit_pushes > 1000 && non_finite > 150, "{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite)");
 }
+
+/// grandk_mn with unselected='local' on a device store: the store is one
+/// worker, so the coordinates nothing was sent for keep the sum of its
+/// devices' gradients (device 0's alone was kept, dropping the others').
+#[test]
+fn random_k_keeps_every_devices_gradient_where_nothing_was_sent() {
+    let kv = KVStore::new("device").unwrap();
+    kv.set_compress(Compression::from_params([("compress", "grandk_mn"), ("k", "1"), ("bits", "2"), ("seed", "0"), ("unselected", "local")]).unwrap()).unwrap();
+    let k = Key::Int(0);
+    let shape = [4usize];
+    kv.init(&k, Array { shape: &shape, data: Grad::F32(&[0.0; 4]) }).unwrap();
+    let (ones, fives) = ([1.0f32; 4], [5.0f32; 4]);
+    kv.push(&k, &[Array { shape: &shape, data: Grad::F32(&ones) }, Array { shape: &shape, data: Grad::F32(&fives) }]).unwrap();
+    let v = kv.value(&k).unwrap();
+    let unselected: Vec<f32> = v.iter().copied().filter(|&x| x == 6.0).collect();
+    assert_eq!(unselected.len(), 3, "{v:?}"); // k = 1: three coordinates were not sent
+    let sent = v.iter().copied().find(|&x| x != 6.0).unwrap();
+    assert!((sent - 6.0).abs() < 2.0, "{v:?}"); // the quantized sum of 1 and 5 at the selected one
+}
