@@ -51,9 +51,62 @@ def test_local_store_refuses_compression(installed):
         mx.kv.create("local").set_compress(TWO_BIT)
 
 
-def test_unknown_types_are_refused_clearly(installed):
-    with pytest.raises(gradpack.Error, match="unknown KVStore type 'nccl'"):
-        mx.kv.create("nccl")
+def test_names_gradpack_does_not_serve_are_mxnets(installed):
+    """local_allreduce_cpu and friends, and a user's KVStoreBase plugin, go to
+    MXNet's own create unchanged."""
+    for name in ("local_allreduce_cpu", "local_update_cpu", "local_allreduce_device"):
+        kv = mx.kv.create(name)
+        assert type(kv).__name__ == "KVStore" and kv.type == name
+        kv.init(0, mx.nd.ones((2,)))
+        kv.push(0, [mx.nd.ones((2,)) * 2, mx.nd.ones((2,)) * 3])
+        out = mx.nd.zeros((2,))
+        kv.pull(0, out=out)
+        assert out.asnumpy().tolist() == [5.0, 5.0]
+
+    class UsersStore(mx.kv.KVStoreBase):
+        pass
+    mx.kv.KVStoreBase.register(UsersStore)
+    assert type(mx.kv.create("usersstore")) is UsersStore
+    # Whatever MXNet makes of a name it does not know either (a local store), unchanged.
+    assert type(mx.kv.create("no_such_store")).__name__ == "KVStore"
+
+
+def test_store_errors_are_mxnet_errors_too(installed):
+    kv = mx.kv.create("device")
+    kv.init(0, mx.nd.zeros((4,)))
+    for call in (lambda: kv.push(0, mx.nd.zeros(3)), lambda: kv.set_compress({"compress": "4bit"}),
+                 lambda: mx.kv.create("local").set_compress(TWO_BIT)):
+        with pytest.raises(mx.base.MXNetError) as info:
+            call()
+        assert isinstance(info.value, gradpack.Error) and isinstance(info.value, gpmx.KVStoreError)
+
+
+def test_set_updater_is_mxnets_private_name_too(installed):
+    kv = mx.kv.create("device")
+    kv.init("w", mx.nd.ones((3,)))
+    seen = []
+
+    def updater(key, grad, weight):
+        seen.append(key)
+        weight[:] += 2 * grad
+    kv._set_updater(updater)
+    kv.push("w", [mx.nd.ones((3,)), mx.nd.ones((3,))])  # merged 2: 1 + 2 * 2
+    out = mx.nd.zeros((3,))
+    kv.pull("w", out=out)
+    assert out.asnumpy().tolist() == [5.0] * 3 and seen == ["w"]
+
+
+def test_multi_precision_on_float32_is_a_no_op(installed):
+    """MXNet ignores multi_precision for float32 weights; so does gradpack,
+    which runs SGD itself (it used to refuse it, naming SGD as unsupported)."""
+    kv = mx.kv.create("device")
+    kv.init(0, mx.nd.ones((3,)))
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, multi_precision=True))
+    assert kv._rust
+    kv.push(0, [mx.nd.ones((3,))])
+    out = mx.nd.zeros((3,))
+    kv.pull(0, out=out)
+    assert out.asnumpy().tolist() == [0.5] * 3  # 1 - 0.5 * 1
 
 
 def test_results_are_ordered_with_mxnet_engine():

@@ -16,11 +16,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(then reinstall gradpack so its operator library is built): %s" % e) from e
 
 from .ops import OperatorError, create_2bit, dequantize_2bit, quantize_2bit
-from .kvstore import GradpackStore, create
+from .kvstore import GradpackStore, KVStoreError, create
 from .module import Module
 from .trainer import Trainer
 
-__all__ = ["OperatorError", "GradpackStore", "create", "Module", "Trainer", "install",
+__all__ = ["OperatorError", "KVStoreError", "GradpackStore", "create", "Module", "Trainer", "install",
            "uninstall", "installed"]
 
 _saved = None

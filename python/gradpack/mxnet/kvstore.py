@@ -18,7 +18,28 @@ from .. import kv as _kv
 from ..kv import _as_list
 from ..base import Error
 
-__all__ = ["GradpackStore", "create"]
+__all__ = ["GradpackStore", "KVStoreError", "create"]
+
+
+class KVStoreError(Error, mx.base.MXNetError):
+    """A gradpack store error raised through MXNet's API: a gradpack.Error and
+    an MXNetError, so that code catching either sees it."""
+
+
+def _mxnet_errors(method):
+    """Re-raises gradpack.Error from `method` as KVStoreError (an updater's
+    own exceptions pass unchanged)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except KVStoreError:
+            raise
+        except Error as e:
+            raise KVStoreError(str(e)) from e
+    return wrapped
 
 _LOCAL_TYPES = ("local", "device", _kv.ALLREDUCE_TYPE)
 _STORE_TYPES = _LOCAL_TYPES + _kv.DIST_TYPES
@@ -71,9 +92,9 @@ _RUST_OPTIMIZERS = {mx.optimizer.SGD: "sgd", mx.optimizer.NAG: "nag", mx.optimiz
 
 def _rust_name(optimizer):
     """gradpack's name for an optimizer it runs itself, or None (exact classes
-    only: a subclass may change the update rule)."""
-    if getattr(optimizer, "multi_precision", False):
-        return None
+    only: a subclass may change the update rule). multi_precision changes
+    nothing here: gradpack's stores hold float32 values, for which MXNet
+    ignores it too."""
     return _RUST_OPTIMIZERS.get(type(optimizer))
 
 
@@ -182,6 +203,19 @@ class GradpackStore(mx.kv.KVStoreBase):
         self._optimizer = optimizer
         self._scaling = None
 
+    def set_updater(self, updater):
+        """MXNet's ``_set_updater``: ``updater(key, merged, stored)`` on
+        NDArrays, ``stored`` updated in place, run on every push (local,
+        device and all-reduce stores)."""
+        if not callable(updater):
+            raise Error("updater must be callable")
+        self._store.set_updater(lambda key, merged, stored: _run_mxnet_updater(updater, key, merged, stored))
+        self._updater = updater
+        self._optimizer = None
+        self._rust = False
+
+    _set_updater = set_updater
+
     def _before_update(self, key):
         """Bring the Rust optimizer's per-key rates and gradient scaling up to
         date with the MXNet optimizer, exactly when MXNet's updater would read them."""
@@ -243,6 +277,11 @@ def _run_mxnet_updater(updater, key, merged, stored):
     stored[...] = weight.asnumpy()
 
 
+for _name, _method in list(vars(GradpackStore).items()):
+    if callable(_method) and not isinstance(_method, type) and (not _name.startswith("__") or _name == "__init__"):
+        setattr(GradpackStore, _name, _mxnet_errors(_method))
+
+
 def _register(name):
     cls = type(name, (GradpackStore,), {
         "__init__": lambda self: GradpackStore.__init__(self, name.split("_", 1)[1]),
@@ -267,4 +306,8 @@ def create(name="local"):
         lowered = lowered[len("gradpack_"):]
     if lowered in _STORE_TYPES:
         return GradpackStore(lowered)
-    raise Error("unknown KVStore type '%s' (gradpack knows %s)" % (name, ", ".join(_STORE_TYPES)))
+    # Every other name (local_allreduce_cpu, nccl, horovod, a user's
+    # KVStoreBase plugin, ...) is MXNet's, unchanged.
+    from . import _saved
+    native = _saved[(mx.kv, "create")] if _saved else mx.kv.create
+    return native(name)
