@@ -290,10 +290,7 @@ fn malformed_frames_do_not_hurt_a_server() {
     assert_eq!(dropped(&post), 0);
 
     let (host, server_port) = w.server_addresses()[0].clone();
-    let ctx = zmq::Context::new();
-    let rogue = ctx.socket(zmq::DEALER).unwrap();
-    rogue.set_linger(0).unwrap();
-    rogue.connect(&format!("tcp://{host}:{server_port}")).unwrap();
+    let rogue = outsider(&host, server_port, 0);
     let frames = rogue_frames(&k);
     for f in &frames {
         rogue.send_multipart(f, 0).unwrap();
@@ -459,6 +456,15 @@ fn a_failed_scheme_round_fails_every_worker_and_the_next_one_works() {
     });
 }
 
+/// A DEALER socket of a process outside the job, connected to `host:port`
+/// (it keeps its ZeroMQ context alive); unsent frames wait `linger_ms` at close.
+fn outsider(host: &str, port: u16, linger_ms: i32) -> zmq::Socket {
+    let s = zmq::Context::new().socket(zmq::DEALER).unwrap();
+    s.set_linger(linger_ms).unwrap();
+    s.connect(&format!("tcp://{host}:{port}")).unwrap();
+    s
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
@@ -472,10 +478,7 @@ fn rogue_registrations_do_not_hurt_the_scheduler() {
     use gradpack::dist::message::{encode_pairs, Command, Meta};
     let port = free_port();
     let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
-    let ctx = zmq::Context::new();
-    let rogue = ctx.socket(zmq::DEALER).unwrap();
-    rogue.set_linger(0).unwrap();
-    rogue.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let rogue = outsider("127.0.0.1", port, 0);
     let register = |host: &str, port: &str, job: &str| {
         let mut m = Meta::new(Command::Register, 0);
         m.body = encode_pairs([("role", "worker"), ("host", host), ("port", port), ("job", job)]);
@@ -523,10 +526,7 @@ fn scheme_frames_claiming_huge_sizes_are_refused() {
     let k = Key::Int(3);
     w.init(&k, Array { shape: &[16], data: Grad::F32(&[1.0; 16]) }).unwrap();
     let (host, server_port) = w.server_addresses()[0].clone();
-    let ctx = zmq::Context::new();
-    let rogue = ctx.socket(zmq::DEALER).unwrap();
-    rogue.set_linger(0).unwrap();
-    rogue.connect(&format!("tcp://{host}:{server_port}")).unwrap();
+    let rogue = outsider(&host, server_port, 0);
     let mut frames = Vec::new();
     for n in [1u64 << 40, 1 << 62] {
         for (flags, body) in [(FLAG_SCHEME, encode_pairs([("step", "0")])), (FLAG_EXCHANGE, encode_pairs([("op", "max"), ("step", "0"), ("phase", "0")]))] {
@@ -599,11 +599,8 @@ fn a_job_with_a_secret_drops_every_forged_message() {
     // The same frames signed with another secret.
     let other = Auth::new(Secret::new(b"a guess").unwrap());
     let signed: Vec<Vec<Vec<u8>>> = forged.iter().map(|f| { let tag = other.sign(&f[0], &f[1]); vec![f[0].clone(), f[1].clone(), tag] }).collect();
-    let ctx = zmq::Context::new();
     let send_all = |host: &str, port: u16| {
-        let s = ctx.socket(zmq::DEALER).unwrap();
-        s.set_linger(1000).unwrap();
-        s.connect(&format!("tcp://{host}:{port}")).unwrap();
+        let s = outsider(host, port, 1000);
         for f in forged.iter().chain(&signed) {
             s.send_multipart(f, 0).unwrap();
         }
@@ -778,10 +775,7 @@ fn a_server_that_stops_serving_ends_the_job_with_its_reason() {
     m.body = "server node 8 stopped serving after an internal error (a bug in gradpack)".into();
     let header = m.encode();
     let tag = Auth::new(secret).sign(&header, &[]);
-    let ctx = zmq::Context::new();
-    let s = ctx.socket(zmq::DEALER).unwrap();
-    s.set_linger(1000).unwrap();
-    s.connect(&format!("tcp://127.0.0.1:{}", post.config.root_port)).unwrap();
+    let s = outsider("127.0.0.1", post.config.root_port, 1000);
     s.send_multipart([header, Vec::new(), tag], 0).unwrap();
     let err = sched.join().unwrap().unwrap_err().to_string();
     assert!(err.contains("server 0") && err.contains("stopped serving after an internal error"), "{err}");

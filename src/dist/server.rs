@@ -169,10 +169,13 @@ impl Server {
         }
         // A panic (a bug) never takes the receive thread down with it: the
         // request that caused it gets the error, and so does every later one.
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle_checked(msg))) {
+        match crate::error::catch_panic(|| Ok(self.handle_checked(msg))) {
             Ok(replies) => replies,
             Err(panic) => {
-                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+                let what = match panic {
+                    Error::Internal(what) => what,
+                    other => other.to_string(),
+                };
                 let why = format!("server node {} stopped serving after an internal error (a bug in gradpack) on a {:?} of key {}: {what}", self.my_id, meta.command, meta.key.as_ref().map_or("(none)".to_string(), |k| k.to_string()));
                 eprintln!("[gradpack server] {why}");
                 self.broken = Some(why.clone());
@@ -308,23 +311,20 @@ impl Server {
         if !self.closed.contains(&node) {
             self.closed.push(node);
         }
-        let me = self.my_id;
         let mut replies = Vec::new();
-        let mut fail = |key: &Key, slot: &Slot, (to, request_id): (i32, u64)| {
-            let mut meta = Meta::new(Command::Response, to);
-            (meta.request_id, meta.key, meta.offset, meta.len) = (request_id, Some(key.clone()), slot.offset, slot.value.len() as u64);
-            replies.push(response(&meta, me, Err(closed_error(node, key))));
-        };
         for (key, slot) in self.slots.iter_mut() {
+            // A request of this slot, as the waiting pushes were (answer_all sets sender and id).
+            let mut meta = Meta::new(Command::Push, 0);
+            (meta.key, meta.offset, meta.len) = (Some(key.clone()), slot.offset, slot.value.len() as u64);
             if !slot.pushed.is_empty() && !slot.pushed.iter().any(|(s, _)| *s == node) {
                 let waiting: Vec<_> = slot.pushed.drain(..).collect();
                 slot.round = Round::Empty;
-                waiting.into_iter().for_each(|w| fail(key, slot, w));
+                replies.extend(answer_all(&meta, self.my_id, waiting, Err(closed_error(node, key))));
             }
             if !slot.scheme.waiting.is_empty() && !slot.scheme.waiting.iter().any(|(s, _)| *s == node) {
                 let waiting: Vec<_> = slot.scheme.waiting.drain(..).collect();
                 slot.scheme.acc = None;
-                waiting.into_iter().for_each(|w| fail(key, slot, w));
+                replies.extend(answer_all(&meta, self.my_id, waiting, Err(closed_error(node, key))));
             }
         }
         replies
