@@ -14,5 +14,5 @@ pub mod kvstore;
 pub mod optimizer;
 pub mod quant;
 
-pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, Thresholds};
+pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, quantize_2bit_to, Thresholds};
 pub use error::{Dtype, Error, Result};

@@ -43,43 +43,73 @@ unsafe fn load8<G: Gradient>(p: *const G) -> __m256 {
     }
 }
 
-/// Quantizes 8 elements in place; returns the (ge, le) comparison masks.
+/// Quantizes 8 elements from `r_in` into `r_out` (the same pointer in place);
+/// returns the (ge, le) comparison masks and a mask of lanes whose sum is NaN
+/// or infinite (`x - x` is NaN exactly then).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn quantize8<G: Gradient>(g: *const G, r: *mut f32, pos: __m256, neg: __m256) -> (u32, u32) {
-    let x = _mm256_add_ps(_mm256_loadu_ps(r), load8(g));
+unsafe fn quantize8<G: Gradient, const STREAM: bool>(g: *const G, r_in: *const f32, r_out: *mut f32, pos: __m256, neg: __m256) -> (u32, u32, __m256) {
+    let x = _mm256_add_ps(_mm256_loadu_ps(r_in), load8(g));
     let ge = _mm256_cmp_ps::<_CMP_GE_OQ>(x, pos);
     let le = _mm256_cmp_ps::<_CMP_LE_OQ>(x, neg);
     // Blends, not `x - (mask & t)`, so untouched lanes keep x's exact bits.
     let next = _mm256_blendv_ps(x, _mm256_sub_ps(x, neg), le);
     let next = _mm256_blendv_ps(next, _mm256_sub_ps(x, pos), ge);
-    _mm256_storeu_ps(r, next);
-    (_mm256_movemask_ps(ge) as u32, _mm256_movemask_ps(le) as u32)
+    if STREAM {
+        // Non-temporal: no read for ownership of a line only ever written.
+        _mm_stream_ps(r_out, _mm256_castps256_ps128(next));
+        _mm_stream_ps(r_out.add(4), _mm256_extractf128_ps::<1>(next));
+    } else {
+        _mm256_storeu_ps(r_out, next);
+    }
+    let d = _mm256_sub_ps(x, x);
+    (_mm256_movemask_ps(ge) as u32, _mm256_movemask_ps(le) as u32, _mm256_cmp_ps::<_CMP_UNORD_Q>(d, d))
 }
 
+/// Quantizes `grad` with the residual read from `r_in` and the next residual
+/// written to `r_out`; returns false when some `residual + grad` was not
+/// finite (every element is still processed: the caller discards the output).
+///
 /// # Safety
-/// The CPU must support AVX2 and F16C; `residual.len() == grad.len()` and
-/// `blocks.len() == ceil(grad.len() / 16)` (the loop indexes without checks).
-/// `Platform::quantize` checks both.
+/// The CPU must support AVX2 and F16C. `r_in` must be valid for reads and
+/// `r_out` for writes of `grad.len()` floats; they are either the same pointer
+/// (in place) or ranges that do not overlap. `blocks.len() ==
+/// ceil(grad.len() / 16)` (the loop indexes without checks). `Platform::quantize`
+/// and `Platform::quantize_to` derive the pointers from slices of checked lengths.
+/// With `STREAM`, `r_out` must be 16-byte aligned and must not be `r_in`
+/// (non-temporal stores; the kernel fences them before it returns).
 #[target_feature(enable = "avx2,f16c")]
-pub unsafe fn quantize<G: Gradient>(grad: &[G], residual: &mut [f32], blocks: &mut [u32], th: Thresholds) {
-    let full = grad.len() / 16;
-    debug_assert!(residual.len() == grad.len() && blocks.len() == grad.len().div_ceil(16));
+pub unsafe fn quantize<G: Gradient, const STREAM: bool>(grad: &[G], r_in: *const f32, r_out: *mut f32, blocks: &mut [u32], th: Thresholds) -> bool {
+    let n = grad.len();
+    let full = n / 16;
+    debug_assert!(blocks.len() == n.div_ceil(16));
     let pos = _mm256_set1_ps(th.pos);
     let neg = _mm256_set1_ps(th.neg);
     let g = grad.as_ptr();
-    let r = residual.as_mut_ptr();
+    let mut bad = _mm256_setzero_ps();
     for b in 0..full {
-        // b < full, so elements 16b..16b+16 lie inside both slices.
-        let (ge0, le0) = quantize8(g.add(16 * b), r.add(16 * b), pos, neg);
-        let (ge1, le1) = quantize8(g.add(16 * b + 8), r.add(16 * b + 8), pos, neg);
+        // b < full, so elements 16b..16b+16 lie inside all three ranges.
+        let (at0, at1) = (16 * b, 16 * b + 8);
+        let (ge0, le0, bad0) = quantize8::<G, STREAM>(g.add(at0), r_in.add(at0), r_out.add(at0), pos, neg);
+        let (ge1, le1, bad1) = quantize8::<G, STREAM>(g.add(at1), r_in.add(at1), r_out.add(at1), pos, neg);
+        bad = _mm256_or_ps(bad, _mm256_or_ps(bad0, bad1));
         let low = SPREAD[ge0 as usize] | (SPREAD[ge1 as usize] >> 16);
         let high = SPREAD[le0 as usize] | (SPREAD[le1 as usize] >> 16);
         *blocks.get_unchecked_mut(b) = low | (high << 1);
     }
-    if grad.len() > full * 16 {
-        blocks[full] = reference::quantize_block(&grad[full * 16..], &mut residual[full * 16..], th);
+    if STREAM {
+        _mm_sfence(); // the streamed residual is visible before anyone reads it
     }
+    let mut finite = _mm256_movemask_ps(bad) == 0;
+    if n > full * 16 {
+        let lo = full * 16;
+        // The tail lies inside both ranges; `copy` allows them to be the same.
+        std::ptr::copy(r_in.add(lo), r_out.add(lo), n - lo);
+        let tail = std::slice::from_raw_parts_mut(r_out.add(lo), n - lo);
+        finite &= reference::first_non_finite(&grad[lo..], tail).is_none();
+        blocks[full] = reference::quantize_block(&grad[lo..], tail, th);
+    }
+    finite
 }
 
 /// Decodes 8 elements whose codes sit at the given per-lane shifts of `word`.

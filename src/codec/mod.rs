@@ -116,51 +116,78 @@ pub(crate) fn quantize_2bit_finite<G: Gradient>(grad: &[G], residual: &mut [f32]
     let n = grad.len();
     check_len("residual", n, residual.len())?;
     check_len("compressed array", compressed_len(n), compr.len())?;
-    compr[0] = th.neg;
-    compr[1] = th.pos;
-    compr[2] = n as f32; // round to nearest, as SPEC §1 says
+    write_header(compr, n, th);
     join::quantize(Platform::detect(), grad, residual, blocks_mut(compr), th)
 }
 
-/// The reduce step of a compressed push, fused: for every device `i`, quantize
-/// `grads[i]` with `residuals[i]` into `comprs[i]` (header and blocks, exactly
-/// as `quantize_2bit`), and set `sum` to the sum, in device order, of the
-/// decoded arrays: bit-identical to `quantize_2bit` then `dequantize_2bit`
-/// for the first device and `dequantize_2bit_add` for the others, in one pass.
-/// On error, a non-finite `residual + grad` of any device included, nothing
-/// is written.
-pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &mut [&mut [f32]], comprs: &mut [&mut [f32]], sum: &mut [f32], th: Thresholds) -> Result<()> {
+fn write_header(compr: &mut [f32], n: usize, th: Thresholds) {
+    compr[0] = th.neg;
+    compr[1] = th.pos;
+    compr[2] = n as f32; // round to nearest, as SPEC §1 says
+}
+
+/// `quantize_2bit` out of place, at the memory floor: reads `residual`,
+/// writes the next residual to `next` and `compr`, and checks finiteness in
+/// the same pass. On error `residual` is untouched, while `next` and `compr`
+/// hold garbage: callers that own the residual keep two buffers and swap them
+/// on success (the stores do), which is how validate-first costs no second
+/// pass over memory.
+pub fn quantize_2bit_to<G: Gradient>(grad: &[G], residual: &[f32], next: &mut [f32], compr: &mut [f32], th: Thresholds) -> Result<()> {
+    let n = grad.len();
+    check_len("residual", n, residual.len())?;
+    check_len("next residual", n, next.len())?;
+    check_len("compressed array", compressed_len(n), compr.len())?;
+    write_header(compr, n, th);
+    if join::quantize_to(Platform::detect(), grad, residual, next, blocks_mut(compr), th)? {
+        return Ok(());
+    }
+    check_finite("gradient", grad, residual)?; // names the first bad element
+    Err(Error::Internal("the fused pass found a non-finite sum that the scan did not".into()))
+}
+
+/// The reduce step of a compressed push, fused: for every device `i`,
+/// quantize `grads[i]` with `residuals[i]` into `nexts[i]` and `comprs[i]`
+/// (header and blocks, exactly as `quantize_2bit_to`), and set `sum` to the
+/// sum, in device order, of the decoded arrays: bit-identical to
+/// `quantize_2bit` then `dequantize_2bit` for the first device and
+/// `dequantize_2bit_add` for the others, in one pass. On error, a non-finite
+/// `residual + grad` of any device included, `residuals` are untouched;
+/// `nexts`, `comprs` and `sum` hold garbage (swap `nexts` in on success).
+pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &[&[f32]], nexts: &mut [&mut [f32]], comprs: &mut [&mut [f32]], sum: &mut [f32], th: Thresholds) -> Result<()> {
     let n = sum.len();
     if grads.is_empty() {
         return Err(Error::SizeMismatch { what: "list of device gradients", expected: 1, got: 0 });
     }
     check_len("list of residuals", grads.len(), residuals.len())?;
+    check_len("list of next residuals", grads.len(), nexts.len())?;
     check_len("list of compressed arrays", grads.len(), comprs.len())?;
-    for ((g, r), c) in grads.iter().zip(residuals.iter()).zip(comprs.iter()) {
+    for (((g, r), x), c) in grads.iter().zip(residuals.iter()).zip(nexts.iter()).zip(comprs.iter()) {
         check_len("gradient", n, g.len())?;
         check_len("residual", n, r.len())?;
+        check_len("next residual", n, x.len())?;
         check_len("compressed array", compressed_len(n), c.len())?;
     }
+    let mut blocks: Vec<&mut [u32]> = Vec::with_capacity(comprs.len());
+    for c in comprs.iter_mut() {
+        write_header(c, n, th);
+        blocks.push(blocks_mut(c));
+    }
+    let p = Platform::detect();
+    if join::quantize_reduce(p, grads, residuals, nexts, &mut blocks, th, sum)? {
+        return Ok(());
+    }
+    // Off the hot path: name the first device and element that failed.
     for (d, (g, r)) in grads.iter().zip(residuals.iter()).enumerate() {
-        let p = Platform::detect();
         let bad = match g {
             Grad::F32(g) => join::first_non_finite(p, g, r)?,
             Grad::F16(g) => join::first_non_finite(p, g, r)?,
             Grad::Bf16(g) => join::first_non_finite(p, g, r)?,
         };
-        // The device's name is formatted only on failure, off the hot path.
         if let Some((index, value)) = bad {
             return Err(Error::NonFinite { what: format!("pushed value {d}"), index, value });
         }
     }
-    let mut blocks: Vec<&mut [u32]> = Vec::with_capacity(comprs.len());
-    for c in comprs.iter_mut() {
-        c[0] = th.neg;
-        c[1] = th.pos;
-        c[2] = n as f32;
-        blocks.push(blocks_mut(c));
-    }
-    join::quantize_reduce(Platform::detect(), grads, residuals, &mut blocks, th, sum)
+    Err(Error::Internal("the fused pass found a non-finite sum that the scan did not".into()))
 }
 
 /// Checks a compressed array against an output of `n` elements: length, header

@@ -43,18 +43,28 @@ fn check_all_kernels<G: Gradient>(conv: fn(f32) -> G) {
         let mut ref_res = vec![0f32; n];
         let mut ref_blocks = vec![0u32; n.div_ceil(16)];
         let mut runs: Vec<(String, Vec<f32>, Vec<f32>)> = Vec::new();
+        let modes = ["in place", "in place+threads", "out of place", "out of place+threads"];
         for p in Platform::available() {
-            runs.push((format!("{p:?}"), vec![0f32; n], vec![0f32; compressed_len(n)]));
-            runs.push((format!("{p:?}+threads"), vec![0f32; n], vec![0f32; compressed_len(n)]));
+            for mode in modes {
+                runs.push((format!("{p:?} {mode}"), vec![0f32; n], vec![0f32; compressed_len(n)]));
+            }
         }
+        let mut next = vec![0f32; n];
         for (step, g) in grads.iter().enumerate() {
             reference::quantize(g, &mut ref_res, &mut ref_blocks, th());
             for (k, (name, res, compr)) in runs.iter_mut().enumerate() {
-                let p = Platform::available()[k / 2];
-                if k % 2 == 0 {
-                    p.quantize(g, res, blocks_mut(compr), th()).unwrap();
-                } else {
-                    join::quantize(p, g, res, blocks_mut(compr), th()).unwrap();
+                let p = Platform::available()[k / modes.len()];
+                match k % modes.len() {
+                    0 => p.quantize(g, res, blocks_mut(compr), th()).unwrap(),
+                    1 => join::quantize(p, g, res, blocks_mut(compr), th()).unwrap(),
+                    m => {
+                        next.fill(-1.0);
+                        let before = res.clone();
+                        let finite = if m == 2 { p.quantize_to(g, res, &mut next, blocks_mut(compr), th(), n % 2 == 0) } else { join::quantize_to(p, g, res, &mut next, blocks_mut(compr), th()) };
+                        assert!(finite.unwrap(), "{name} n={n}");
+                        assert_eq!(bits(res), bits(&before), "{name}: the residual is only read");
+                        std::mem::swap(res, &mut next);
+                    }
                 }
                 assert_eq!(bits(res), bits(&ref_res), "{name} residual, n={n} step={step} {:?}", G::DTYPE);
                 assert_eq!(blocks(compr), &ref_blocks[..], "{name} blocks, n={n} step={step} {:?}", G::DTYPE);
@@ -105,6 +115,11 @@ fn kernels_agree_on_special_values() {
         p.quantize(&grad, &mut res, &mut bl, th()).unwrap();
         assert_eq!(bits(&res), bits(&ref_res), "{p:?}");
         assert_eq!(bl, ref_blocks, "{p:?}");
+        // Out of place: the same bits, and the sums that are not finite reported.
+        let mut next = vec![0f32; n];
+        let mut bl = vec![0u32; n.div_ceil(16)];
+        assert!(!p.quantize_to(&grad, &start, &mut next, &mut bl, th(), true).unwrap(), "{p:?}");
+        assert_eq!((bits(&next), &bl), (bits(&ref_res), &ref_blocks), "{p:?} out of place");
     }
 }
 
@@ -263,13 +278,14 @@ fn fused_reduce_matches_separate_calls() {
                 }
             }
             // fused
-            let mut res = start.clone();
+            let mut res = vec![vec![-1f32; n]; devices];
             let mut comprs = vec![create_2bit(n); devices];
             let mut sum = vec![7f32; n];
             {
-                let mut r: Vec<&mut [f32]> = res.iter_mut().map(|v| &mut v[..]).collect();
+                let r: Vec<&[f32]> = start.iter().map(|v| &v[..]).collect();
+                let mut x: Vec<&mut [f32]> = res.iter_mut().map(|v| &mut v[..]).collect();
                 let mut c: Vec<&mut [f32]> = comprs.iter_mut().map(|v| &mut v[..]).collect();
-                quantize_2bit_reduce(grads, &mut r, &mut c, &mut sum, th()).unwrap();
+                quantize_2bit_reduce(grads, &r, &mut x, &mut c, &mut sum, th()).unwrap();
             }
             assert_eq!(bits(&sum), bits(&want_sum), "n={n} devices={devices}");
             for i in 0..devices {
@@ -283,14 +299,18 @@ fn fused_reduce_matches_separate_calls() {
 #[test]
 fn fused_reduce_rejects_mismatches_untouched() {
     let g = vec![1f32; 20];
-    let mut r0 = vec![0.5f32; 20];
-    let mut r1 = vec![0.5f32; 19];
+    let (r0, r1) = (vec![0.5f32; 20], vec![0.5f32; 19]);
+    let (mut x0, mut x1) = (vec![2f32; 20], vec![2f32; 20]);
     let mut c0 = vec![9f32; 5];
     let mut c1 = vec![9f32; 5];
     let mut sum = vec![3f32; 20];
-    let err = quantize_2bit_reduce(&[Grad::F32(&g), Grad::F32(&g)], &mut [&mut r0, &mut r1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
+    let err = quantize_2bit_reduce(&[Grad::F32(&g), Grad::F32(&g)], &[&r0, &r1], &mut [&mut x0, &mut x1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
     assert_eq!(err.to_string(), "residual has 19 elements, expected 20");
-    assert!(r0.iter().all(|&x| x == 0.5) && c0.iter().all(|&x| x == 9.0) && sum.iter().all(|&x| x == 3.0));
+    assert!(x0.iter().all(|&x| x == 2.0) && c0.iter().all(|&x| x == 9.0) && sum.iter().all(|&x| x == 3.0));
+    let (r1, mut x1) = (vec![0.5f32; 20], vec![2f32; 21]);
+    let err = quantize_2bit_reduce(&[Grad::F32(&g), Grad::F32(&g)], &[&r0, &r1], &mut [&mut x0, &mut x1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
+    assert_eq!(err.to_string(), "next residual has 21 elements, expected 20");
+    assert!(x0.iter().all(|&x| x == 2.0) && c0.iter().all(|&x| x == 9.0) && sum.iter().all(|&x| x == 3.0));
 }
 
 #[test]
@@ -308,6 +328,15 @@ fn safe_kernel_entry_points_refuse_wrong_lengths() {
             assert!(res.iter().all(|&x| x == 7.0) && bl.iter().all(|&b| b == 5), "{p:?} wrote on error");
             let err = join::quantize(p, &grad, &mut res, &mut bl, th()).unwrap_err().to_string();
             assert!(err.contains("residual") || err.contains("block slice"), "{p:?}: {err}");
+            // Out of place, with the wrong length on either residual.
+            for (src_len, next_len) in [(res_len, n), (n, res_len)] {
+                let src = vec![7f32; src_len];
+                let mut next = vec![7f32; next_len];
+                let err = p.quantize_to(&grad, &src, &mut next, &mut bl, th(), true).unwrap_err().to_string();
+                assert!(err.contains("residual") || err.contains("block slice"), "{p:?}: {err}");
+                assert!(next.iter().all(|&x| x == 7.0) && bl.iter().all(|&b| b == 5), "{p:?} wrote on error");
+                assert!(join::quantize_to(p, &grad, &src, &mut next, &mut bl, th()).is_err());
+            }
         }
         for blk_len in [0, 2, 4, 100] {
             let bl = vec![0x4000_0000u32; blk_len];
@@ -355,6 +384,13 @@ fn check_non_finite_detection<G: Gradient>(conv: fn(f32) -> G) {
                 assert!(matches!(err, Error::NonFinite { index, .. } if index == at), "{err}");
                 assert_eq!(bits(&res), bits(&residual));
                 assert!(compr.iter().all(|&c| c == 7.0));
+                // Out of place: the same error from the fused pass, the residual only read.
+                let mut next = vec![0f32; n];
+                let err = quantize_2bit_to(&grad, &residual, &mut next, &mut compr, th()).unwrap_err();
+                assert!(matches!(err, Error::NonFinite { index, .. } if index == at), "{err}");
+                for p in Platform::available() {
+                    assert!(!join::quantize_to(p, &grad, &residual, &mut next, &mut vec![0; n.div_ceil(16)], th()).unwrap(), "{p:?} n={n} at={at}");
+                }
             }
         }
         // A second bad element later never hides the first.
@@ -406,11 +442,12 @@ fn fused_reduce_refuses_a_non_finite_device_untouched() {
     let mut bad = vec![0.3f32; n];
     bad[21] = f32::NAN;
     let grads = [Grad::F32(&good), Grad::F32(&bad)];
-    let (mut r0, mut r1) = (vec![0.1f32; n], vec![0.2f32; n]);
+    let (r0, r1) = (vec![0.1f32; n], vec![0.2f32; n]);
+    let (mut x0, mut x1) = (vec![0f32; n], vec![0f32; n]);
     let (mut c0, mut c1) = (vec![5f32; compressed_len(n)], vec![6f32; compressed_len(n)]);
     let mut sum = vec![9f32; n];
-    let err = quantize_2bit_reduce(&grads, &mut [&mut r0, &mut r1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
+    // The residuals are only read: the caller swaps the next ones in on success.
+    let err = quantize_2bit_reduce(&grads, &[&r0, &r1], &mut [&mut x0, &mut x1], &mut [&mut c0, &mut c1], &mut sum, th()).unwrap_err();
     assert!(matches!(&err, Error::NonFinite { what, index: 21, .. } if what == "pushed value 1"), "{err}");
     assert!(r0.iter().all(|&x| x == 0.1) && r1.iter().all(|&x| x == 0.2));
-    assert!(c0.iter().all(|&x| x == 5.0) && c1.iter().all(|&x| x == 6.0) && sum.iter().all(|&x| x == 9.0));
 }

@@ -361,40 +361,39 @@ impl DistWorker {
             let merged = single.unwrap_or(&e.merge);
             return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, merged, compression);
         }
-        if let Compression::TwoBit(_) = compression {
-            // Every slice's sums are checked before any residual changes.
-            for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
+        let part_of = |s: &Slice| match single {
+            Some(g) => &g[s.offset..s.offset + s.len],
+            None => &e.merge[s.offset..s.offset + s.len],
+        };
+        let mut payloads = Vec::with_capacity(e.slices.len());
+        if let Compression::TwoBit(th) = compression {
+            // Out of place, every slice before any residual changes: the next
+            // residuals land in `saved`, which is swapped in once all are finite
+            // (and swapped back if the round fails).
+            e.saved.resize_with(e.slices.len(), Vec::new);
+            for ((s, residual), next) in e.slices.iter().zip(e.residuals.iter_mut()).zip(e.saved.iter_mut()) {
                 residual.resize(s.len, 0.0); // a slice's first push starts from a zero residual
-                let part = match single {
-                    Some(g) => &g[s.offset..s.offset + s.len],
-                    None => &e.merge[s.offset..s.offset + s.len],
-                };
-                codec::check_finite("merged gradient", part, residual).map_err(|err| match err {
-                    Error::NonFinite { what, index, value } => key_error(key, Error::NonFinite { what, index: s.offset + index, value }.to_string()),
+                next.resize(s.len, 0.0);
+                let mut compr = codec::create_2bit(s.len);
+                codec::quantize_2bit_to(part_of(s), residual, next, &mut compr, th).map_err(|err| match err {
+                    Error::NonFinite { what, index, value } => key_error(key, Error::NonFinite { what: format!("merged {what}"), index: s.offset + index, value }.to_string()),
                     other => other,
                 })?;
+                payloads.push(f32s_to_bytes(&compr));
             }
-        }
-        if let Compression::TwoBit(_) = compression {
-            e.saved.clone_from(&e.residuals);
+            std::mem::swap(&mut e.residuals, &mut e.saved);
         }
         let mut parts = Vec::with_capacity(e.slices.len());
-        for (s, residual) in e.slices.iter().zip(e.residuals.iter_mut()) {
+        for (i, s) in e.slices.iter().enumerate() {
             let mut m = s.meta(Command::Push, key);
             if self.asynchronous {
                 m.flags |= FLAG_ASYNC;
             }
-            let part = match single {
-                Some(g) => &g[s.offset..s.offset + s.len],
-                None => &e.merge[s.offset..s.offset + s.len],
-            };
             let payload = match compression {
-                Compression::None => f32s_to_bytes(part),
-                Compression::TwoBit(th) => {
-                    let mut compr = codec::create_2bit(s.len);
-                    codec::quantize_2bit_finite(part, residual, &mut compr, th)?;
+                Compression::None => f32s_to_bytes(part_of(s)),
+                Compression::TwoBit(_) => {
                     m.flags |= FLAG_COMPRESSED;
-                    f32s_to_bytes(&compr)
+                    std::mem::take(&mut payloads[i])
                 }
                 _ => unreachable!("refused by set_compress"),
             };

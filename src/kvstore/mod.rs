@@ -90,6 +90,9 @@ struct Entry {
     value: Vec<f32>,
     /// One per device index, allocated on the device's first compressed push.
     residuals: Vec<Vec<f32>>,
+    /// The 2-bit push's second residual buffer per device: the next residual
+    /// is written here and swapped in once the whole push was valid.
+    spares: Vec<Vec<f32>>,
     merge_buf: Vec<f32>,
     /// What each device sent on the last compressed push (one per device).
     compr_bufs: Vec<Vec<f32>>,
@@ -458,7 +461,7 @@ impl KVStore {
         if keys.str_keys.is_some_and(|s| s != key.is_str()) {
             return Err(key_error(key, "int and string keys cannot be mixed"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), scheme_out: Vec::new(), pushes: 0 };
+        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), spares: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), scheme_out: Vec::new(), pushes: 0 };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
         keys.str_keys = Some(key.is_str());
         Ok(())
@@ -544,19 +547,28 @@ impl KVStore {
                 if e.residuals.len() < devices {
                     e.residuals.resize_with(devices, Vec::new);
                 }
-                if e.compr_bufs.len() < devices {
-                    e.compr_bufs.resize_with(devices, Vec::new);
+                for bufs in [&mut e.spares, &mut e.compr_bufs] {
+                    if bufs.len() < devices {
+                        bufs.resize_with(devices, Vec::new);
+                    }
                 }
-                for (residual, compr) in e.residuals.iter_mut().zip(e.compr_bufs.iter_mut()).take(devices) {
+                for ((residual, spare), compr) in e.residuals.iter_mut().zip(e.spares.iter_mut()).zip(e.compr_bufs.iter_mut()).take(devices) {
                     residual.resize(n, 0.0); // a device's first push starts from a zero residual
+                    spare.resize(n, 0.0);
                     compr.resize(codec::compressed_len(n), 0.0);
                 }
                 let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
-                let mut residuals: Vec<&mut [f32]> = e.residuals.iter_mut().take(devices).map(|r| &mut r[..]).collect();
+                let residuals: Vec<&[f32]> = e.residuals.iter().take(devices).map(|r| &r[..]).collect();
+                let mut nexts: Vec<&mut [f32]> = e.spares.iter_mut().take(devices).map(|r| &mut r[..]).collect();
                 let mut comprs: Vec<&mut [f32]> = e.compr_bufs.iter_mut().take(devices).map(|c| &mut c[..]).collect();
-                if let Err(err) = codec::quantize_2bit_reduce(&grads, &mut residuals, &mut comprs, &mut e.merge_buf, th) {
+                // Out of place: the next residuals land in the spares, which
+                // become the residuals only once every device's sum was finite.
+                if let Err(err) = codec::quantize_2bit_reduce(&grads, &residuals, &mut nexts, &mut comprs, &mut e.merge_buf, th) {
                     e.residuals.truncate(known); // a device's first push that failed leaves no residual behind
                     return Err(key_error(key, err.to_string()));
+                }
+                for (residual, spare) in e.residuals.iter_mut().zip(e.spares.iter_mut()).take(devices) {
+                    std::mem::swap(residual, spare);
                 }
             }
             c if c.is_scheme() => {
