@@ -32,6 +32,26 @@ def test_dist_sync_two_bit_weights(tmp_path, api, update_on_kvstore):
         assert res["stats"]["bytes_sent"] > 0
 
 
+@pytest.mark.parametrize("api,update_on_kvstore", [("trainer", "none"), ("trainer", "1"), ("module", "1")])
+def test_optimizers_the_servers_cannot_run_update_on_the_workers(tmp_path, api, update_on_kvstore):
+    """A Python subclass of SGD: the Trainer left to choose updates on the
+    workers through MXNet's own path; asked to update on the store (Trainer
+    or Module), the store sums on the servers and runs MXNet's updater on
+    each worker. The weights are SGD's, exactly."""
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), PS_HEARTBEAT_TIMEOUT="20",
+               GRADPACK_TEST_OPTIMIZER="pysgd")
+    out = subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", "2", "-s", "1", "--timeout", "240",
+                          sys.executable, os.path.join(HERE, "dist_scripts", "mxnet_train.py"), api,
+                          update_on_kvstore], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        assert res["weights"] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [-1.0] * 4], res
+        assert res["update_on_kvstore"] == (update_on_kvstore == "1"), res
+        assert res["worker_updates"] == (update_on_kvstore == "1"), res
+
+
 @pytest.mark.parametrize("api", ["trainer", "module"])
 def test_dist_sync_qsgd_weights(tmp_path, api):
     """qsgd_mn through Trainer / Module: 2 workers push 0.3 each; scale 0.3 and

@@ -75,13 +75,14 @@ def test_module_two_bit_weights(update_on_kvstore, monkeypatch):
     assert [w.ravel().tolist() for w in seen] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [-1.0] * 4]
 
 
-def mlp_run(trainer_cls, update_on_kvstore, steps=5, optimizer=("sgd", {"learning_rate": 0.1, "momentum": 0.9})):
+def mlp_run(trainer_cls, update_on_kvstore, steps=5, optimizer=("sgd", {"learning_rate": 0.1, "momentum": 0.9}),
+            kvstore="device"):
     mx.random.seed(1)
     rng = np.random.default_rng(1)
     net = mx.gluon.nn.HybridSequential()
     net.add(mx.gluon.nn.Dense(16, activation="relu", in_units=8), mx.gluon.nn.Dense(3, in_units=16))
     net.initialize(mx.init.Xavier(), ctx=CTX)
-    trainer = trainer_cls(net.collect_params(), optimizer[0], dict(optimizer[1]), kvstore="device",
+    trainer = trainer_cls(net.collect_params(), optimizer[0], dict(optimizer[1]), kvstore=kvstore,
                           update_on_kvstore=update_on_kvstore)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     for _ in range(steps):
@@ -101,7 +102,9 @@ def mlp_run(trainer_cls, update_on_kvstore, steps=5, optimizer=("sgd", {"learnin
 @pytest.mark.parametrize("optimizer", [("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4}),
                                        ("adam", {"learning_rate": 0.01})])
 def test_plugin_without_compression_equals_native_bit_for_bit(update_on_kvstore, optimizer):
-    ours, trainer = mlp_run(gpmx.Trainer, update_on_kvstore, optimizer=optimizer)
+    # 'gradpack_device' asks for gradpack's store by name ('device' without
+    # compression is MXNet's own, see the test below).
+    ours, trainer = mlp_run(gpmx.Trainer, update_on_kvstore, optimizer=optimizer, kvstore="gradpack_device")
     assert isinstance(trainer._kvstore, gpmx.GradpackStore)
     native, trainer = mlp_run(mx.gluon.Trainer, update_on_kvstore, optimizer=optimizer)
     assert type(trainer._kvstore).__name__ == "KVStore"
@@ -120,7 +123,7 @@ def test_trainer_checkpoint_restores_optimizer_state(tmp_path):
         net = mx.gluon.nn.Dense(4, in_units=5)
         net.initialize(mx.init.Xavier(), ctx=CTX)
         tr = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                          kvstore="device", update_on_kvstore=True, compress_params=None)
+                          kvstore="gradpack_device", update_on_kvstore=True, compress_params=None)
         return net, tr
 
     def step(net, tr, seed):
@@ -163,8 +166,9 @@ def test_module_optimizer_states_round_trip(tmp_path, monkeypatch):
     mod = gpmx.Module(out, data_names=["data"], label_names=None, context=CTX)
     mod.bind(data_shapes=[("data", (2, 3))])
     mod.init_params(mx.init.One())
-    mod.init_optimizer(kvstore="device", optimizer="sgd",
+    mod.init_optimizer(kvstore="gradpack_device", optimizer="sgd",
                        optimizer_params={"learning_rate": 0.1, "momentum": 0.9})
+    assert isinstance(mod._kvstore, gpmx.GradpackStore)
     mod.forward_backward(mx.io.DataBatch([mx.nd.ones((2, 3))]))
     mod.update()
     path = str(tmp_path / "mod.states")
@@ -206,17 +210,48 @@ def test_bad_compress_params_fail_at_construction():
         gpmx.Trainer(net.collect_params(), "sgd", compress_params=TWO_BIT, compression_params=TWO_BIT)
 
 
-def test_sparse_gradients_are_refused_clearly():
+def embedding_step(trainer_cls, **kwargs):
     emb = mx.gluon.nn.Embedding(10, 4, sparse_grad=True)
-    emb.initialize(ctx=CTX)
-    tr = gpmx.Trainer(emb.collect_params(), "sgd", {"learning_rate": 0.1}, compress_params=TWO_BIT)
+    emb.initialize(mx.init.One(), ctx=CTX)
+    tr = trainer_cls(emb.collect_params(), "sgd", {"learning_rate": 0.1}, **kwargs)
     xs = [mx.nd.array([1, 2], ctx=c) for c in CTX]
     with mx.autograd.record():
         losses = [emb(x).sum() for x in xs]
     for l in losses:
         l.backward()
-    with pytest.raises(ValueError, match="Cannot use .*GradpackStore.* with sparse gradients"):
-        tr.step(2)
+    tr.step(2)
+    return emb.weight.data(CTX[0]).asnumpy(), tr
+
+
+def test_sparse_gradients_with_compression_are_refused_naming_the_parameter():
+    with pytest.raises(gpmx.KVStoreError, match="parameter 'embedding.*_weight' has a row_sparse gradient.* "
+                                               "'device' gradient compression handles dense parameters only"):
+        embedding_step(gpmx.Trainer, compress_params=TWO_BIT)
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_without_compression_trainer_and_module_get_mxnets_own_store(installed):
+    """Several contexts, no compression: MXNet's own store and results, sparse
+    parameters included, whether or not install() patched mx.kv.create."""
+    if installed:
+        gpmx.install()
+    try:
+        ours, tr = embedding_step(gpmx.Trainer)
+        assert type(tr._kvstore) is mx.kvstore.KVStore and tr._kvstore.type == "device"
+        native, _ = embedding_step(mx.gluon.Trainer)
+        np.testing.assert_array_equal(ours, native)
+        assert (ours[1] == np.float32(0.9)).all() and (ours[0] == 1).all()  # rows 1, 2 stepped
+        data = mx.sym.var("data")
+        mod = gpmx.Module(mx.sym.MakeLoss(mx.sym.sum(mx.sym.FullyConnected(data, num_hidden=1, name="fc"))),
+                          label_names=None, context=CTX)
+        mod.bind(data_shapes=[("data", (2, 3))])
+        mod.init_params()
+        mod.init_optimizer(kvstore="local")
+        assert type(mod._kvstore) is mx.kvstore.KVStore and mod._kvstore.type == "local"
+        # A user's own mx.kv.create after install() is still gradpack's.
+        assert isinstance(mx.kv.create("device"), gpmx.GradpackStore) == installed
+    finally:
+        gpmx.uninstall()
 
 
 def test_proposal_example_runs_after_install():

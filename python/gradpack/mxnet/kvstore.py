@@ -98,6 +98,18 @@ def _rust_name(optimizer):
     return _RUST_OPTIMIZERS.get(type(optimizer))
 
 
+def runs_on_servers(optimizer):
+    """Whether gradpack's servers run `optimizer` themselves (SGD, NAG, Adam)."""
+    return _rust_name(optimizer) is not None
+
+
+def _pairs(key, value):
+    """(key, value) pairs from MXNet's single-key or list-of-keys calling forms."""
+    if isinstance(key, (list, tuple)):
+        return list(zip(key, value))
+    return [(key, value)]
+
+
 class GradpackStore(mx.kv.KVStoreBase):
     """A gradpack 'local' or 'device' store with MXNet's KVStore interface."""
 
@@ -111,6 +123,12 @@ class GradpackStore(mx.kv.KVStoreBase):
         self._updater = None
         self._rust = False
         self._scaling = None
+        # Dist stores whose optimizer the servers cannot run: the servers sum,
+        # and each worker applies the update to its own copy of the weights.
+        self._worker_updater = None
+        self._weights = {}
+        self._pending = set()
+        self._shapes = {}
 
     # ------------------------------------------------------------ identity
     @property
@@ -141,28 +159,63 @@ class GradpackStore(mx.kv.KVStoreBase):
 
     # ------------------------------------------------------------ data
     def init(self, key, value):
-        self._store.init(key, _views(key, value, "init value", False))
+        views = _views(key, value, "init value", False)
+        self._store.init(key, views)
+        for k, v in _pairs(key, views):
+            first = _as_list(v)[0]
+            self._shapes[k] = (first.shape, first.dtype)
+            if self._worker_updater is not None:
+                self._weights[k] = mx.nd.array(first, dtype=first.dtype)
 
     def broadcast(self, key, value, out, priority=0):
         values = _views(key, value, "broadcast value", False)
         outs = _views(key, out, "broadcast output", True)
         self._store.broadcast(key, values, out=outs)
+        if self._worker_updater is not None:
+            for k, v in _pairs(key, values):
+                self._weights[k] = mx.nd.array(_as_list(v)[0])
 
     def push(self, key, value, priority=0):
         values = _views(key, value, "pushed value", False)
         self._before_update(key)
         self._store.push(key, values)
+        if self._worker_updater is not None:
+            self._pending.update(k for k, _ in _pairs(key, values))
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         if out is None:
             raise Error("pull needs out=")
-        self._store.pull(key, out=_views(key, out, "pull output", True))
+        outs = _views(key, out, "pull output", True)
+        if self._worker_updater is not None:
+            return self._pull_updated(key, outs)
+        self._store.pull(key, out=outs)
 
     def pushpull(self, key, value, out=None, priority=0):
         values = _views(key, value, "pushed value", out is None)
         outs = values if out is None else _views(key, out, "pushpull output", True)
         self._before_update(key)
+        if self._worker_updater is not None:
+            self._store.push(key, values)
+            self._pending.update(k for k, _ in _pairs(key, values))
+            return self._pull_updated(key, outs)
         self._store.pushpull(key, values, out=outs)
+
+    def _pull_updated(self, key, outs):
+        """The worker-side update: once per push, the servers' sum of this
+        round's gradients goes through MXNet's updater into this worker's
+        weights (every worker applies the same sum, so all stay equal)."""
+        for k, out in _pairs(key, outs):
+            weight = self._weights.get(k)
+            if weight is None:
+                raise Error("key %r: not initialized (call init first)" % (k,))
+            if k in self._pending:
+                grad = np.empty(weight.shape, np.float32)
+                self._store.pull(k, out=[grad])
+                self._pending.discard(k)
+                self._worker_updater(k, mx.nd.array(grad, dtype=grad.dtype), weight)
+            values = weight.asnumpy()
+            for o in _as_list(out):
+                o[...] = values
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         raise Error("key %r: row_sparse_pull is not supported by gradpack's stores (dense only)" % (key,))
@@ -179,9 +232,12 @@ class GradpackStore(mx.kv.KVStoreBase):
             raise Error("set_optimizer takes an mx.optimizer.Optimizer, got %s" % type(optimizer).__name__)
         name = _rust_name(optimizer)
         if name is None and self._dist:
-            raise Error("%s cannot run on gradpack's servers, which run SGD, NAG and Adam; use one of "
-                        "those, or update_on_kvstore=False to update on the workers"
-                        % type(optimizer).__name__)
+            if "async" in self._name:
+                raise Error("%s cannot run on gradpack's servers, which run SGD, NAG and Adam, and a '%s' "
+                            "store updates only on its servers (as in MXNet); use one of those optimizers "
+                            "or a dist_sync store" % (type(optimizer).__name__, self._name))
+            self._use_worker_updater(optimizer)
+            return
         if name is not None:
             params = {"learning_rate": optimizer.lr}
             if self._dist:
@@ -201,6 +257,24 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._updater = updater
             self._rust = False
         self._optimizer = optimizer
+        self._scaling = None
+
+    def _use_worker_updater(self, optimizer):
+        """A dist_sync store with an optimizer the servers cannot run (MXNet's
+        'test' optimizer, a Python subclass): the servers keep summing, and
+        each worker runs MXNet's updater on the sum, as update_on_kvstore=False
+        would. Weights already initialized are pulled from the servers first."""
+        weights = {}
+        for k, (shape, dtype) in self._shapes.items():
+            value = np.empty(shape, dtype)
+            self._store.pull(k, out=[value])
+            weights[k] = mx.nd.array(value, dtype=dtype)
+        self._weights = weights
+        self._pending = set()
+        self._worker_updater = mx.optimizer.get_updater(optimizer)
+        self._updater = self._worker_updater
+        self._optimizer = optimizer
+        self._rust = False
         self._scaling = None
 
     def set_updater(self, updater):
@@ -231,7 +305,7 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._store.set_rates(k, opt._get_lr(k), opt._get_wd(k))
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        if self._dist:
+        if self._dist and self._worker_updater is None:
             raise Error("the optimizer states of a '%s' store live on its servers and cannot be saved "
                         "from a worker (as in MXNet)" % self._name)
         if self._updater is None:
@@ -247,7 +321,7 @@ class GradpackStore(mx.kv.KVStoreBase):
                 f.write(self._updater.get_states(dump_optimizer))
 
     def load_optimizer_states(self, fname):
-        if self._dist:
+        if self._dist and self._worker_updater is None:
             raise Error("the optimizer states of a '%s' store live on its servers and cannot be loaded "
                         "from a worker (as in MXNet)" % self._name)
         if self._updater is None:

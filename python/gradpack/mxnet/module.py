@@ -1,9 +1,14 @@
 """``gradpack.mxnet.Module``: ``mx.mod.Module`` with ``compress_params=``.
 
-With a kvstore given by name, the Module uses gradpack's store of that type.
-As in MXNet, one context with a non-dist store type needs no store at all; but
-asking for compression there raises an error instead of silently dropping it.
+With compression, a kvstore given by name is gradpack's store of that type.
+Without it, a local store name gets exactly MXNet's behaviour (MXNet's own
+store, created by MXNet), while a dist name gets gradpack's store, because the
+job's servers are gradpack's. As in MXNet, one context with a non-dist store
+type needs no store at all; but asking for compression there raises an error
+instead of silently dropping it.
 """
+import contextlib
+
 import mxnet as mx
 
 from ..base import Error
@@ -31,10 +36,32 @@ def compresses(params):
     return str(kind).strip().lower() != "none"
 
 
+def native(kvstore, compress_params):
+    """True when MXNet itself should create the store named `kvstore`: a
+    local name without compression."""
+    return isinstance(kvstore, str) and "dist" not in kvstore and not compresses(compress_params)
+
+
+@contextlib.contextmanager
+def native_create():
+    """MXNet's own ``mx.kv.create`` while MXNet creates a store by name (after
+    ``install()`` the name would otherwise come back as gradpack's)."""
+    from . import _saved
+    if not _saved:
+        yield
+        return
+    patched = mx.kvstore.create
+    mx.kvstore.create = _saved[(mx.kvstore, "create")]
+    try:
+        yield
+    finally:
+        mx.kvstore.create = patched
+
+
 def store_for(kvstore, num_contexts, compress_params, owner):
-    """What to hand MXNet's ``_create_kvstore``: a gradpack store for a store
-    name, or the name itself where MXNet would create no store (one context,
-    no dist, no compression)."""
+    """What to hand MXNet's ``_create_kvstore`` when `native` is false: a
+    gradpack store for a store name, or the name itself where MXNet would
+    create no store (one context, no dist, no compression)."""
     if not isinstance(kvstore, str):
         return kvstore
     if num_contexts == 1 and "dist" not in kvstore:
@@ -58,5 +85,8 @@ class Module(mx.mod.Module):
                        force_init=False):
         if self.optimizer_initialized and not force_init:
             return super(Module, self).init_optimizer(kvstore, optimizer, optimizer_params, force_init)
+        if native(kvstore, self._compression_params):
+            with native_create():
+                return super(Module, self).init_optimizer(kvstore, optimizer, optimizer_params, force_init)
         kvstore = store_for(kvstore, len(self._context), self._compression_params, "Module")
         return super(Module, self).init_optimizer(kvstore, optimizer, optimizer_params, force_init)

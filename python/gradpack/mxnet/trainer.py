@@ -1,8 +1,10 @@
 """``gradpack.mxnet.Trainer``: ``mx.gluon.Trainer`` with ``compress_params=``,
-using gradpack's stores (see ``gradpack.mxnet.module`` for the one-context rule)."""
+using gradpack's stores (see ``gradpack.mxnet.module`` for which store a name
+gives, and the one-context rule)."""
 import mxnet as mx
 
-from .module import resolve_compression, store_for
+from .kvstore import GradpackStore, KVStoreError, runs_on_servers
+from .module import compresses, native, native_create, store_for
 
 __all__ = ["Trainer"]
 
@@ -12,6 +14,7 @@ class Trainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore="device",
                  compression_params=None, update_on_kvstore=None, compress_params=None):
+        from .module import resolve_compression
         compression = resolve_compression(compress_params, compression_params)
         super(Trainer, self).__init__(params, optimizer, optimizer_params=optimizer_params,
                                       kvstore=kvstore, compression_params=compression,
@@ -19,11 +22,35 @@ class Trainer(mx.gluon.Trainer):
 
     def _init_kvstore(self):
         # MXNet re-runs this after _reset_kvstore (e.g. on load_parameters), so
-        # the store name stays in the config and each run gets a fresh store.
+        # the config keeps what the user asked for and each run starts from it.
         config = self._kvstore_params
-        requested = config["kvstore"]
-        config["kvstore"] = store_for(requested, len(self._contexts), self._compression_params, "Trainer")
+        requested, update_on_kvstore = config["kvstore"], config["update_on_kvstore"]
+        if native(requested, self._compression_params):
+            with native_create():
+                return super(Trainer, self)._init_kvstore()
+        store = store_for(requested, len(self._contexts), self._compression_params, "Trainer")
+        if isinstance(store, GradpackStore):
+            self._check_dense(store)
+            if (update_on_kvstore is None and store._dist and "async" not in store.type
+                    and not runs_on_servers(self._optimizer)):
+                # The servers cannot run this optimizer: MXNet's own path with
+                # update_on_kvstore=False (the store sums, the workers update).
+                config["update_on_kvstore"] = False
+        config["kvstore"] = store
         try:
             super(Trainer, self)._init_kvstore()
         finally:
-            config["kvstore"] = requested
+            config["kvstore"], config["update_on_kvstore"] = requested, update_on_kvstore
+
+    def _check_dense(self, store):
+        for param in self._params:
+            kinds = [k for k, stype in (("weight", param._stype), ("gradient", param._grad_stype))
+                     if stype != "default"]
+            if kinds:
+                what = "gradient compression" if compresses(self._compression_params) else "store"
+                raise KVStoreError(
+                    "Trainer: parameter '%s' has a %s %s, but gradpack's '%s' %s handles dense "
+                    "parameters only. Train it without compression on a local store (MXNet's own "
+                    "store then serves it), or make it dense (e.g. sparse_grad=False)"
+                    % (param.name, param._stype if kinds[0] == "weight" else param._grad_stype,
+                       " and ".join(kinds), store.type, what))
