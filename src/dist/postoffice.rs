@@ -75,7 +75,7 @@ impl Postoffice {
         let van = Arc::new(Van::new(config.secret.clone()));
         let host = config.node_host.clone().unwrap_or_else(|| local_address_towards(&config.root_uri, config.root_port));
         let (receiver, port) = van.bind(&host, 0)?;
-        van.connect(SCHEDULER_ID, &config.root_uri, config.root_port)?;
+        let mut scheduler_link = van.connect_watched(SCHEDULER_ID, &config.root_uri, config.root_port)?;
         let mut reg = Meta::new(Command::Register, 0);
         reg.body = encode_pairs([
             ("role", config.role.name()),
@@ -87,6 +87,10 @@ impl Postoffice {
         let who = format!("{} {}:{}", config.role.name(), host, port);
         log(&config, &who, 1, &format!("registering with the scheduler at {}:{}", config.root_uri, config.root_port));
 
+        // A scheduler that never accepts the connection in this long is not
+        // running (or died before this node started): see the error below.
+        let started = Instant::now();
+        let unreachable_after = config.heartbeat_timeout.max(Duration::from_secs(10));
         // Every node must register before the table comes; allow for slow starts.
         let deadline = Instant::now() + config.heartbeat_timeout.max(Duration::from_secs(60)) * 2;
         // Peers that got the table first may already send requests: keep them for later.
@@ -97,6 +101,28 @@ impl Postoffice {
                 return Err(Error::JobFailed(format!(
                     "no answer from the scheduler at {}:{} within {:?} (is it running, and did all {} workers and {} servers start?)",
                     config.root_uri, config.root_port, deadline.duration_since(deadline - remaining), config.num_workers, config.num_servers
+                )));
+            }
+            if !scheduler_link.ever_up() && started.elapsed() > unreachable_after {
+                return Err(Error::JobFailed(format!(
+                    "nothing accepted a connection at the scheduler's address {}:{} for {:?}: the scheduler is not \
+                     running, or it died. Under MXNet's tools/launch.py, a script that imports mxnet before \
+                     gradpack.mxnet gives the scheduler role to MXNet's own ps-lite, which aborts when a gradpack \
+                     worker registers: import gradpack.mxnet before mxnet (then gradpack serves the scheduler and \
+                     server roles), or start the job with python -m gradpack.launch",
+                    config.root_uri, config.root_port, unreachable_after
+                )));
+            }
+            if scheduler_link.closed() {
+                return Err(Error::JobFailed(format!(
+                    "the scheduler at {}:{} closed the connection when this {} registered, without answering. A gradpack \
+                     scheduler answers or refuses with a reason, so either it died, or it is MXNet's own ps-lite, which \
+                     aborts on gradpack's messages (\"failed to parse string into protobuf\"). Every process of the job must \
+                     run gradpack: in a script started by MXNet's tools/launch.py, import gradpack.mxnet before mxnet \
+                     (then gradpack serves the scheduler and server roles), or start the job with python -m gradpack.launch",
+                    config.root_uri,
+                    config.root_port,
+                    config.role.name()
                 )));
             }
             if let Some(why) = van.notice_from(SCHEDULER_ID) {

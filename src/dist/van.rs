@@ -21,6 +21,43 @@ fn zmq_error(what: &str, e: zmq::Error) -> Error {
     Error::Transport(format!("{what}: {e}"))
 }
 
+/// A connection being watched (`Van::connect_watched`).
+pub struct Watch {
+    events: zmq::Socket,
+    up: bool,
+    closed: bool,
+}
+
+impl Watch {
+    /// Reads the monitor's events so far, without waiting. Each event is two
+    /// frames: 2 bytes of event number (little-endian) and 4 of value, then
+    /// the endpoint.
+    fn update(&mut self) {
+        while let Ok(frames) = self.events.recv_multipart(zmq::DONTWAIT) {
+            let Some(head) = frames.first().filter(|f| f.len() >= 2) else { continue };
+            let event = u16::from_le_bytes([head[0], head[1]]);
+            if event == zmq::SocketEvent::CONNECTED.to_raw() {
+                self.up = true;
+            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                self.closed = true;
+            }
+        }
+    }
+
+    /// True once the peer has accepted the connection.
+    pub fn ever_up(&mut self) -> bool {
+        self.update();
+        self.up
+    }
+
+    /// True once the peer has closed an accepted connection (its process
+    /// died, or it dropped us).
+    pub fn closed(&mut self) -> bool {
+        self.update();
+        self.closed
+    }
+}
+
 /// Payload bytes this node sent and received (headers included), and the
 /// messages it received but could not use: malformed frames, requests it
 /// could not answer, responses nobody waited for.
@@ -162,6 +199,10 @@ impl Van {
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
     pub fn connect(&self, id: i32, host: &str, port: u16) -> Result<()> {
         let socket = self.ctx.socket(zmq::DEALER).map_err(|e| zmq_error("creating a socket", e))?;
+        self.connect_socket(id, socket, host, port)
+    }
+
+    fn connect_socket(&self, id: i32, socket: zmq::Socket, host: &str, port: u16) -> Result<()> {
         // Closing waits up to 2 s for queued messages (a worker's "done", the
         // scheduler's "terminate") to leave, instead of dropping them.
         socket.set_linger(2000).map_err(|e| zmq_error("setting linger", e))?;
@@ -170,6 +211,21 @@ impl Van {
         socket.connect(&endpoint).map_err(|e| zmq_error(&format!("connecting to {endpoint}"), e))?;
         self.senders.lock().unwrap().insert(id, socket);
         Ok(())
+    }
+
+    /// `connect`, watching the connection (a ZeroMQ socket monitor set up
+    /// before connecting, so no event is missed): `Watch` then says whether
+    /// the peer ever accepted it and whether it closed it.
+    pub fn connect_watched(&self, id: i32, host: &str, port: u16) -> Result<Watch> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let endpoint = format!("inproc://gradpack-watch-{id}-{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        let socket = self.ctx.socket(zmq::DEALER).map_err(|e| zmq_error("creating a socket", e))?;
+        let events = (zmq::SocketEvent::CONNECTED as i32) | (zmq::SocketEvent::DISCONNECTED as i32);
+        socket.monitor(&endpoint, events).map_err(|e| zmq_error("monitoring a connection", e))?;
+        let watch = self.ctx.socket(zmq::PAIR).map_err(|e| zmq_error("creating a socket", e))?;
+        watch.connect(&endpoint).map_err(|e| zmq_error("monitoring a connection", e))?;
+        self.connect_socket(id, socket, host, port)?;
+        Ok(Watch { events: watch, up: false, closed: false })
     }
 
     /// Sends a message to node `to`; the payload buffer is handed to ZeroMQ without a copy.

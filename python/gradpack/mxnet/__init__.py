@@ -7,7 +7,21 @@ and changes nothing else. ``gradpack.mxnet.install()`` then makes the
 proposal's API work verbatim: ``mx.kv.create('device')`` returns a gradpack
 store with ``set_compress``, and ``mx.mod.Module`` / ``mx.gluon.Trainer``
 accept ``compress_params=``. ``uninstall()`` restores MXNet's own.
+
+MXNet's launch contract (``tools/launch.py``: one script for every role,
+``DMLC_ROLE`` set): imported before ``mxnet`` in a scheduler or server process,
+this module serves that role with gradpack until the job ends and exits the
+process, as ``import mxnet`` does with ps-lite. Imported after ``mxnet`` it is
+too late: MXNet's ps-lite has already taken the role, and gradpack's workers
+then fail within seconds with an error that says to swap the imports.
 """
+import os as _os
+import sys as _sys
+
+if _os.environ.get("DMLC_ROLE") in ("scheduler", "server") and "mxnet" not in _sys.modules:
+    from ..kv import serve_and_exit as _serve_and_exit
+    _serve_and_exit()  # never returns
+
 try:
     import mxnet as mx
 except ImportError as e:  # pragma: no cover - depends on the environment
