@@ -65,6 +65,10 @@ pub struct Optimizer {
     /// Per-key (learning rate, weight decay) as MXNet's `_get_lr` / `_get_wd`
     /// return them (schedules and lr_mult / wd_mult applied); default: `hyper`'s.
     rates: Mutex<HashMap<Key, (f64, f64)>>,
+    /// MXNet's `multi_precision`: float16 values keep a float32 master copy,
+    /// updated in float32 (pulls see it rounded to float16). No effect on
+    /// float32 values, as in MXNet.
+    multi_precision: bool,
 }
 
 fn wrong_state(key: &Key, n: usize) -> Error {
@@ -105,12 +109,18 @@ fn clip(x: f32, bound: f32) -> f32 {
 
 impl Optimizer {
     pub fn new(rule: Rule, hyper: Hyper) -> Optimizer {
-        Optimizer { rule, hyper: Mutex::new(hyper), states: Mutex::default(), rates: Mutex::default() }
+        Optimizer { rule, hyper: Mutex::new(hyper), states: Mutex::default(), rates: Mutex::default(), multi_precision: false }
+    }
+
+    /// Whether float16 values keep a float32 master copy (MXNet's `multi_precision`).
+    pub fn multi_precision(&self) -> bool {
+        self.multi_precision
     }
 
     /// Builds an optimizer from MXNet's name (`sgd`, `nag`, `adam`) and
     /// parameters given as strings (`learning_rate`, `momentum`, `wd`,
-    /// `rescale_grad`, `clip_gradient`, `beta1`, `beta2`, `epsilon`).
+    /// `rescale_grad`, `clip_gradient`, `beta1`, `beta2`, `epsilon`,
+    /// `multi_precision` as `true`/`false`/`1`/`0`).
     pub fn from_params<'a>(name: &str, params: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Optimizer> {
         let mut hyper = Hyper { learning_rate: 0.01, wd: 0.0, rescale_grad: 1.0, clip_gradient: -1.0 };
         let (mut momentum, mut beta1, mut beta2, mut epsilon) = (0.0f32, 0.9f64, 0.999f64, 1e-8f32);
@@ -122,8 +132,17 @@ impl Optimizer {
                 return Err(Error::InvalidParam { key: "optimizer".into(), problem: format!("unknown optimizer '{other}' (gradpack runs 'sgd', 'nag', 'adam')") });
             }
         };
+        let mut multi_precision = false;
         for (k, v) in params {
             let bad = |problem: &str| Error::InvalidParam { key: k.to_string(), problem: problem.to_string() };
+            if k == "multi_precision" {
+                multi_precision = match v.trim().to_ascii_lowercase().as_str() {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    _ => return Err(bad(&format!("must be true or false, got '{v}'"))),
+                };
+                continue;
+            }
             let wide = if v.trim().eq_ignore_ascii_case("none") && k == "clip_gradient" { -1.0 } else { parse_f64(k, v)? };
             let x = wide as f32;
             if !wide.is_finite() || !x.is_finite() {
@@ -152,7 +171,7 @@ impl Optimizer {
             "nag" => Rule::Nag { momentum },
             _ => Rule::Adam { beta1, beta2, epsilon },
         };
-        Ok(Optimizer::new(rule, hyper))
+        Ok(Optimizer { multi_precision, ..Optimizer::new(rule, hyper) })
     }
 
     pub fn rule(&self) -> Rule {

@@ -3,7 +3,8 @@
 ``gradpack.kv.create('device')`` returns a store whose ``init``, ``push``,
 ``pull``, ``pushpull``, ``broadcast`` take the same arguments as MXNet's
 ``mx.kv.KVStore``: keys are ints or strings (or lists of them), values are
-arrays or lists of arrays (one per device). float32 values; float16 and
+arrays or lists of arrays (one per device). float32 or float16 values (a
+float16 key keeps MXNet's float16 semantics: see the README); float16 and
 bfloat16 gradients are accepted when compressing. Arrays are passed to the
 Rust core without copies; outputs are written in place.
 """
@@ -153,7 +154,7 @@ def _array_in(key, a, what):
     if not isinstance(a, np.ndarray):
         raise Error("key %r: %s must be a numpy.ndarray, got %s" % (key, what, type(a).__name__))
     if a.dtype.name not in _DTYPES:
-        raise Error("key %r: %s has dtype %s, expected float32 (float16 or bfloat16 gradients "
+        raise Error("key %r: %s has dtype %s, expected float32 or float16 (bfloat16 gradients "
                     "when compressing)" % (key, what, a.dtype.name))
     a = np.ascontiguousarray(a)  # a copy only for non-contiguous inputs, which are read-only here
     shape = _shape(a)
@@ -161,16 +162,29 @@ def _array_in(key, a, what):
 
 
 def _array_out(key, a, what):
+    """The C view of an output, and what keeps it alive. A float16 output (of
+    a float16 key) is written through a float32 buffer, cast when the call
+    succeeded (`_finish_outputs`); the values are float16 already."""
     if not isinstance(a, np.ndarray):
         raise Error("key %r: %s must be a numpy.ndarray, got %s" % (key, what, type(a).__name__))
-    if a.dtype != np.float32:
-        raise Error("key %r: %s has dtype %s, expected float32" % (key, what, a.dtype.name))
+    if a.dtype not in (np.float32, np.float16):
+        raise Error("key %r: %s has dtype %s, expected float32 (or float16 for a float16 key)"
+                    % (key, what, a.dtype.name))
     if not a.flags.c_contiguous:
         raise Error("key %r: %s must be C-contiguous (it is written in place)" % (key, what))
     if not a.flags.writeable:
         raise Error("key %r: %s is read-only" % (key, what))
     shape = _shape(a)
-    return _ArrayMut(a.ctypes.data, a.ndim, shape), shape
+    target = a
+    if a.dtype == np.float16:
+        a = np.empty(a.shape, np.float32)
+    return _ArrayMut(a.ctypes.data, a.ndim, shape), (shape, a, target)
+
+
+def _finish_outputs(made):
+    for _, (_, written, target) in made:
+        if written is not target:
+            target[...] = written
 
 
 def _c_strings(items):
@@ -266,7 +280,7 @@ class KVStore(object):
         check_call(status)
 
     def init(self, key, value):
-        """Initialise one key (or a list) with float32 values; lossless."""
+        """Initialise one key (or a list) with float32 or float16 values; lossless."""
         for k, vals in _grouped(key, value, "values"):
             if len(vals) != 1:
                 raise Error("key %r: init takes one value, got %d" % (k, len(vals)))
@@ -287,6 +301,7 @@ class KVStore(object):
         for k, outs in _grouped(key, out, "outputs"):
             arrs, keep = self._arrays_out(k, outs, "pull output")
             self._call(LIB.gp_kvstore_pull(self.handle, _key(k), arrs, len(outs)))
+            _finish_outputs(keep)
 
     def pushpull(self, key, value, out=None, priority=0):
         """Push, then pull into ``out`` (into ``value`` itself when out is None)."""
@@ -298,6 +313,7 @@ class KVStore(object):
             outs, keep_out = self._arrays_out(k, pairs_out[k], "pushpull output")
             self._call(LIB.gp_kvstore_pushpull(self.handle, _key(k), arrs, len(vals), outs,
                                                len(pairs_out[k])))
+            _finish_outputs(keep_out)
 
     def broadcast(self, key, value, out, priority=0):
         """Initialise with ``value``, then pull into ``out``."""
@@ -308,6 +324,7 @@ class KVStore(object):
             arr, keep = _array_in(k, vals[0], "broadcast value")
             outs, keep_out = self._arrays_out(k, pairs_out[k], "broadcast output")
             self._call(LIB.gp_kvstore_broadcast(self.handle, _key(k), arr, outs, len(pairs_out[k])))
+            _finish_outputs(keep_out)
             self._shapes[k] = np.shape(vals[0])
 
     def _arrays_in(self, k, vals, what):
@@ -338,7 +355,8 @@ class KVStore(object):
     def set_optimizer(self, optimizer, **params):
         """Run gradpack's optimizer on every push: ``set_optimizer('sgd',
         learning_rate=0.1, momentum=0.9)`` or a dict with a 'name' key.
-        Known: 'sgd', 'nag', 'adam' with MXNet's parameter names."""
+        Known: 'sgd', 'nag', 'adam' with MXNet's parameter names, and
+        ``multi_precision`` (a float32 master copy for float16 keys)."""
         if isinstance(optimizer, dict):
             params = dict(optimizer, **params)
             optimizer = params.pop("name", None)
@@ -346,8 +364,13 @@ class KVStore(object):
             raise Error("set_optimizer takes an optimizer name ('sgd', 'nag', 'adam') or a dict "
                         "with 'name', got %s" % type(optimizer).__name__)
         keys = [k.encode() for k in params]
-        vals = [("none" if v is None else repr(float(v)) if not isinstance(v, str) else v).encode()
-                for v in params.values()]
+        def text(v):
+            if v is None:
+                return "none"
+            if isinstance(v, (bool, np.bool_)):
+                return "true" if v else "false"
+            return v if isinstance(v, str) else repr(float(v))
+        vals = [text(v).encode() for v in params.values()]
         self._call(LIB.gp_kvstore_set_optimizer(self.handle, optimizer.encode(), _c_strings(keys),
                                                 _c_strings(vals), len(keys)))
 

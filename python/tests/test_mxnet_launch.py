@@ -61,6 +61,8 @@ def test_gradpack_first_serves_every_role_and_every_process_exits_0(tmp_path):
         # Each worker: 0.3 -> nothing, 0.6 -> 0.5, 0.4 -> nothing, 0.7 -> 0.5;
         # without an optimizer the servers keep the latest sum of 2 workers.
         assert res["pulled"] == [[0.0] * 4, [1.0] * 4, [0.0] * 4, [1.0] * 4], res
+        # The float16 key: its 0.3 rounds to 0.2998, still the same codes.
+        assert res["pulled16"] == [["float16"] + row for row in res["pulled"]], res
         assert res["type"] == "GradpackStore"
 
 

@@ -12,7 +12,7 @@ use super::counts;
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::Key;
+use crate::kvstore::{settle, Key};
 use crate::optimizer::Optimizer;
 use crate::quant::{self, scheme, scheme::Part};
 
@@ -84,6 +84,8 @@ struct Slot {
     shape: Vec<usize>,
     scheme: SchemeRound,
     value: Vec<f32>,
+    /// A float16 key: sums and updates rounded to float16 (`kvstore::settle`).
+    half: bool,
     merge: Vec<f32>,
     round: Round,
     round_pos: Vec<u8>,
@@ -247,7 +249,13 @@ impl Server {
                     return Err(Error::Key { key: key.to_string(), problem: format!("init carries {} values for a slice of {}", value.len(), meta.len) });
                 }
                 let n = value.len();
-                let shape = match decode_pairs(&meta.body)?.iter().find(|(k, _)| k == "shape") {
+                let pairs = decode_pairs(&meta.body)?;
+                let half = match pairs.iter().find(|(k, _)| k == "dtype").map(|(_, v)| v.as_str()) {
+                    None | Some("float32") => false,
+                    Some("float16") => true,
+                    Some(other) => return Err(Error::Transport(format!("malformed message: dtype '{}'", other.escape_debug()))),
+                };
+                let shape = match pairs.iter().find(|(k, _)| k == "shape") {
                     Some((_, v)) => v.split(',').map(|d| d.trim().parse::<usize>().map_err(|_| Error::Transport(format!("malformed message: shape '{v}'")))).collect::<Result<Vec<_>>>()?,
                     None => vec![n],
                 };
@@ -259,6 +267,7 @@ impl Server {
                         scheme: SchemeRound::default(),
                         merge: vec![0.0; n],
                         value,
+                        half,
                         round: Round::Empty,
                         round_pos: vec![0; n],
                         round_neg: vec![0; n],
@@ -401,6 +410,8 @@ impl Server {
                     Some(_) if first => codec::dequantize_2bit(&payload, &mut slot.merge)?,
                     Some(_) => codec::dequantize_2bit_add(&payload, &mut slot.merge)?,
                     None if first => slot.merge.copy_from_slice(&payload),
+                    // A float16 key sums as MXNet adds float16 arrays: each partial sum rounded.
+                    None if slot.half => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m = half::f16::from_f32(*m + *p).to_f32()),
                     None => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m += *p),
                 }
                 Round::Float
@@ -431,13 +442,15 @@ impl Server {
                     counts::values(&slot.round_pos, &slot.round_neg, th, &mut slot.merge);
                 }
                 slot.value_counts = None;
-                match opt {
+                let updated = match opt {
                     Some(o) => o.update(&key, &slot.merge, &mut slot.value),
                     None => {
                         slot.value.copy_from_slice(&slot.merge);
                         Ok(())
                     }
-                }
+                };
+                settle(&mut slot.value, slot.half, opt.as_ref());
+                updated
             }
         };
         slot.round = Round::Empty;
@@ -518,7 +531,7 @@ impl Server {
             slot.pull_cache = None;
             slot.value_counts = None;
             let result = decoded.and_then(|_| match &self.optimizer {
-                Some(o) => o.update(&key, &slot.merge, &mut slot.value),
+                Some(o) => o.update(&key, &slot.merge, &mut slot.value).map(|()| settle(&mut slot.value, slot.half, Some(o))),
                 None => {
                     // The value is exactly this decoded sum: pulls send what it was decoded from.
                     slot.value.copy_from_slice(&slot.merge);

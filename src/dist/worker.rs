@@ -17,7 +17,7 @@ use super::server::{FLAG_ABORT, FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLA
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::{check_outputs, check_push, check_shape, key_error, sum_into, Array, ArrayMut, Key, Store};
+use crate::kvstore::{check_outputs, check_push, check_shape, key_error, round_to_f16, sum_into, Array, ArrayMut, Key, Store};
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
 
@@ -58,6 +58,8 @@ pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize) -
 
 struct WorkerKey {
     shape: Vec<usize>,
+    /// A float16 key: its sums and pulls are rounded to float16.
+    half: bool,
     slices: Vec<Slice>,
     /// One residual per slice, allocated on the first compressed push.
     residuals: Vec<Vec<f32>>,
@@ -275,8 +277,12 @@ impl DistWorker {
     /// then every worker waits at a barrier.
     pub fn init(&self, key: &Key, value: Array) -> Result<()> {
         key.check()?;
-        let Grad::F32(data) = value.data else {
-            return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
+        // A float16 value makes a float16 key: sent widened (exactly), and
+        // the servers keep it as MXNet keeps float16 values.
+        let (data, half) = match value.data {
+            Grad::F32(d) => (std::borrow::Cow::Borrowed(d), false),
+            Grad::F16(d) => (std::borrow::Cow::Owned(d.iter().map(|x| x.to_f32()).collect::<Vec<f32>>()), true),
+            other => return Err(key_error(key, format!("init value has dtype {}, expected float32 or float16", other.dtype()))),
         };
         check_shape(key, "init value", value.shape, data.len(), value.shape)?;
         {
@@ -300,13 +306,13 @@ impl DistWorker {
                 .iter()
                 .map(|s| {
                     let mut m = s.meta(Command::Init, key);
-                    m.body = encode_pairs([("shape", shape.as_str())]);
+                    m.body = encode_pairs([("shape", shape.as_str()), ("dtype", if half { "float16" } else { "float32" })]);
                     (s.server, m, f32s_to_bytes(&data[s.offset..s.offset + s.len]))
                 })
                 .collect();
             self.post.request(parts)?;
         }
-        let entry = WorkerKey { shape: value.shape.to_vec(), residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default() };
+        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default() };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
         self.post.barrier()
     }
@@ -344,7 +350,7 @@ impl DistWorker {
 
     /// The push once the key is known: every check, then (`checked` set) the round.
     fn push_checked(&self, key: &Key, e: &mut WorkerKey, values: &[Array], compression: Compression, checked: &mut bool) -> Result<()> {
-        check_push(key, values, &e.shape, compression)?;
+        check_push(key, values, &e.shape, compression, e.half)?;
         let n: usize = e.shape.iter().product();
         // One float32 device: push straight from its array, no merge copy.
         let single = match values {
@@ -354,7 +360,7 @@ impl DistWorker {
         if single.is_none() {
             e.merge.resize(n, 0.0);
             let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
-            sum_into(&mut e.merge, &grads);
+            sum_into(&mut e.merge, &grads, e.half);
         }
         if compression.is_scheme() {
             *checked = true;
@@ -497,6 +503,9 @@ impl DistWorker {
                     scheme::decode(&compression, exchanged, sum, &ctx, dst)?;
                 }
             }
+        }
+        if e.half {
+            round_to_f16(first.data); // the servers' float32 master copy (multi_precision), as float16
         }
         for o in rest {
             o.data.copy_from_slice(first.data);

@@ -87,7 +87,9 @@ pub enum Updater {
 /// has that length too; each compressed buffer is `compressed_len(value.len())`.
 struct Entry {
     shape: Vec<usize>,
+    /// float32, or float16 values held in float32 (`settle`).
     value: Vec<f32>,
+    half: bool,
     /// One per device index, allocated on the device's first compressed push.
     residuals: Vec<Vec<f32>>,
     /// The 2-bit push's second residual buffer per device: the next residual
@@ -158,7 +160,7 @@ fn merge_for_allreduce(key: &Key, e: &mut Entry, values: &[Array], compression: 
     let n = e.value.len();
     let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
     e.merge_buf.resize(n, 0.0);
-    sum_into(&mut e.merge_buf, &grads);
+    sum_into(&mut e.merge_buf, &grads, false);
     if let Compression::TwoBit(_) = compression {
         let zeros;
         let residual = match e.states.first() {
@@ -214,18 +216,34 @@ pub(crate) fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, wa
 }
 
 /// The checks of a push, shared by every store: values present, each of the
-/// key's shape, float32 unless compressing.
-pub(crate) fn check_push(key: &Key, values: &[Array], shape: &[usize], compression: Compression) -> Result<()> {
+/// key's shape, and without compression of the key's dtype (`half`: float16).
+pub(crate) fn check_push(key: &Key, values: &[Array], shape: &[usize], compression: Compression, half: bool) -> Result<()> {
     if values.is_empty() {
         return Err(key_error(key, "push of an empty list of values"));
     }
+    let want = if half { Dtype::F16 } else { Dtype::F32 };
     for (i, v) in values.iter().enumerate() {
         check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), shape)?;
-        if compression.is_none() && v.data.dtype() != Dtype::F32 {
-            return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must be float32", v.data.dtype())));
+        if compression.is_none() && v.data.dtype() != want {
+            return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must have the key's dtype, {want}", v.data.dtype())));
         }
     }
     Ok(())
+}
+
+/// Rounds each element to the nearest float16, kept in float32: how a
+/// float16 key's value stays what MXNet would hold.
+pub(crate) fn round_to_f16(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32());
+}
+
+/// After an update or a sum became a float16 key's value: rounded to
+/// float16, unless the optimizer keeps a float32 master copy
+/// (`multi_precision`), which pulls round instead.
+pub(crate) fn settle(value: &mut [f32], half: bool, optimizer: Option<&Optimizer>) {
+    if half && !optimizer.is_some_and(|o| o.multi_precision()) {
+        round_to_f16(value);
+    }
 }
 
 /// The checks of a pull: outputs present, each of the key's shape.
@@ -282,6 +300,10 @@ impl Store for KVStore {
 
 /// Applies the updater to the merged gradient, or makes it the value.
 fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<()> {
+    let optimizer = match updater {
+        Some(Updater::Optimizer(o)) => Some(o),
+        _ => None,
+    };
     match updater {
         // The merged sum becomes the value; the old value's buffer is reused next push.
         None => std::mem::swap(&mut e.value, &mut e.merge_buf),
@@ -296,6 +318,7 @@ fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<(
             e.value = updated;
         }
     }
+    settle(&mut e.value, e.half, optimizer);
     Ok(())
 }
 
@@ -309,12 +332,15 @@ fn copy_into(dst: &mut [f32], src: &[f32]) {
 }
 
 /// `dst = grads[0] + grads[1] + ...` in float32 (half-precision gradients
-/// widened exactly), left to right per element, in parallel chunks.
-pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad]) {
+/// widened exactly), left to right per element, in parallel chunks. With
+/// `half` (a float16 key) each partial sum is rounded to float16, as MXNet
+/// adds float16 arrays.
+pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad], half: bool) {
+    let round = |x: f32| if half { half::f16::from_f32(x).to_f32() } else { x };
     let chunk = |offset: usize, d: &mut [f32]| {
         let range = offset..offset + d.len();
         for (i, g) in grads.iter().enumerate() {
-            let add = |x: &mut f32, y: f32| if i == 0 { *x = y } else { *x += y };
+            let add = |x: &mut f32, y: f32| if i == 0 { *x = y } else { *x = round(*x + y) };
             match g.slice(range.clone()) {
                 Grad::F32(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y)),
                 Grad::F16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
@@ -461,17 +487,23 @@ impl KVStore {
         if keys.str_keys.is_some_and(|s| s != key.is_str()) {
             return Err(key_error(key, "int and string keys cannot be mixed"));
         }
-        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), residuals: Vec::new(), spares: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), scheme_out: Vec::new(), pushes: 0 };
+        let entry = Entry { shape: value.shape.to_vec(), value: std::mem::take(&mut data), half: value.data.dtype() == Dtype::F16, residuals: Vec::new(), spares: Vec::new(), merge_buf: Vec::new(), compr_bufs: Vec::new(), states: Vec::new(), scheme_out: Vec::new(), pushes: 0 };
         keys.map.insert(key.clone(), Arc::new(Mutex::new(entry)));
         keys.str_keys = Some(key.is_str());
         Ok(())
     }
 
-    /// The checks of an init; the value as float32.
+    /// The checks of an init; the value as float32. A float16 value makes a
+    /// float16 key (not on the all-reduce store).
     fn check_init(&self, key: &Key, value: Array) -> Result<Vec<f32>> {
         key.check()?;
-        let Grad::F32(data) = value.data else {
-            return Err(key_error(key, format!("init value has dtype {}, expected float32", value.data.dtype())));
+        let data = match value.data {
+            Grad::F32(d) => d.to_vec(),
+            Grad::F16(d) if self.world.is_none() => d.iter().map(|x| x.to_f32()).collect(),
+            other => {
+                let want = if self.world.is_none() { "float32 or float16" } else { "float32 (the all-reduce store holds float32 values)" };
+                return Err(key_error(key, format!("init value has dtype {}, expected {want}", other.dtype())));
+            }
         };
         check_shape(key, "init value", value.shape, data.len(), value.shape)?;
         let keys = self.keys.read().unwrap();
@@ -483,7 +515,7 @@ impl KVStore {
         if keys.map.contains_key(key) {
             return Err(key_error(key, "already initialized"));
         }
-        Ok(data.to_vec())
+        Ok(data)
     }
 
     /// Sums `values` (one per device) and applies the updater, or stores the sum.
@@ -505,7 +537,7 @@ impl KVStore {
         let mut guard = lock(key, &entry)?;
         let e = &mut *guard;
         let n = e.value.len();
-        let checked = check_push(key, values, &e.shape, compression).and_then(|()| match updater.as_deref() {
+        let checked = check_push(key, values, &e.shape, compression, e.half).and_then(|()| match updater.as_deref() {
             Some(Updater::Optimizer(o)) => o.check(key, n),
             _ => Ok(()),
         });
@@ -539,7 +571,13 @@ impl KVStore {
         match compression {
             Compression::None => {
                 let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
-                sum_into(&mut e.merge_buf, &grads);
+                // float16 keys sum as MXNet's stores do: 'device' rounds each
+                // partial sum to float16, 'local' accumulates in float32 and
+                // rounds the total once.
+                sum_into(&mut e.merge_buf, &grads, e.half && self.kind == StoreType::Device);
+                if e.half && self.kind == StoreType::Local {
+                    round_to_f16(&mut e.merge_buf);
+                }
             }
             Compression::TwoBit(th) => {
                 let devices = values.len();
@@ -700,6 +738,9 @@ impl KVStore {
         check_outputs(key, "pull", outs, &e.shape)?;
         for o in outs.iter_mut() {
             copy_into(o.data, &e.value);
+            if e.half {
+                round_to_f16(o.data); // a float32 master copy (multi_precision) is pulled as float16
+            }
         }
         Ok(())
     }

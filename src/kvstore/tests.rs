@@ -166,13 +166,61 @@ fn half_precision_gradients_need_compression() {
     kv.init(&k, f32s(&[0.0; N])).unwrap();
     let g16 = vec![f16::from_f32(0.75); N];
     let err = kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&g16) }]).unwrap_err().to_string();
-    assert!(err.contains("float16; without compression values must be float32"), "{err}");
+    assert!(err.contains("float16; without compression values must have the key's dtype, float32"), "{err}");
     let kv = KVStore::new("device").unwrap();
     kv.set_compress(two_bit(-0.5, 0.5)).unwrap();
     kv.init(&k, f32s(&[0.0; N])).unwrap();
     let gbf = vec![bf16::from_f32(0.75); N];
     kv.push(&k, &[Array { shape: SHAPE, data: Grad::F16(&g16) }, Array { shape: SHAPE, data: Grad::Bf16(&gbf) }]).unwrap();
     assert_eq!(pulled(&kv, &k), vec![1.0; N]);
+}
+
+/// float16 values, as MXNet keeps them: sums round after each add, an update
+/// rounds the value, and multi_precision keeps a float32 master copy that
+/// pulls see rounded.
+#[test]
+fn float16_keys_keep_mxnets_float16_semantics() {
+    let h = |x: f32| vec![f16::from_f32(x); N];
+    fn f16s(v: &[f16]) -> Array<'_> {
+        Array { shape: SHAPE, data: Grad::F16(v) }
+    }
+    let kv = KVStore::new("device").unwrap();
+    let k = Key::Int(0);
+    kv.init(&k, f16s(&h(1.0))).unwrap();
+    // 2048 + 1 + 1: a device store rounds each partial sum to float16
+    // (2049 -> 2048), so 2048; a local store sums in float32 and rounds once,
+    // so 2050. Both as MXNet 1.9.1's stores of those names.
+    let (a, b) = (h(2048.0), h(1.0));
+    kv.push(&k, &[f16s(&a), f16s(&b), f16s(&b)]).unwrap();
+    assert_eq!(pulled(&kv, &k), vec![2048.0; N]);
+    let local = KVStore::new("local").unwrap();
+    local.init(&k, f16s(&h(1.0))).unwrap();
+    local.push(&k, &[f16s(&a), f16s(&b), f16s(&b)]).unwrap();
+    assert_eq!(pulled(&local, &k), vec![2050.0; N]);
+    // A float32 push to a float16 key is refused, as is bfloat16.
+    let err = kv.push(&k, &[f32s(&[1.0; N])]).unwrap_err().to_string();
+    assert!(err.contains("has dtype float32; without compression values must have the key's dtype, float16"), "{err}");
+
+    // SGD, lr 1, gradient 1e-4 ten times from 1.0: in float16 each step rounds
+    // back to 1.0; with multi_precision the float32 master moves and pulls round it.
+    for (mp, want) in [("false", 1.0f32), ("true", f16::from_f32(1.0 - 10.0 * 1e-4f32).to_f32())] {
+        let kv = KVStore::new("device").unwrap();
+        kv.set_updater(Updater::Optimizer(Optimizer::from_params("sgd", [("learning_rate", "1"), ("multi_precision", mp)]).unwrap()));
+        kv.init(&k, f16s(&h(1.0))).unwrap();
+        let g = h(1e-4);
+        for _ in 0..10 {
+            kv.push(&k, &[f16s(&g)]).unwrap();
+        }
+        let got = pulled(&kv, &k);
+        assert!((got[0] - want).abs() < 1e-3 && f16::from_f32(got[0]).to_f32() == got[0], "multi_precision={mp}: {got:?}");
+        assert_eq!(got[0], want, "multi_precision={mp}");
+        let master = kv.value(&k).unwrap()[0];
+        assert_eq!(master == got[0], mp == "false", "multi_precision={mp}: master {master}");
+    }
+    // bfloat16 values are refused (MXNet has no bfloat16 stores).
+    let bf = vec![bf16::from_f32(1.0); N];
+    let err = kv.init(&Key::Int(9), Array { shape: SHAPE, data: Grad::Bf16(&bf) }).unwrap_err().to_string();
+    assert!(err.contains("init value has dtype bfloat16, expected float32 or float16"), "{err}");
 }
 
 #[test]
@@ -464,6 +512,8 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
         shape: Vec<usize>,
         value: Vec<f32>,
         residuals: Vec<Vec<f32>>,
+        /// A float16 key: uncompressed pushes are float16, sums round to float16.
+        half: bool,
     }
     /// A gradient as generated: its values (exact in its dtype) and dtype.
     struct Input {
@@ -543,7 +593,7 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
                 1 => {
                     let x = input(&mut rng);
                     let mixed = str_keys.is_some_and(|s| s != key.is_str());
-                    let bad = key.check().is_err() || mixed || model.contains_key(&key) || x.dtype != Dtype::F32 || x.values.len() != x.shape.iter().product::<usize>();
+                    let bad = key.check().is_err() || mixed || model.contains_key(&key) || x.dtype == Dtype::Bf16 || x.values.len() != x.shape.iter().product::<usize>();
                     expected = if bad { Err(()) } else { Ok(()) };
                     let (h, b) = x.bits16();
                     let data = match x.dtype {
@@ -553,7 +603,7 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
                     };
                     got = kv.init(&key, Array { shape: &x.shape, data });
                     if !bad {
-                        model.insert(key.clone(), Kept { shape: x.shape.clone(), value: x.values.clone(), residuals: Vec::new() });
+                        model.insert(key.clone(), Kept { shape: x.shape.clone(), value: x.values.clone(), residuals: Vec::new(), half: x.dtype == Dtype::F16 });
                         str_keys = Some(key.is_str());
                     }
                 }
@@ -584,7 +634,8 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
                         None => Err(()),
                         Some(k) => {
                             let n = k.value.len();
-                            if inputs.is_empty() || inputs.iter().any(|x| x.shape != k.shape || x.values.len() != n) || (th.is_none() && inputs.iter().any(|x| x.dtype != Dtype::F32)) {
+                            let want = if k.half { Dtype::F16 } else { Dtype::F32 };
+                            if inputs.is_empty() || inputs.iter().any(|x| x.shape != k.shape || x.values.len() != n) || (th.is_none() && inputs.iter().any(|x| x.dtype != want)) {
                                 Err(())
                             } else if let Some(t) = th {
                                 let mut next = k.clone();
@@ -601,14 +652,23 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
                                             merged[i] += reference::value_of(code, t);
                                         }
                                     }
+                                    if next.half {
+                                        merged.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+                                    }
                                     next.value = merged;
                                     Ok(Some(next))
                                 }
                             } else {
                                 let mut next = k.clone();
                                 next.value = inputs[0].values.clone();
+                                // float16 keys: 'device' rounds each partial sum, 'local' the total.
+                                let each = next.half && kind == "device";
+                                let round = |x: f32| if each { f16::from_f32(x).to_f32() } else { x };
                                 for x in &inputs[1..] {
-                                    next.value.iter_mut().zip(&x.values).for_each(|(v, g)| *v += g);
+                                    next.value.iter_mut().zip(&x.values).for_each(|(v, g)| *v = round(*v + g));
+                                }
+                                if next.half {
+                                    next.value.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
                                 }
                                 Ok(Some(next))
                             }
@@ -689,7 +749,7 @@ fn random_calls_match_the_model_or_fail_changing_nothing() {
     let mut top: Vec<_> = reasons.iter().collect();
     top.sort_by_key(|x| std::cmp::Reverse(*x.1));
     eprintln!("{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite); most common errors: {:#?}", &top[..top.len().min(8)]);
-    assert!(ok > 3000 && failed > 3000 && two_bit_pushes > 1000 && non_finite > 150, "{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite)");
+    assert!(ok > 3000 && failed > 3000 && two_bit_pushes > 1000 && non_finite > 100, "{ok} calls succeeded ({two_bit_pushes} 2-bit pushes), {failed} failed ({non_finite} non-finite)");
 }
 
 /// grandk_mn with unselected='local' on a device store: the store is one

@@ -92,9 +92,8 @@ _RUST_OPTIMIZERS = {mx.optimizer.SGD: "sgd", mx.optimizer.NAG: "nag", mx.optimiz
 
 def _rust_name(optimizer):
     """gradpack's name for an optimizer it runs itself, or None (exact classes
-    only: a subclass may change the update rule). multi_precision changes
-    nothing here: gradpack's stores hold float32 values, for which MXNet
-    ignores it too."""
+    only: a subclass may change the update rule). multi_precision is passed
+    on: it matters for float16 keys only (a float32 master copy), as in MXNet."""
     return _RUST_OPTIMIZERS.get(type(optimizer))
 
 
@@ -212,7 +211,7 @@ class GradpackStore(mx.kv.KVStoreBase):
                 grad = np.empty(weight.shape, np.float32)
                 self._store.pull(k, out=[grad])
                 self._pending.discard(k)
-                self._worker_updater(k, mx.nd.array(grad, dtype=grad.dtype), weight)
+                self._worker_updater(k, mx.nd.array(grad, dtype=weight.dtype), weight)
             values = weight.asnumpy()
             for o in _as_list(out):
                 o[...] = values
@@ -239,7 +238,7 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._use_worker_updater(optimizer)
             return
         if name is not None:
-            params = {"learning_rate": optimizer.lr}
+            params = {"learning_rate": optimizer.lr, "multi_precision": bool(optimizer.multi_precision)}
             if self._dist:
                 # Servers see no per-parameter rates: send what MXNet would apply.
                 params.update(wd=optimizer.wd, rescale_grad=optimizer.rescale_grad,
@@ -253,7 +252,8 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._rust = True
         else:
             updater = mx.optimizer.get_updater(optimizer)
-            self._store.set_updater(lambda key, merged, stored: _run_mxnet_updater(updater, key, merged, stored))
+            self._store.set_updater(lambda key, merged, stored: _run_mxnet_updater(updater, key, merged, stored,
+                                                                                   self._dtype(key)))
             self._updater = updater
             self._rust = False
         self._optimizer = optimizer
@@ -283,12 +283,18 @@ class GradpackStore(mx.kv.KVStoreBase):
         device and all-reduce stores)."""
         if not callable(updater):
             raise Error("updater must be callable")
-        self._store.set_updater(lambda key, merged, stored: _run_mxnet_updater(updater, key, merged, stored))
+        self._store.set_updater(lambda key, merged, stored: _run_mxnet_updater(updater, key, merged, stored,
+                                                                               self._dtype(key)))
         self._updater = updater
         self._optimizer = None
         self._rust = False
 
     _set_updater = set_updater
+
+    def _dtype(self, key):
+        """The dtype a key was initialized with (float16 keys are held in
+        float32 by the Rust store, values exact)."""
+        return self._shapes.get(key, (None, np.dtype(np.float32)))[1]
 
     def _before_update(self, key):
         """Bring the Rust optimizer's per-key rates and gradient scaling up to
@@ -344,9 +350,12 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._updater.set_states(data)
 
 
-def _run_mxnet_updater(updater, key, merged, stored):
-    grad = mx.nd.array(merged, dtype=merged.dtype)
-    weight = mx.nd.array(stored, dtype=stored.dtype)
+def _run_mxnet_updater(updater, key, merged, stored, dtype):
+    """MXNet's updater on NDArrays of the key's dtype: for a float16 key it
+    sees float16 weight and gradient, so its multi_precision handling (a
+    float32 master copy in its state) is MXNet's own."""
+    grad = mx.nd.array(merged, dtype=dtype)
+    weight = mx.nd.array(stored, dtype=dtype)
     updater(key, grad, weight)
     stored[...] = weight.asnumpy()
 
