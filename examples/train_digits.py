@@ -18,6 +18,9 @@ import gradpack.mxnet as gpmx
 # below that (0.5) caps every element at +-0.5 per step and training crawls;
 # 3.0 keeps accuracy within a point or two of uncompressed training.
 TWO_BIT = {"compress": "2bit", "pos_threshold": 3.0, "neg_threshold": -3.0}
+# gradpack's device store by name, compressed or not: without compression
+# 'device' would be MXNet's own store, which counts no bytes.
+STORE = "gradpack_device"
 
 
 def load_data(seed=0):
@@ -44,7 +47,7 @@ def train_trainer(compress, epochs=10, batch=64, lr=0.1, seed=0, ctx=None):
     net.add(mx.gluon.nn.Dense(64, activation="relu"), mx.gluon.nn.Dense(10))
     net.initialize(mx.init.Xavier(), ctx=ctx)
     trainer = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": lr, "momentum": 0.9},
-                           kvstore="device", compress_params=TWO_BIT if compress else None)
+                           kvstore=STORE, compress_params=TWO_BIT if compress else None)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     times = []
     for _ in range(epochs):
@@ -75,7 +78,7 @@ def train_module(compress, epochs=10, batch=64, lr=0.1, seed=0, ctx=None):
     train_iter = mx.io.NDArrayIter(xtr, ytr, batch, shuffle=False, last_batch_handle="discard")
     mod.bind(data_shapes=train_iter.provide_data, label_shapes=train_iter.provide_label)
     mod.init_params(mx.init.Xavier())
-    mod.init_optimizer(kvstore="device", optimizer="sgd",
+    mod.init_optimizer(kvstore=STORE, optimizer="sgd",
                        optimizer_params={"learning_rate": lr, "momentum": 0.9})
     times = []
     for _ in range(epochs):

@@ -229,6 +229,16 @@ def test_sparse_gradients_with_compression_are_refused_naming_the_parameter():
         embedding_step(gpmx.Trainer, compress_params=TWO_BIT)
 
 
+def test_module_sparse_gradients_with_compression_are_refused_naming_the_parameter():
+    data = mx.sym.var("data")
+    emb = mx.sym.Embedding(data, input_dim=10, output_dim=4, sparse_grad=True, name="emb")
+    mod = gpmx.Module(mx.sym.MakeLoss(mx.sym.sum(emb)), label_names=None, context=CTX, compress_params=TWO_BIT)
+    mod.bind(data_shapes=[("data", (2, 2))])
+    mod.init_params()
+    with pytest.raises(gpmx.KVStoreError, match="Module: parameter 'emb_weight' has a row_sparse gradient"):
+        mod.init_optimizer(kvstore="device")
+
+
 @pytest.mark.parametrize("installed", [False, True])
 def test_without_compression_trainer_and_module_get_mxnets_own_store(installed):
     """Several contexts, no compression: MXNet's own store and results, sparse

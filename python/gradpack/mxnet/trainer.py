@@ -3,8 +3,8 @@ using gradpack's stores (see ``gradpack.mxnet.module`` for which store a name
 gives, and the one-context rule)."""
 import mxnet as mx
 
-from .kvstore import GradpackStore, KVStoreError, runs_on_servers
-from .module import compresses, native, native_create, store_for
+from .kvstore import GradpackStore, runs_on_servers
+from .module import check_dense, native, native_create, store_for
 
 __all__ = ["Trainer"]
 
@@ -43,14 +43,5 @@ class Trainer(mx.gluon.Trainer):
             config["kvstore"], config["update_on_kvstore"] = requested, update_on_kvstore
 
     def _check_dense(self, store):
-        for param in self._params:
-            kinds = [k for k, stype in (("weight", param._stype), ("gradient", param._grad_stype))
-                     if stype != "default"]
-            if kinds:
-                what = "gradient compression" if compresses(self._compression_params) else "store"
-                raise KVStoreError(
-                    "Trainer: parameter '%s' has a %s %s, but gradpack's '%s' %s handles dense "
-                    "parameters only. Train it without compression on a local store (MXNet's own "
-                    "store then serves it), or make it dense (e.g. sparse_grad=False)"
-                    % (param.name, param._stype if kinds[0] == "weight" else param._grad_stype,
-                       " and ".join(kinds), store.type, what))
+        check_dense("Trainer", store, [(p.name, p._stype, p._grad_stype) for p in self._params],
+                    self._compression_params)
