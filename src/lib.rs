@@ -5,6 +5,7 @@
 
 mod bridge;
 pub mod allreduce;
+pub mod bytes;
 pub mod capi;
 pub mod codec;
 pub mod compression;

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::compression::parse_f64;
+use crate::bytes::Reader;
 use crate::error::{Error, Result};
 use crate::kvstore::Key;
 
@@ -331,7 +332,7 @@ impl Optimizer {
 }
 
 fn parse_states(bytes: &[u8], rule: Rule) -> Result<HashMap<Key, State>> {
-    let mut r = Reader { bytes, pos: 0 };
+    let mut r = Reader::new(bytes, |p| Error::OptimizerStates(format!("optimizer-state blob: {p}")));
     if r.take(4)? != b"GPOS" {
         return Err(Error::OptimizerStates("not a gradpack optimizer-state blob (bad magic)".into()));
     }
@@ -339,7 +340,7 @@ fn parse_states(bytes: &[u8], rule: Rule) -> Result<HashMap<Key, State>> {
     if version != 1 {
         return Err(Error::OptimizerStates(format!("unsupported version {version}")));
     }
-    let name_len = r.take(1)?[0] as usize;
+    let name_len = r.u8()? as usize;
     let name = String::from_utf8_lossy(r.take(name_len)?).into_owned();
     if name != rule.name() {
         return Err(Error::OptimizerStates(format!("states were saved by optimizer '{name}', this store runs '{}'", rule.name())));
@@ -347,49 +348,24 @@ fn parse_states(bytes: &[u8], rule: Rule) -> Result<HashMap<Key, State>> {
     let count = r.u32()?;
     let mut states = HashMap::new();
     for _ in 0..count {
-        let key = match r.take(1)?[0] {
-            0 => Key::Int(i64::from_le_bytes(r.take(8)?.try_into().unwrap())),
-            1 => {
-                let len = r.u32()? as usize;
-                Key::Str(String::from_utf8(r.take(len)?.to_vec()).map_err(|_| Error::OptimizerStates("key is not UTF-8".into()))?)
-            }
+        let key = match r.u8()? {
+            0 => Key::Int(r.u64()? as i64),
+            1 => Key::Str(r.str()?.to_string()),
             t => return Err(Error::OptimizerStates(format!("bad key tag {t}"))),
         };
-        let step = u64::from_le_bytes(r.take(8)?.try_into().unwrap());
+        let step = r.u64()?;
         let arrays = r.u32()? as usize;
         if arrays != rule.state_arrays() {
             return Err(Error::OptimizerStates(format!("key {key} has {arrays} state arrays, '{}' keeps {}", rule.name(), rule.state_arrays())));
         }
         let mut state = State { arrays: Vec::with_capacity(arrays), step };
         for _ in 0..arrays {
-            let len = u64::from_le_bytes(r.take(8)?.try_into().unwrap()) as usize;
-            let raw = r.take(len.checked_mul(4).ok_or_else(|| Error::OptimizerStates("array too long".into()))?)?;
-            state.arrays.push(raw.chunks_exact(4).map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().unwrap()))).collect());
+            state.arrays.push(r.f32s()?);
         }
         states.insert(key, state);
     }
-    if r.pos != bytes.len() {
-        return Err(Error::OptimizerStates(format!("{} trailing bytes", bytes.len() - r.pos)));
-    }
+    r.finish()?;
     Ok(states)
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| Error::OptimizerStates("truncated blob".into()))?;
-        let s = &self.bytes[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
-    }
 }
 
 #[cfg(test)]

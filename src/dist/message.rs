@@ -3,6 +3,7 @@
 //! are float32 values or packed 2-bit blocks moved as bytes only. Decoding
 //! checks every length and tag: a malformed frame is an error, never a panic.
 
+use crate::bytes::Reader;
 use crate::error::{Error, Result};
 use crate::kvstore::Key;
 
@@ -181,15 +182,15 @@ impl Meta {
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Meta> {
-        let mut r = Reader { bytes, pos: 0 };
+        let mut r = Reader::new(bytes, |p| malformed(&format!("header: {p}")));
         if r.u32()? != MAGIC {
             return Err(malformed("bad magic (not a gradpack message)"));
         }
-        let command = Command::from_u8(r.take(1)?[0])?;
-        let flags = u16::from_le_bytes(r.take(2)?.try_into().unwrap());
+        let command = Command::from_u8(r.u8()?)?;
+        let flags = r.u16()?;
         let sender = r.u32()? as i32;
         let request_id = r.u64()?;
-        let key = match r.take(1)?[0] {
+        let key = match r.u8()? {
             0 => None,
             1 => Some(Key::Int(r.u64()? as i64)),
             2 => {
@@ -204,30 +205,8 @@ impl Meta {
         let status = r.u32()? as i32;
         let n = r.u32()? as usize;
         let body = std::str::from_utf8(r.take(n)?).map_err(|_| malformed("body is not UTF-8"))?.to_string();
-        if r.pos != bytes.len() {
-            return Err(malformed(&format!("{} trailing bytes in the header", bytes.len() - r.pos)));
-        }
+        r.finish()?;
         Ok(Meta { command, flags, sender, request_id, key, offset, len, status, body })
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| malformed("truncated header"))?;
-        let s = &self.bytes[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
     }
 }
 

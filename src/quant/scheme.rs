@@ -24,6 +24,7 @@ use rayon::prelude::*;
 use super::collective::Collective;
 use super::{lanes, onebit, powersgd, qsgd};
 use crate::compression::{Compression, Qsgd};
+use crate::bytes::Reader;
 use crate::error::{Error, Result};
 
 /// Where and when a push happens.
@@ -360,27 +361,18 @@ pub fn value_to_wire(step: u64, exchanged: &[Part], sum: &Part, workers: usize) 
 
 /// Parses `value_to_wire`'s form: (step, exchanged values, sum).
 pub fn value_from_wire(bytes: &[u8]) -> Result<(u64, Vec<Part>, Part)> {
-    let malformed = |what: &str| Error::Transport(format!("malformed message: scheme value: {what}"));
-    let take = |pos: &mut usize, n: usize| -> Result<&[u8]> {
-        let end = pos.checked_add(n).filter(|&e| e <= bytes.len()).ok_or_else(|| malformed("truncated"))?;
-        let s = &bytes[*pos..end];
-        *pos = end;
-        Ok(s)
-    };
-    let mut pos = 0;
-    let step = u64::from_le_bytes(take(&mut pos, 8)?.try_into().unwrap());
-    let count = u32::from_le_bytes(take(&mut pos, 4)?.try_into().unwrap()) as usize;
+    let mut r = Reader::new(bytes, |p| Error::Transport(format!("malformed message: scheme value: {p}")));
+    let step = r.u64()?;
+    let count = r.u32()? as usize;
     if count == 0 || count > 8 {
-        return Err(malformed(&format!("{count} parts")));
+        return Err(r.error(&format!("{count} parts")));
     }
     let mut parts = Vec::with_capacity(count);
     for _ in 0..count {
-        let len = u64::from_le_bytes(take(&mut pos, 8)?.try_into().unwrap()) as usize;
-        parts.push(from_wire(take(&mut pos, len)?)?);
+        let len = r.len(1)?;
+        parts.push(from_wire(r.take(len)?)?);
     }
-    if pos != bytes.len() {
-        return Err(malformed("trailing bytes"));
-    }
+    r.finish()?;
     let sum = parts.pop().unwrap();
     Ok((step, parts, sum))
 }
