@@ -122,6 +122,15 @@ void KVStore::SetOptimizer(const std::string& name, const Params& params) {
   store_set_optimizer(*store_, name, keys, values);
 }
 
+std::vector<uint8_t> KVStore::SaveStates() const {
+  rust::Vec<uint8_t> blob = store_save_states(*store_);
+  return std::vector<uint8_t>(blob.begin(), blob.end());
+}
+
+void KVStore::LoadStates(const std::vector<uint8_t>& blob) {
+  store_load_states(*store_, rust::Slice<const uint8_t>(blob.data(), blob.size()));
+}
+
 void KVStore::set_updater(IntUpdater updater) {
   auto fn = [updater](const KeyArg& key, const float* merged, float* stored, size_t n) {
     if (key.is_str) throw std::invalid_argument("int updater called with string key " + key_text(key));

@@ -54,6 +54,9 @@ mod ffi {
         fn store_set_compress(store: &Store, keys: &CxxVector<CxxString>, values: &CxxVector<CxxString>) -> Result<()>;
         fn store_set_optimizer(store: &Store, name: &str, keys: &CxxVector<CxxString>, values: &CxxVector<CxxString>) -> Result<()>;
         fn store_set_updater(store: &Store, updater: UniquePtr<Updater>) -> Result<()>;
+        /// The state blob of `KVStore::save_optimizer_states` (optimizer and compression states).
+        fn store_save_states(store: &Store) -> Result<Vec<u8>>;
+        fn store_load_states(store: &Store, blob: &[u8]) -> Result<()>;
     }
 
     // --- C++ types and functions visible to Rust ----------------------------
@@ -196,6 +199,14 @@ fn store_set_optimizer(store: &Store, name: &str, keys: &cxx::CxxVector<cxx::Cxx
         store.0.set_optimizer(Optimizer::from_params(name, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?);
         Ok(())
     })
+}
+
+fn store_save_states(store: &Store) -> Result<Vec<u8>> {
+    guarded(|| store.0.save_optimizer_states())
+}
+
+fn store_load_states(store: &Store, blob: &[u8]) -> Result<()> {
+    guarded(|| store.0.load_optimizer_states(blob))
 }
 
 fn store_set_updater(store: &Store, updater: cxx::UniquePtr<ffi::Updater>) -> Result<()> {

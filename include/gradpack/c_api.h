@@ -192,9 +192,21 @@ int gp_kvstore_set_grad_scaling(gp_kvstore_t* store, float rescale_grad, float c
  * optimizer-state calls): a dist store's optimizer runs on the servers. */
 int gp_kvstore_set_updater(gp_kvstore_t* store, gp_updater_fn fn, void* user);
 
-/* *data receives a new buffer of *len bytes; release it with gp_buffer_free. */
+/* The store's state for a checkpoint, in one versioned blob: its gradpack
+ * optimizer's states and its compression states (below). *data receives a
+ * new buffer of *len bytes; release it with gp_buffer_free. Loading checks
+ * the whole blob first; blobs of earlier versions (optimizer only) load. */
 int gp_kvstore_save_optimizer_states(gp_kvstore_t* store, uint8_t** data, uint64_t* len);
 int gp_kvstore_load_optimizer_states(gp_kvstore_t* store, const uint8_t* data, uint64_t len);
+/* Compression states alone, on every store type (a distributed worker saves
+ * and loads its own): each key's residuals, per device or server slice, and
+ * scheme state (PowerSGD's Q and error, push counts), so that a resumed job
+ * continues bit for bit. Loading into a store with other compression
+ * parameters, another rank, or a key of another shape is an error naming
+ * the difference, and changes nothing. Keys the blob does not list start
+ * afresh. */
+int gp_kvstore_save_compression_states(gp_kvstore_t* store, uint8_t** data, uint64_t* len);
+int gp_kvstore_load_compression_states(gp_kvstore_t* store, const uint8_t* data, uint64_t len);
 void gp_buffer_free(uint8_t* data, uint64_t len);
 
 /* The error-feedback residual of `key` on `device` (2-bit's or a scheme's),

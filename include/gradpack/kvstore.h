@@ -65,6 +65,13 @@ class KVStore {
   void set_updater(IntUpdater updater);
   void set_updater(StrUpdater updater);
 
+  // A checkpoint of the store's state in one versioned blob: gradpack's
+  // optimizer states and every key's compression state (residuals per
+  // device, scheme state). LoadStates checks the whole blob first and throws
+  // (changing nothing) when it does not fit this store.
+  std::vector<uint8_t> SaveStates() const;
+  void LoadStates(const std::vector<uint8_t>& blob);
+
  private:
   rust::Box<Store> store_;
 };

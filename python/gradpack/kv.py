@@ -62,6 +62,8 @@ LIB.gp_kvstore_set_updater.argtypes = [_p, _UPDATER, _p]
 LIB.gp_kvstore_save_optimizer_states.argtypes = [_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint8)),
                                                  ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_load_optimizer_states.argtypes = [_p, ctypes.c_char_p, ctypes.c_uint64]
+LIB.gp_kvstore_save_compression_states.argtypes = LIB.gp_kvstore_save_optimizer_states.argtypes
+LIB.gp_kvstore_load_compression_states.argtypes = [_p, ctypes.c_char_p, ctypes.c_uint64]
 LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), ctypes.c_uint64]
 LIB.gp_buffer_free.restype = None
 LIB.gp_kvstore_residual.argtypes = [_p, _Key, ctypes.c_uint64, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64]
@@ -408,19 +410,38 @@ class KVStore(object):
 
     _set_updater = set_updater
 
-    def optimizer_states(self):
-        """The optimizer states as bytes (gradpack's own format)."""
+    def _blob(self, fn):
         data = ctypes.POINTER(ctypes.c_uint8)()
         n = ctypes.c_uint64()
-        self._call(LIB.gp_kvstore_save_optimizer_states(self.handle, ctypes.byref(data), ctypes.byref(n)))
+        self._call(fn(self.handle, ctypes.byref(data), ctypes.byref(n)))
         try:
             return ctypes.string_at(data, n.value)
         finally:
             LIB.gp_buffer_free(data, n)
 
+    def optimizer_states(self):
+        """The store's states as bytes (gradpack's own versioned format): its
+        optimizer's states and its compression states (residuals, scheme
+        state), so that a resumed job continues exactly."""
+        return self._blob(LIB.gp_kvstore_save_optimizer_states)
+
     def set_optimizer_states(self, blob):
-        """Replace the optimizer states with bytes from ``optimizer_states()``."""
+        """Replace the states with bytes from ``optimizer_states()``; checked
+        whole first, so a blob that does not fit changes nothing."""
         self._call(LIB.gp_kvstore_load_optimizer_states(self.handle, blob, len(blob)))
+
+    def compression_states(self):
+        """Every key's compression state as bytes: residuals per device (or,
+        on a dist worker, per server slice) and scheme state. Each worker of
+        a distributed job saves and loads its own."""
+        return self._blob(LIB.gp_kvstore_save_compression_states)
+
+    def set_compression_states(self, blob):
+        """Replace the compression states with bytes from
+        ``compression_states()``. Another compression, rank or key shape is
+        an error naming it, and changes nothing; keys not in the blob start
+        afresh."""
+        self._call(LIB.gp_kvstore_load_compression_states(self.handle, blob, len(blob)))
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Write the optimizer states to ``fname``."""

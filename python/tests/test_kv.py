@@ -261,6 +261,36 @@ def test_optimizer_states_save_and_load(tmp_path, name, params):
         gradpack.kv.create("local").save_optimizer_states(path)
 
 
+def test_compression_states_resume_and_refuse_what_does_not_fit(tmp_path):
+    """A device store's residuals in a checkpoint: restored, the next push
+    sends what the original's would; another threshold is refused by name and
+    changes nothing. optimizer_states() carries them too."""
+    def store(th=0.5):
+        kv = gradpack.kv.create("device")
+        kv.set_compress({"compress": "2bit", "threshold": th})
+        kv.init("w", full(0))
+        return kv
+    a = store()
+    a.push("w", [full(0.3), full(0.4)])  # residuals 0.3 and 0.4, nothing sent
+    blob = a.compression_states()
+    b = store()
+    b.set_compression_states(blob)
+    b.push("w", [full(0.3), full(0.4)])
+    np.testing.assert_array_equal(pulled(b, "w"), full(1.0))  # both reach 0.5 now
+    c = store()
+    c.push("w", [full(0.3), full(0.4)])
+    np.testing.assert_array_equal(pulled(c, "w"), full(0))
+    other = store(0.7)
+    before = other.compression_states()
+    with pytest.raises(gradpack.Error, match="compression states were saved with .*0.5.*this store uses .*0.7"):
+        other.set_compression_states(blob)
+    assert other.compression_states() == before
+    d = store()
+    d.set_optimizer_states(a.optimizer_states())  # the container: no optimizer, compression states
+    d.push("w", [full(0.3), full(0.4)])
+    np.testing.assert_array_equal(pulled(d, "w"), full(1.0))
+
+
 def test_bad_optimizer():
     kv = gradpack.kv.create("device")
     with pytest.raises(gradpack.Error, match="unknown optimizer 'rmsprop'"):

@@ -525,8 +525,9 @@ pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_
     })
 }
 
-/// Serialises the optimizer states into a new buffer `*data` of `*len` bytes,
-/// owned by the caller and released with `gp_buffer_free`.
+/// Serialises the store's state into a new buffer `*data` of `*len` bytes,
+/// owned by the caller and released with `gp_buffer_free`: its gradpack
+/// optimizer's states and its compression states, in one versioned blob.
 ///
 /// # Safety
 /// `data` and `len` are writable.
@@ -544,6 +545,49 @@ pub unsafe extern "C" fn gp_kvstore_save_optimizer_states(store: *mut gp_kvstore
     })
 }
 
+/// Serialises the store's compression states (every key's residuals and
+/// scheme state, this worker's on a distributed store) into a new buffer
+/// `*data` of `*len` bytes, released with `gp_buffer_free`. Local stores also
+/// put them in `gp_kvstore_save_optimizer_states`'s blob.
+///
+/// # Safety
+/// `data` and `len` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_save_compression_states(store: *mut gp_kvstore_t, data: *mut *mut u8, len: *mut u64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        if data.is_null() || len.is_null() {
+            return Err(Error::NullPointer { what: "data/len" });
+        }
+        let blob = match kv {
+            gp_kvstore_t::Local(s) => s.save_compression_states()?,
+            gp_kvstore_t::Dist(w) => w.save_compression_states()?,
+        }
+        .into_boxed_slice();
+        *len = blob.len() as u64;
+        *data = Box::into_raw(blob).cast::<u8>();
+        Ok(())
+    })
+}
+
+/// Replaces the compression states with a blob from
+/// `gp_kvstore_save_compression_states`; checked whole first (compression,
+/// worker, every key's shape), so a refused blob changes nothing.
+///
+/// # Safety
+/// `data` is readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_load_compression_states(store: *mut gp_kvstore_t, data: *const u8, len: u64) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        Raw::new("data", data, len)?;
+        match kv {
+            gp_kvstore_t::Local(s) => s.load_compression_states(slice(data, len)),
+            gp_kvstore_t::Dist(w) => w.load_compression_states(slice(data, len)),
+        }
+    })
+}
+
 /// Releases a buffer returned by gradpack.
 ///
 /// # Safety
@@ -555,7 +599,9 @@ pub unsafe extern "C" fn gp_buffer_free(data: *mut u8, len: u64) {
     }
 }
 
-/// Replaces the optimizer states with a blob from `gp_kvstore_save_optimizer_states`.
+/// Replaces the optimizer and compression states with a blob from
+/// `gp_kvstore_save_optimizer_states` (or an optimizer-only blob of earlier
+/// versions); checked whole first.
 ///
 /// # Safety
 /// `data` is readable for `len` bytes.

@@ -49,6 +49,9 @@ struct SchemeRound {
     /// A worker's part failed on the worker (`FLAG_ABORT`): the round fails
     /// for every worker once all took their turn.
     aborted: Option<String>,
+    /// Some worker contributed to a round of this key. Until then the first
+    /// push sets `step`: workers resumed from a checkpoint go on from theirs.
+    started: bool,
 }
 
 /// `acc = op(acc, part)` elementwise; both from workers of one round.
@@ -485,6 +488,10 @@ impl Server {
         let num_workers = self.num_workers;
         let slot = self.slots.get_mut(&key).unwrap();
         let round = &mut slot.scheme;
+        if !round.started {
+            round.step = step; // a fresh key: the workers' step (0, or where a checkpoint left them)
+        }
+        round.started = true;
         if step != round.step {
             return Err(Error::Key { key: key.to_string(), problem: format!("scheme push for step {step}, but this server is at step {}", round.step) });
         }

@@ -17,6 +17,7 @@ use super::server::{FLAG_ABORT, FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLA
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
+use crate::kvstore::checkpoint;
 use crate::kvstore::{check_outputs, check_push, check_shape, key_error, round_to_f16, sum_into, Array, ArrayMut, Key, Store};
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
@@ -509,6 +510,57 @@ impl DistWorker {
         }
         for o in rest {
             o.data.copy_from_slice(first.data);
+        }
+        Ok(())
+    }
+
+    /// This worker's compression state for a checkpoint ("GPCS" v1): each
+    /// key's residual per server slice and scheme state. The optimizer's
+    /// states live on the servers and are not part of it (as in MXNet).
+    pub fn save_compression_states(&self) -> Result<Vec<u8>> {
+        let compression = *self.compression.read().unwrap();
+        let keys = self.keys.read().unwrap();
+        let mut sorted: Vec<(&Key, &Arc<Mutex<WorkerKey>>)> = if compression.is_none() { Vec::new() } else { keys.iter().collect() };
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        let saved = sorted
+            .into_iter()
+            .map(|(key, entry)| {
+                let e = entry.lock().unwrap();
+                checkpoint::KeyState { key: key.clone(), shape: e.shape.clone(), pushes: 0, residuals: e.residuals.clone(), states: vec![e.state.clone()] }
+            })
+            .collect();
+        let (rank, workers) = (self.rank() as u64, self.num_workers() as u64);
+        Ok(checkpoint::encode(&checkpoint::Saved { compression: format!("{compression:?}"), rank, workers, keys: saved }))
+    }
+
+    /// Loads what `save_compression_states` wrote on this worker; checked
+    /// whole (compression, worker, every key's shape and slices) before any
+    /// key changes. Keys it does not list start afresh.
+    pub fn load_compression_states(&self, blob: &[u8]) -> Result<()> {
+        let saved = checkpoint::decode(blob)?;
+        let compression = *self.compression.read().unwrap();
+        let keys = self.keys.read().unwrap();
+        let slices_of = |k: &Key| keys.get(k).map(|e| e.lock().unwrap().slices.iter().map(|s| s.len).collect());
+        // Shapes from the guard already held (a second read lock could wait on a writer).
+        let shape_of = |k: &Key| keys.get(k).map(|e| e.lock().unwrap().shape.clone()).ok_or_else(|| key_error(k, "not initialized"));
+        checkpoint::check(&saved, &compression, (self.rank() as u64, self.num_workers() as u64), shape_of, slices_of)?;
+        if let Some(k) = saved.keys.iter().find(|k| k.states.len() > 1) {
+            return Err(Error::OptimizerStates(format!("key {}: {} scheme states, a worker keeps one", k.key, k.states.len())));
+        }
+        let mut by_key: HashMap<Key, checkpoint::KeyState> = saved.keys.into_iter().map(|k| (k.key.clone(), k)).collect();
+        for (key, entry) in keys.iter() {
+            let mut e = entry.lock().unwrap();
+            let slices = e.slices.len();
+            match by_key.remove(key) {
+                Some(mut s) => {
+                    e.residuals = if s.residuals.is_empty() { vec![Vec::new(); slices] } else { s.residuals };
+                    e.state = s.states.pop().unwrap_or_default();
+                }
+                None => {
+                    e.residuals = vec![Vec::new(); slices];
+                    e.state = scheme::State::default();
+                }
+            }
         }
         Ok(())
     }

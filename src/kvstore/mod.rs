@@ -11,6 +11,7 @@
 //! Changing compression or the updater waits for no push: pushes already
 //! running finish with the setting they started with.
 
+pub(crate) mod checkpoint;
 mod key;
 
 use std::collections::HashMap;
@@ -442,12 +443,87 @@ impl KVStore {
         }
     }
 
+    /// The store's state for a checkpoint (`checkpoint`'s container): its
+    /// gradpack optimizer's states, if it runs one, and the compression
+    /// states. An error when there is neither.
     pub fn save_optimizer_states(&self) -> Result<Vec<u8>> {
-        self.with_optimizer(|o| Ok(o.save_states()))
+        let optimizer = match self.updater.read().unwrap().as_deref() {
+            Some(Updater::Optimizer(o)) => Some(o.save_states()),
+            _ => None,
+        };
+        if optimizer.is_none() && self.compression().is_none() {
+            return Err(Error::Store("this store has no gradpack optimizer (set one with set_optimizer) and no compression: there are no states to save".into()));
+        }
+        Ok(checkpoint::encode_container(optimizer.as_deref(), &self.save_compression_states()?))
     }
 
+    /// Loads what `save_optimizer_states` wrote (or a bare optimizer blob of
+    /// earlier versions). Everything is checked before anything changes.
     pub fn load_optimizer_states(&self, blob: &[u8]) -> Result<()> {
-        self.with_optimizer(|o| o.load_states(blob))
+        let (optimizer, compression) = checkpoint::decode_container(blob)?;
+        let saved = compression.map(checkpoint::decode).transpose()?;
+        if let Some(saved) = &saved {
+            self.check_compression_states(saved)?;
+        }
+        let runs_optimizer = matches!(self.updater.read().unwrap().as_deref(), Some(Updater::Optimizer(_)));
+        match optimizer {
+            Some(o) => self.with_optimizer(|opt| opt.load_states(o))?,
+            None if runs_optimizer => return Err(Error::OptimizerStates("the blob holds no optimizer states, but this store runs gradpack's optimizer".into())),
+            None => {}
+        }
+        match saved {
+            Some(saved) => self.apply_compression_states(saved),
+            None => Ok(()),
+        }
+    }
+
+    fn rank_and_workers(&self) -> (u64, u64) {
+        (self.rank() as u64, self.num_workers() as u64)
+    }
+
+    /// Every key's residuals and scheme state ("GPCS" v1), for a checkpoint;
+    /// no keys when the store does not compress.
+    pub fn save_compression_states(&self) -> Result<Vec<u8>> {
+        let compression = self.compression();
+        let keys = self.keys.read().unwrap();
+        let mut sorted: Vec<(&Key, &Arc<Mutex<Entry>>)> = if compression.is_none() { Vec::new() } else { keys.map.iter().collect() };
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        let mut saved = Vec::with_capacity(sorted.len());
+        for (key, entry) in sorted {
+            let e = lock(key, entry)?;
+            saved.push(checkpoint::KeyState { key: key.clone(), shape: e.shape.clone(), pushes: e.pushes, residuals: e.residuals.clone(), states: e.states.clone() });
+        }
+        let (rank, workers) = self.rank_and_workers();
+        Ok(checkpoint::encode(&checkpoint::Saved { compression: format!("{compression:?}"), rank, workers, keys: saved }))
+    }
+
+    /// Replaces every key's compression state with what
+    /// `save_compression_states` wrote; keys it does not list start afresh.
+    /// Refused, changing nothing, when the blob's compression, worker or any
+    /// key's shape differs from this store's.
+    pub fn load_compression_states(&self, blob: &[u8]) -> Result<()> {
+        let saved = checkpoint::decode(blob)?;
+        self.check_compression_states(&saved)?;
+        self.apply_compression_states(saved)
+    }
+
+    fn check_compression_states(&self, saved: &checkpoint::Saved) -> Result<()> {
+        let (rank, workers) = self.rank_and_workers();
+        checkpoint::check(saved, &self.compression(), (rank, workers), |k| self.shape(k), |_| None)
+    }
+
+    fn apply_compression_states(&self, saved: checkpoint::Saved) -> Result<()> {
+        let keys = self.keys.read().unwrap();
+        let mut by_key: HashMap<Key, checkpoint::KeyState> = saved.keys.into_iter().map(|k| (k.key.clone(), k)).collect();
+        // Every lock first: a poisoned one fails before anything changed.
+        let mut guards = keys.map.iter().map(|(k, e)| lock(k, e).map(|g| (k, g))).collect::<Result<Vec<_>>>()?;
+        for (key, e) in guards.iter_mut() {
+            match by_key.remove(*key) {
+                Some(s) => (e.residuals, e.states, e.pushes) = (s.residuals, s.states, s.pushes),
+                None => (e.residuals, e.states, e.pushes) = (Vec::new(), Vec::new(), 0),
+            }
+        }
+        Ok(())
     }
 
     fn entry(&self, key: &Key) -> Result<Arc<Mutex<Entry>>> {

@@ -770,3 +770,97 @@ fn random_k_keeps_every_devices_gradient_where_nothing_was_sent() {
     let sent = v.iter().copied().find(|&x| x != 6.0).unwrap();
     assert!((sent - 6.0).abs() < 2.0, "{v:?}"); // the quantized sum of 1 and 5 at the selected one
 }
+
+/// Every compression's state survives a checkpoint: a device store saved
+/// after 3 of 6 pushes and restored into a fresh store (value, optimizer and
+/// compression states) continues bit for bit as the uninterrupted one.
+#[test]
+fn a_checkpoint_resumes_every_scheme_bit_for_bit() {
+    let shape: &[usize] = &[6, 10];
+    let n = 60;
+    let schemes: [&[(&str, &str)]; 9] = [
+        &[("compress", "2bit"), ("threshold", "0.3")],
+        &[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "4")],
+        &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")],
+        &[("compress", "qsgd_mn_ms"), ("bits", "[1, 3, 8]")],
+        &[("compress", "grandk_mn"), ("bits", "4"), ("k", "17")],
+        &[("compress", "grandk_mn"), ("bits", "2"), ("k", "7"), ("unselected", "local")],
+        &[("compress", "grandk_mn_ts"), ("bits", "[2, 4]"), ("k", "30")],
+        &[("compress", "powersgd"), ("rank", "2")],
+        &[("compress", "1bit"), ("threshold", "0.1")],
+    ];
+    let grad = |d: usize, step: usize| -> Vec<f32> { (0..n).map(|i| (((i * 31 + d * 17 + step * 7) % 23) as f32 - 11.0) * 0.05 * (1.0 + d as f32)).collect() };
+    let k = Key::Str("w".into());
+    let make = |c: &[(&str, &str)], value: &[f32]| {
+        let kv = KVStore::new("device").unwrap();
+        kv.set_compress(Compression::from_params(c.iter().copied()).unwrap()).unwrap();
+        kv.set_optimizer(Optimizer::from_params("sgd", [("learning_rate", "0.1"), ("momentum", "0.9")]).unwrap());
+        kv.init(&k, Array { shape, data: Grad::F32(value) }).unwrap();
+        kv
+    };
+    let push = |kv: &KVStore, step: usize| {
+        let gs: Vec<Vec<f32>> = (0..3).map(|d| grad(d, step)).collect();
+        let arrays: Vec<Array> = gs.iter().map(|g| Array { shape, data: Grad::F32(g) }).collect();
+        kv.push(&k, &arrays).unwrap();
+    };
+    for c in schemes {
+        let straight = make(c, &vec![0.5; n]);
+        let first = make(c, &vec![0.5; n]);
+        for step in 0..3 {
+            push(&straight, step);
+            push(&first, step);
+        }
+        let blob = first.save_optimizer_states().unwrap();
+        let resumed = make(c, &first.value(&k).unwrap());
+        resumed.load_optimizer_states(&blob).unwrap();
+        let fresh = make(c, &first.value(&k).unwrap()); // the same value, no states
+        for step in 3..6 {
+            push(&straight, step);
+            push(&resumed, step);
+            push(&fresh, step);
+        }
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(bits(resumed.value(&k).unwrap()), bits(straight.value(&k).unwrap()), "{c:?}");
+        assert_ne!(bits(fresh.value(&k).unwrap()), bits(straight.value(&k).unwrap()), "{c:?}: without the states the run differs, so the test can fail");
+        for d in 0..3 {
+            // Schemes without error feedback have no residual; the step still seeds their noise.
+            if let Ok(want) = straight.residual(&k, d) {
+                assert_eq!(bits(resumed.residual(&k, d).unwrap()), bits(want), "{c:?} device {d}");
+            }
+        }
+    }
+}
+
+/// A compression-state blob that does not fit the store is refused naming
+/// the difference, and the store keeps its state.
+#[test]
+fn compression_states_that_do_not_fit_are_refused_changing_nothing() {
+    let k = Key::Int(3);
+    let store = |th: &str, n: usize| {
+        let kv = KVStore::new("device").unwrap();
+        kv.set_compress(Compression::from_params([("compress", "2bit"), ("threshold", th)]).unwrap()).unwrap();
+        kv.init(&k, Array { shape: &[n], data: Grad::F32(&vec![0.0; n]) }).unwrap();
+        kv.push(&k, &[Array { shape: &[n], data: Grad::F32(&vec![0.2; n]) }]).unwrap();
+        kv
+    };
+    let blob = store("0.5", 8).save_compression_states().unwrap();
+    let other = store("0.7", 8);
+    let before = other.save_compression_states().unwrap();
+    let err = other.load_compression_states(&blob).unwrap_err().to_string();
+    assert!(err.contains("compression states were saved with") && err.contains("0.5") && err.contains("0.7"), "{err}");
+    let err = store("0.5", 9).load_compression_states(&blob).unwrap_err().to_string();
+    assert!(err.contains("key 3: saved with shape [8], initialized here with [9]"), "{err}");
+    let fresh = KVStore::new("device").unwrap();
+    fresh.set_compress(Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap()).unwrap();
+    let err = fresh.load_compression_states(&blob).unwrap_err().to_string();
+    assert!(err.contains("key 3: in the compression states but not initialized in this store"), "{err}");
+    for cut in [0, 3, 10, blob.len() - 1] {
+        assert!(other.load_compression_states(&blob[..cut]).is_err(), "cut {cut}");
+    }
+    assert_eq!(other.save_compression_states().unwrap(), before, "refused loads changed nothing");
+    // A bare optimizer blob of earlier versions still loads.
+    let kv = KVStore::new("device").unwrap();
+    kv.set_optimizer(Optimizer::from_params("sgd", [("momentum", "0.9")]).unwrap());
+    let old = kv.with_optimizer(|o| Ok(o.save_states())).unwrap();
+    kv.load_optimizer_states(&old).unwrap();
+}

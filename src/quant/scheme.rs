@@ -104,6 +104,24 @@ pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Vec<usi
     Some(idx)
 }
 
+/// Checks a state loaded from a checkpoint against the key it is for:
+/// residual empty or of `n` elements, PowerSGD's Q empty or `cols x rank`
+/// (any other Q would be silently re-drawn, restarting error feedback).
+pub fn check_state(c: &Compression, shape: &[usize], state: &State) -> std::result::Result<(), String> {
+    let n: usize = shape.iter().product();
+    if !state.residual.is_empty() && state.residual.len() != n {
+        return Err(format!("a residual of {} elements for a value of {n}", state.residual.len()));
+    }
+    let q_len = match c {
+        Compression::PowerSgd { rank, .. } => powersgd::factors(shape, *rank as usize).map_or(0, |(_, cols, r)| cols * r),
+        _ => 0,
+    };
+    if !state.q.is_empty() && state.q.len() != q_len {
+        return Err(format!("a PowerSGD Q of {} elements where this compression keeps {q_len}", state.q.len()));
+    }
+    Ok(())
+}
+
 /// Runs the exchanges and returns (exchanged values, final contribution).
 /// `grad` is this worker's (device-merged) gradient; `state` its state for the key.
 pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {

@@ -5,12 +5,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "gradpack/kvstore.h"
 
 using gradpack::KVStore;
+using gradpack::Params;
 using gradpack::Tensor;
 
 static int checks = 0;
@@ -186,8 +188,39 @@ static void test_bad_input_changes_nothing() {
         std::string::npos);
 }
 
+// A checkpoint carries the residuals: a store restored from SaveStates sends
+// what the original sends next; without them it would not.
+static void test_states_carry_residuals() {
+  const Params two_bit{{"compress", "2bit"}, {"pos_threshold", "0.5"}, {"neg_threshold", "-0.5"}};
+  auto make = [&] {
+    auto kv = std::make_unique<KVStore>("device");
+    kv->SetGradientCompression(two_bit);
+    Buf init(0);
+    kv->Init(7, init.t());
+    return kv;
+  };
+  auto a = make();
+  Buf g(0.3f), out(0);
+  std::vector<Tensor> outs{out.t()};
+  a->PushPull(7, {g.t()}, &outs);  // residual 0.3, nothing sent
+  std::vector<uint8_t> blob = a->SaveStates();
+  auto b = make();
+  b->LoadStates(blob);
+  b->PushPull(7, {g.t()}, &outs);
+  CHECK(out.all(0.5f));  // 0.3 + 0.3 reaches the threshold
+  auto c = make();
+  c->PushPull(7, {g.t()}, &outs);
+  CHECK(out.all(0.0f));  // a fresh residual: 0.3 only
+  KVStore other("device");
+  other.SetGradientCompression({{"compress", "2bit"}, {"threshold", "1"}});
+  Buf init(0);
+  other.Init(7, init.t());
+  CHECK(error_of([&] { other.LoadStates(blob); }).find("compression states were saved with") != std::string::npos);
+}
+
 int main() {
   test_sum_and_pull();
+  test_states_carry_residuals();
   test_two_bit_device_store();
   test_updater_and_optimizer();
   test_errors();

@@ -311,27 +311,34 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._store.set_rates(k, opt._get_lr(k), opt._get_wd(k))
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        if self._dist and self._worker_updater is None:
-            raise Error("the optimizer states of a '%s' store live on its servers and cannot be saved "
-                        "from a worker (as in MXNet)" % self._name)
+        """MXNet's checkpoint of the store's optimizer, with gradpack's
+        compression states (residuals, scheme state) in the same file, so a
+        resumed job continues exactly. A dist store whose optimizer runs on
+        its servers cannot save it from a worker (as in MXNet): use
+        ``save_compression_states`` for the worker's part."""
         if self._updater is None:
             raise Error("this store has no optimizer: call set_optimizer first")
+        if self._dist and self._rust:
+            raise Error("the optimizer states of a '%s' store live on its servers and cannot be saved from a "
+                        "worker (as in MXNet); save_compression_states saves this worker's compression state"
+                        % self._name)
         if self._rust:
             payload = {"gradpack_states": self._store.optimizer_states(),
                        "optimizer": self._optimizer if dump_optimizer else None,
                        "index_update_count": dict(self._optimizer._index_update_count)}
-            with open(fname, "wb") as f:
-                pickle.dump(payload, f)
         else:
-            with open(fname, "wb") as f:
-                f.write(self._updater.get_states(dump_optimizer))
+            payload = {"mxnet_states": self._updater.get_states(dump_optimizer),
+                       "gradpack_compression": self._store.compression_states()}
+        with open(fname, "wb") as f:
+            pickle.dump(payload, f)
 
     def load_optimizer_states(self, fname):
-        if self._dist and self._worker_updater is None:
-            raise Error("the optimizer states of a '%s' store live on its servers and cannot be loaded "
-                        "from a worker (as in MXNet)" % self._name)
         if self._updater is None:
             raise Error("this store has no optimizer: call set_optimizer first")
+        if self._dist and self._rust:
+            raise Error("the optimizer states of a '%s' store live on its servers and cannot be loaded from a "
+                        "worker (as in MXNet); load_compression_states loads this worker's compression state"
+                        % self._name)
         with open(fname, "rb") as f:
             data = f.read()
         if self._rust:
@@ -346,8 +353,35 @@ class GradpackStore(mx.kv.KVStoreBase):
                 self._updater.optimizer = self._optimizer
                 self._scaling = None
             self._optimizer._index_update_count.update(payload.get("index_update_count", {}))
-        else:
-            self._updater.set_states(data)
+            return
+        payload = _gradpack_payload(data)
+        if payload is None:
+            self._updater.set_states(data)  # MXNet's own format (no compression state)
+            return
+        self._store.set_compression_states(payload["gradpack_compression"])  # checked whole first
+        self._updater.set_states(payload["mxnet_states"])
+
+    def save_compression_states(self, fname):
+        """This store's compression states alone (on a dist store: this
+        worker's), for stores whose optimizer states cannot be saved here."""
+        with open(fname, "wb") as f:
+            f.write(self._store.compression_states())
+
+    def load_compression_states(self, fname):
+        with open(fname, "rb") as f:
+            self._store.set_compression_states(f.read())
+
+
+def _gradpack_payload(data):
+    """The dict ``save_optimizer_states`` (or gradpack's Trainer) wrote around
+    MXNet's updater states, or None for MXNet's own format."""
+    try:
+        payload = pickle.loads(data)
+    except Exception:
+        return None
+    if isinstance(payload, dict) and "gradpack_compression" in payload and "mxnet_states" in payload:
+        return payload
+    return None
 
 
 def _run_mxnet_updater(updater, key, merged, stored, dtype):

@@ -1,9 +1,13 @@
 """``gradpack.mxnet.Trainer``: ``mx.gluon.Trainer`` with ``compress_params=``,
 using gradpack's stores (see ``gradpack.mxnet.module`` for which store a name
 gives, and the one-context rule)."""
+import os
+import pickle
+import tempfile
+
 import mxnet as mx
 
-from .kvstore import GradpackStore, runs_on_servers
+from .kvstore import GradpackStore, _gradpack_payload, runs_on_servers
 from .module import check_dense, native, native_create, store_for
 
 __all__ = ["Trainer"]
@@ -45,3 +49,38 @@ class Trainer(mx.gluon.Trainer):
     def _check_dense(self, store):
         check_dense("Trainer", store, [(p.name, p._stype, p._grad_stype) for p in self._params],
                     self._compression_params)
+
+    def save_states(self, fname):
+        """MXNet's ``save_states``; when the workers update
+        (update_on_kvstore=False) on a gradpack store, the store's compression
+        states go in the same file, so a resumed run continues exactly."""
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
+        store = self._kvstore
+        if self._update_on_kvstore or not isinstance(store, GradpackStore):
+            return super(Trainer, self).save_states(fname)
+        payload = {"mxnet_states": self._updaters[0].get_states(dump_optimizer=True),
+                   "gradpack_compression": store._store.compression_states()}
+        with open(fname, "wb") as f:
+            pickle.dump(payload, f)
+
+    def load_states(self, fname):
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
+        with open(fname, "rb") as f:
+            payload = _gradpack_payload(f.read())
+        if payload is None or self._update_on_kvstore or not isinstance(self._kvstore, GradpackStore):
+            return super(Trainer, self).load_states(fname)
+        self._kvstore._store.set_compression_states(payload["gradpack_compression"])  # checked whole first
+        # MXNet's own load of its updater states, from a file of just those.
+        fd, path = tempfile.mkstemp(suffix=".states")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload["mxnet_states"])
+            super(Trainer, self).load_states(path)
+        finally:
+            os.remove(path)
