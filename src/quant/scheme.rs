@@ -25,6 +25,7 @@ use super::collective::Collective;
 use super::{lanes, onebit, powersgd, qsgd};
 use crate::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
+use crate::codec;
 use crate::error::{Error, Result};
 
 /// Where and when a push happens.
@@ -156,14 +157,18 @@ pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll:
         }
         Compression::TwoBit(th) => {
             // Codes counted, not decoded: n indicators of +pos, then n of neg.
+            // The codec's fast kernels quantize; the store has checked that
+            // every residual + gradient is finite before any worker agreed.
             state.residual.resize(grad.len(), 0.0);
             let n = grad.len();
+            let mut compr = codec::create_2bit(n);
+            codec::quantize_2bit_finite(grad, &mut state.residual, &mut compr, *th)?;
+            let blocks = codec::blocks(&compr);
             let mut codes = vec![0i32; 2 * n];
-            for (i, (&g, r)) in grad.iter().zip(state.residual.iter_mut()).enumerate() {
-                let (code, next) = crate::codec::reference::quantize_one(*r, g, *th);
-                *r = next;
-                codes[i] = (code == 0b01) as i32;
-                codes[n + i] = (code == 0b10) as i32;
+            let (pos, neg) = codes.split_at_mut(n);
+            for (i, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
+                let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
+                (*p, *q) = ((code == 0b01) as i32, (code == 0b10) as i32);
             }
             Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
         }
