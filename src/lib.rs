@@ -11,6 +11,7 @@ pub mod codec;
 pub mod compression;
 pub mod dist;
 pub mod error;
+pub mod hash;
 pub mod kvstore;
 pub mod optimizer;
 pub mod quant;

@@ -13,6 +13,7 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::hash;
 
 /// The largest `bits` accepted: codes stay far inside an `i32` accumulator.
 pub const MAX_BITS: u32 = 15;
@@ -37,10 +38,7 @@ pub fn max_workers(bits: u32) -> Result<u64> {
 /// splitmix64 of (seed, i).
 #[inline(always)]
 fn mix(seed: u64, i: u64) -> u64 {
-    let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    hash::finalize(seed ^ i.wrapping_mul(hash::GAMMA))
 }
 
 const TWO_POW_MINUS_24: f32 = 1.0 / (1u32 << 24) as f32;
@@ -63,12 +61,7 @@ fn noise_pair(seed: u64, p: u64) -> [f32; 2] {
 /// count, the key and the device (or worker), mixed so that every
 /// (step, key, device) gets its own independent stream.
 pub fn stream_seed(seed: u64, step: u64, key_hash: u64, device: u64) -> u64 {
-    [step, key_hash, device].iter().fold(seed, |h, &x| {
-        let mut z = (h ^ x).wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    })
+    [step, key_hash, device].iter().fold(seed, |h, &x| hash::finalize((h ^ x).wrapping_add(hash::GAMMA)))
 }
 
 /// Quantizes `grad` against the shared `scale` into `codes`. Errors (before
