@@ -71,3 +71,19 @@ def test_dist_sync_qsgd_weights(tmp_path, api):
     for rank in range(2):
         with open(str(tmp_path / ("rank%d.json" % rank))) as f:
             assert json.load(f)["weights"] == want
+
+
+def test_row_sparse_keys_on_dist_sync_are_held_dense(tmp_path):
+    """row_sparse init, push and row_sparse_pull through MXNet's API on
+    gradpack's servers: the values MXNet gives (rows 0 and 1 summed from
+    the two workers, row 5 untouched), kept dense on the wire."""
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), PS_HEARTBEAT_TIMEOUT="20")
+    out = subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", "2", "-s", "1", "--timeout", "240",
+                          sys.executable, os.path.join(HERE, "dist_scripts", "mxnet_sparse.py")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    want = [[1.0] * 3, [2.0] * 3, [0.0] * 3, [0.0] * 3, [0.0] * 3, [0.0] * 3]
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        assert res == {"stype": "row_sparse", "rows": want}, res

@@ -189,6 +189,55 @@ def test_float16_values_equal_mxnets_own_store(store, optimizer):
         assert results[0][0, 0] == (2048 if store == "device" else 2050)
 
 
+def test_sparse_keys_are_served_by_mxnets_own_store_beside_compressed_dense_keys(installed):
+    """A key initialized with a row_sparse value lives in MXNet's own store of
+    the same type, uncompressed (MXNet compresses dense arrays only), so
+    push, pull and row_sparse_pull behave exactly as MXNet's; dense keys of
+    the same store are gradpack's and compressed."""
+    mxnet_create = __import__("gradpack.mxnet", fromlist=["_saved"])._saved[(mx.kv, "create")]
+    shape = (6, 3)
+
+    def run(kv, compress):
+        if compress:
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, wd=0.1))
+        kv.init("emb", mx.nd.ones(shape).tostype("row_sparse"))
+        kv.init("dense", mx.nd.ones(shape))
+        rows = []
+        for step in range(3):
+            g = mx.nd.zeros(shape)
+            g[step] = step + 1
+            kv.push("emb", [g.tostype("row_sparse"), g.tostype("row_sparse")])
+            out = mx.nd.sparse.zeros("row_sparse", shape)
+            kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array([0, step, 5]))
+            rows.append(out.asnumpy())
+            kv.push("dense", [mx.nd.full(shape, 0.3)] * 2)
+        dense = mx.nd.zeros(shape)
+        kv.pull("dense", out=dense)
+        return rows, dense.asnumpy()
+
+    ours_rows, ours_dense = run(mx.kv.create("device"), compress=True)
+    want_rows, _ = run(mxnet_create("device"), compress=False)
+    for got, want in zip(ours_rows, want_rows):
+        np.testing.assert_array_equal(got, want)
+    # The same store uncompressed: the same sparse rows, another dense result.
+    plain_rows, plain_dense = run(gpmx.GradpackStore("device"), compress=False)
+    assert not np.array_equal(ours_dense, plain_dense)  # the dense key was compressed
+    for got, want in zip(plain_rows, want_rows):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_pull_into_sparse_outputs_is_ignored_as_in_mxnet(installed):
+    kv = mx.kv.create("local")
+    kv.init("w", mx.nd.ones((2, 2)))
+    out = mx.nd.sparse.zeros("row_sparse", (2, 2))
+    with pytest.warns(UserWarning, match="sparse outputs of pull are ignored"):
+        kv.pull("w", out=out)
+    assert out.asnumpy().sum() == 0
+    with pytest.raises(gpmx.KVStoreError, match="pull into a sparse output; use row_sparse_pull"):
+        kv.pull("w", out=out, ignore_sparse=False)
+
+
 def test_bad_use_is_refused_clearly():
     kv = mx.kv.create("gradpack_device")
     kv.init(0, mx.nd.zeros((4, 4)))

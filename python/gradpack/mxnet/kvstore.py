@@ -128,6 +128,11 @@ class GradpackStore(mx.kv.KVStoreBase):
         self._weights = {}
         self._pending = set()
         self._shapes = {}
+        # Keys of sparse values: in MXNet's own store (local types), or held
+        # dense (dist types); see "data" below.
+        self._native_store = None
+        self._native_keys = set()
+        self._dense_keys = set()
 
     # ------------------------------------------------------------ identity
     @property
@@ -157,7 +162,114 @@ class GradpackStore(mx.kv.KVStoreBase):
         return self._store.stats()
 
     # ------------------------------------------------------------ data
+    # Sparse arrays: on a local store a key initialized with a sparse value
+    # lives in MXNet's own store of the same type (MXNet's behaviour, exactly;
+    # it is never compressed, as MXNet compresses dense arrays only). On a
+    # dist store, whose servers are gradpack's, such a key is held dense:
+    # pushes are densified and row_sparse_pull selects rows from the dense
+    # value (the same values; the traffic is dense).
+    def _routed(self, key, value=None):
+        """True when a call must go key by key: a routed key, or a sparse array."""
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        if any(k in self._native_keys or k in self._dense_keys for k in keys):
+            return True
+        arrays = [a for v in _as_list(value) for a in _as_list(v)] if value is not None else []
+        return any(isinstance(a, mx.nd.NDArray) and a.stype != "default" for a in arrays)
+
+    def _native(self):
+        """MXNet's own store of this type, made on first use, with this
+        store's optimizer or updater."""
+        if self._native_store is None:
+            from . import _saved
+            create = _saved[(mx.kv, "create")] if _saved else mx.kv.create
+            self._native_store = create(self._name)
+            if self._optimizer is not None:
+                self._native_store.set_optimizer(self._optimizer)
+            elif self._updater is not None:
+                self._native_store._set_updater(self._updater)
+        return self._native_store
+
     def init(self, key, value):
+        if not self._routed(key, value):
+            return self._init_dense(key, value)
+        for k, v in _pairs(key, value):
+            sparse = any(a.stype != "default" for a in _as_list(v))
+            if sparse and not self._dist:
+                self._native().init(k, v)
+                self._native_keys.add(k)
+            elif sparse:
+                self._init_dense(k, [a.tostype("default") for a in _as_list(v)])
+                self._dense_keys.add(k)
+            else:
+                self._init_dense(k, v)
+
+    def broadcast(self, key, value, out, priority=0):
+        if not self._routed(key, value):
+            return self._broadcast_dense(key, value, out)
+        outs = dict(_pairs(key, out))
+        for k, v in _pairs(key, value):
+            self.init(k, v)
+            self.pull(k, out=outs[k], ignore_sparse=False)
+
+    def push(self, key, value, priority=0):
+        if not self._routed(key, value):
+            return self._push_dense(key, value)
+        for k, v in _pairs(key, value):
+            if k in self._native_keys:
+                self._native().push(k, v, priority)
+            else:
+                self._push_dense(k, [a.tostype("default") if a.stype != "default" else a for a in _as_list(v)])
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        if out is None:
+            raise Error("pull needs out=")
+        if not self._routed(key, out):
+            return self._pull_dense(key, out)
+        for k, o in _pairs(key, out):
+            if k in self._native_keys:
+                self._native().pull(k, out=o, priority=priority, ignore_sparse=ignore_sparse)
+                continue
+            dense = [a for a in _as_list(o) if a.stype == "default"]
+            if len(dense) < len(_as_list(o)):
+                if not ignore_sparse:
+                    raise Error("key %r: pull into a sparse output; use row_sparse_pull" % (k,))
+                import warnings
+                warnings.warn("key %r: sparse outputs of pull are ignored (ignore_sparse=True), as in MXNet" % (k,))
+            if dense:
+                self._pull_dense(k, dense)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        if not self._routed(key, value):
+            return self._pushpull_dense(key, value, out)
+        outs = dict(_pairs(key, value if out is None else out))
+        for k, v in _pairs(key, value):
+            if k in self._native_keys:
+                self._native().pushpull(k, v, out=outs[k], priority=priority)
+            else:
+                self.push(k, v)
+                self.pull(k, out=outs[k], ignore_sparse=False)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        if out is None or row_ids is None:
+            raise Error("row_sparse_pull needs out= and row_ids=")
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        outs = out if isinstance(key, (list, tuple)) else [out]
+        ids = row_ids if isinstance(key, (list, tuple)) else [row_ids]
+        for k, o, r in zip(keys, outs, ids):
+            if k in self._native_keys:
+                self._native().row_sparse_pull(k, out=o, priority=priority, row_ids=r)
+            elif k in self._dense_keys:
+                shape, dtype = self._shapes[k]
+                dense = mx.nd.zeros(shape, dtype=dtype)
+                self._pull_dense(k, dense)
+                for target, rows in zip(_as_list(o), _as_list(r) * len(_as_list(o)) if not isinstance(r, (list, tuple)) else r):
+                    picked = mx.nd.sparse.retain(dense.tostype("row_sparse"), rows.astype("int64"))
+                    picked.copyto(target)
+            else:
+                raise Error("key %r: row_sparse_pull needs a key initialized with a row_sparse value" % (k,))
+
+    # ------------------------------------------------------------ data
+    def _init_dense(self, key, value):
         views = _views(key, value, "init value", False)
         self._store.init(key, views)
         for k, v in _pairs(key, views):
@@ -166,7 +278,7 @@ class GradpackStore(mx.kv.KVStoreBase):
             if self._worker_updater is not None:
                 self._weights[k] = mx.nd.array(first, dtype=first.dtype)
 
-    def broadcast(self, key, value, out, priority=0):
+    def _broadcast_dense(self, key, value, out):
         values = _views(key, value, "broadcast value", False)
         outs = _views(key, out, "broadcast output", True)
         self._store.broadcast(key, values, out=outs)
@@ -174,22 +286,20 @@ class GradpackStore(mx.kv.KVStoreBase):
             for k, v in _pairs(key, values):
                 self._weights[k] = mx.nd.array(_as_list(v)[0])
 
-    def push(self, key, value, priority=0):
+    def _push_dense(self, key, value):
         values = _views(key, value, "pushed value", False)
         self._before_update(key)
         self._store.push(key, values)
         if self._worker_updater is not None:
             self._pending.update(k for k, _ in _pairs(key, values))
 
-    def pull(self, key, out=None, priority=0, ignore_sparse=True):
-        if out is None:
-            raise Error("pull needs out=")
+    def _pull_dense(self, key, out):
         outs = _views(key, out, "pull output", True)
         if self._worker_updater is not None:
             return self._pull_updated(key, outs)
         self._store.pull(key, out=outs)
 
-    def pushpull(self, key, value, out=None, priority=0):
+    def _pushpull_dense(self, key, value, out=None):
         values = _views(key, value, "pushed value", out is None)
         outs = values if out is None else _views(key, out, "pushpull output", True)
         self._before_update(key)
@@ -215,9 +325,6 @@ class GradpackStore(mx.kv.KVStoreBase):
             values = weight.asnumpy()
             for o in _as_list(out):
                 o[...] = values
-
-    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
-        raise Error("key %r: row_sparse_pull is not supported by gradpack's stores (dense only)" % (key,))
 
     # ------------------------------------------------------------ configuration
     def set_compress(self, compress_params):
@@ -258,6 +365,8 @@ class GradpackStore(mx.kv.KVStoreBase):
             self._rust = False
         self._optimizer = optimizer
         self._scaling = None
+        if self._native_store is not None:
+            self._native_store.set_optimizer(optimizer)
 
     def _use_worker_updater(self, optimizer):
         """A dist_sync store with an optimizer the servers cannot run (MXNet's
@@ -288,6 +397,8 @@ class GradpackStore(mx.kv.KVStoreBase):
         self._updater = updater
         self._optimizer = None
         self._rust = False
+        if self._native_store is not None:
+            self._native_store._set_updater(updater)
 
     _set_updater = set_updater
 
