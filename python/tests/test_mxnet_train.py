@@ -273,10 +273,13 @@ def embedding_step(trainer_cls, **kwargs):
     return emb.weight.data(CTX[0]).asnumpy(), tr
 
 
-def test_sparse_gradients_with_compression_are_refused_naming_the_parameter():
-    with pytest.raises(gpmx.KVStoreError, match="parameter 'embedding.*_weight' has a row_sparse gradient.* "
-                                               "'device' gradient compression handles dense parameters only"):
-        embedding_step(gpmx.Trainer, compress_params=TWO_BIT)
+def test_sparse_gradients_with_compression_are_compressed_dense():
+    """An Embedding with sparse gradients on 2 contexts with 2-bit: the
+    gradients are held dense and compressed (each device's 1.0 sends 0.5,
+    summed 1.0, over 2 = 0.5, lr 0.1), untouched rows stay as they were."""
+    weights, tr = embedding_step(gpmx.Trainer, compress_params=TWO_BIT)
+    assert isinstance(tr._kvstore, gpmx.GradpackStore) and tr._update_on_kvstore is False
+    assert (weights[[1, 2]] == np.float32(0.95)).all() and (weights[[0, 3]] == 1).all()
 
 
 def test_module_sparse_gradients_with_compression_are_refused_naming_the_parameter():
@@ -287,6 +290,37 @@ def test_module_sparse_gradients_with_compression_are_refused_naming_the_paramet
     mod.init_params()
     with pytest.raises(gpmx.KVStoreError, match="Module: parameter 'emb_weight' has a row_sparse gradient"):
         mod.init_optimizer(kvstore="device")
+
+
+def test_sparse_weights_with_compression_train_as_in_mxnet():
+    """A row_sparse weight beside a dense one, 2-bit on: the sparse key lives
+    in MXNet's own store (updated there, uncompressed), so its weights equal
+    plain MXNet's bit for bit; the dense one is compressed by gradpack."""
+    def run(trainer_cls, **kwargs):
+        mx.random.seed(0)
+        emb = mx.gluon.contrib.nn.SparseEmbedding(10, 4, weight_initializer=mx.init.One())
+        dense = mx.gluon.nn.Dense(1, in_units=4, weight_initializer=mx.init.One(), use_bias=False)
+        emb.initialize(ctx=CTX)
+        dense.initialize(ctx=CTX)
+        params = emb.collect_params()
+        params.update(dense.collect_params())
+        tr = trainer_cls(params, "sgd", {"learning_rate": 0.1}, kvstore="device", **kwargs)
+        for step in range(3):
+            xs = [mx.nd.array([step, step + 1], ctx=c) for c in CTX]
+            with mx.autograd.record():
+                # Independent terms: the embedding's gradient does not depend on the dense weight.
+                losses = [emb(x).sum() + dense(mx.nd.full((1, 4), 0.3, ctx=x.context)).sum() for x in xs]
+            for l in losses:
+                l.backward()
+            tr.step(2)
+        weight = emb.weight.row_sparse_data(mx.nd.arange(10, ctx=CTX[0])).asnumpy()
+        return weight, dense.weight.data(CTX[0]).asnumpy(), tr
+
+    ours_emb, ours_w, tr = run(gpmx.Trainer, compress_params=TWO_BIT)
+    assert isinstance(tr._kvstore, gpmx.GradpackStore) and tr._update_on_kvstore is True
+    plain_emb, plain_w, _ = run(mx.gluon.Trainer)
+    np.testing.assert_array_equal(ours_emb, plain_emb)
+    assert not np.array_equal(ours_w, plain_w)  # the dense weight's gradients were compressed
 
 
 @pytest.mark.parametrize("installed", [False, True])

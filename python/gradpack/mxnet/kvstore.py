@@ -230,11 +230,21 @@ class GradpackStore(mx.kv.KVStoreBase):
                 self._native().pull(k, out=o, priority=priority, ignore_sparse=ignore_sparse)
                 continue
             dense = [a for a in _as_list(o) if a.stype == "default"]
-            if len(dense) < len(_as_list(o)):
-                if not ignore_sparse:
-                    raise Error("key %r: pull into a sparse output; use row_sparse_pull" % (k,))
+            sparse = [a for a in _as_list(o) if a.stype != "default"]
+            if sparse and ignore_sparse:
                 import warnings
                 warnings.warn("key %r: sparse outputs of pull are ignored (ignore_sparse=True), as in MXNet" % (k,))
+            elif sparse:
+                # The value, as the sparse type each output has (Trainer pulls
+                # sparse gradients this way), outside autograd as MXNet's pull.
+                if k not in self._shapes:
+                    raise Error("key %r: not initialized (call init first)" % (k,))
+                shape, dtype = self._shapes[k]
+                with mx.autograd.pause():
+                    value = mx.nd.zeros(shape, dtype=dtype)
+                    self._pull_dense(k, value)
+                    for a in sparse:
+                        value.tostype(a.stype).copyto(a)
             if dense:
                 self._pull_dense(k, dense)
 
@@ -260,13 +270,23 @@ class GradpackStore(mx.kv.KVStoreBase):
                 self._native().row_sparse_pull(k, out=o, priority=priority, row_ids=r)
             elif k in self._dense_keys:
                 shape, dtype = self._shapes[k]
-                dense = mx.nd.zeros(shape, dtype=dtype)
-                self._pull_dense(k, dense)
-                for target, rows in zip(_as_list(o), _as_list(r) * len(_as_list(o)) if not isinstance(r, (list, tuple)) else r):
-                    picked = mx.nd.sparse.retain(dense.tostype("row_sparse"), rows.astype("int64"))
-                    picked.copyto(target)
-            else:
+                targets = _as_list(o)
+                rows_per = list(r) if isinstance(r, (list, tuple)) else [r] * len(targets)
+                # Outside autograd, as MXNet's own row_sparse_pull (Trainer calls it
+                # inside a record section).
+                with mx.autograd.pause():
+                    dense = mx.nd.zeros(shape, dtype=dtype)
+                    self._pull_dense(k, dense)
+                    for target, rows in zip(targets, rows_per):
+                        # Row ids may repeat and come in any shape; a row_sparse
+                        # array's indices are sorted and unique.
+                        ids = np.unique(rows.asnumpy().astype(np.int64).ravel())
+                        picked = mx.nd.sparse.retain(dense.tostype("row_sparse"), mx.nd.array(ids, dtype="int64"))
+                        picked.copyto(target)
+            elif k in self._shapes:
                 raise Error("key %r: row_sparse_pull needs a key initialized with a row_sparse value" % (k,))
+            else:
+                raise Error("key %r: not initialized (call init first)" % (k,))
 
     # ------------------------------------------------------------ data
     def _init_dense(self, key, value):
@@ -282,9 +302,11 @@ class GradpackStore(mx.kv.KVStoreBase):
         values = _views(key, value, "broadcast value", False)
         outs = _views(key, out, "broadcast output", True)
         self._store.broadcast(key, values, out=outs)
-        if self._worker_updater is not None:
-            for k, v in _pairs(key, values):
-                self._weights[k] = mx.nd.array(_as_list(v)[0])
+        for k, v in _pairs(key, values):
+            first = _as_list(v)[0]
+            self._shapes[k] = (first.shape, first.dtype)
+            if self._worker_updater is not None:
+                self._weights[k] = mx.nd.array(first, dtype=first.dtype)
 
     def _push_dense(self, key, value):
         values = _views(key, value, "pushed value", False)

@@ -8,7 +8,7 @@ import tempfile
 import mxnet as mx
 
 from .kvstore import GradpackStore, _gradpack_payload, runs_on_servers
-from .module import check_dense, native, native_create, store_for
+from .module import native, native_create, store_for
 
 __all__ = ["Trainer"]
 
@@ -33,8 +33,9 @@ class Trainer(mx.gluon.Trainer):
             with native_create():
                 return super(Trainer, self)._init_kvstore()
         store = store_for(requested, len(self._contexts), self._compression_params, "Trainer")
+        if isinstance(store, GradpackStore) and (self._contains_sparse_weight or self._contains_sparse_grad):
+            return self._init_sparse_kvstore(store, update_on_kvstore)
         if isinstance(store, GradpackStore):
-            self._check_dense(store)
             if (update_on_kvstore is None and store._dist and "async" not in store.type
                     and not runs_on_servers(self._optimizer)):
                 # The servers cannot run this optimizer: MXNet's own path with
@@ -46,9 +47,34 @@ class Trainer(mx.gluon.Trainer):
         finally:
             config["kvstore"], config["update_on_kvstore"] = requested, update_on_kvstore
 
-    def _check_dense(self, store):
-        check_dense("Trainer", store, [(p.name, p._stype, p._grad_stype) for p in self._params],
-                    self._compression_params)
+    def _init_sparse_kvstore(self, store, update_on_kvstore):
+        """MXNet's rules for sparse parameters, with gradpack's store (MXNet's
+        own code accepts only its KVStore class there). A sparse weight is
+        updated on the store; sparse gradients with dense weights update on
+        the store when it is distributed, unless told otherwise where MXNet
+        allows it. The store holds sparse keys as its "data" section says."""
+        distributed = store._dist
+        if self._contains_sparse_weight:
+            if update_on_kvstore is False:
+                raise ValueError("Cannot set update_on_kvstore=False when sparse weights are present.")
+            update_on_kvstore = True
+        else:
+            if update_on_kvstore is False and distributed:
+                raise ValueError("Cannot set update_on_kvstore=False on dist kvstore when sparse gradients "
+                                 "are present.")
+            update_on_kvstore = distributed if update_on_kvstore is None else update_on_kvstore
+        if distributed and "async" in store.type and not update_on_kvstore:
+            raise ValueError("Please set update_on_kvstore=True when training in async mode.")
+        if update_on_kvstore and distributed and "async" in store.type and not runs_on_servers(self._optimizer):
+            raise ValueError("%s cannot run on gradpack's servers (SGD, NAG, Adam) and '%s' updates only there"
+                             % (type(self._optimizer).__name__, store.type))
+        if self._compression_params:
+            store.set_gradient_compression(self._compression_params)
+        if update_on_kvstore:
+            store.set_optimizer(self._optimizer)
+        self._distributed = distributed
+        self._kvstore, self._update_on_kvstore = store, update_on_kvstore
+        self._kv_initialized = True
 
     def save_states(self, fname):
         """MXNet's ``save_states``; when the workers update
