@@ -5,6 +5,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 # The set-up's Debian dependencies, checked against dpkg and the files the build uses.
 bash scripts/env.sh --check
+# The crate's modules import each other in no cycle.
+"$PYTHON" scripts/module_cycles.py
 # Feature mpi: the all-reduce store (its tests run themselves under mpirun).
 cargo test --release --features mpi
 # The unit tests once more in the debug profile, where overflow checks and

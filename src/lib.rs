@@ -8,10 +8,14 @@ pub mod allreduce;
 pub mod bytes;
 pub mod capi;
 pub mod codec;
-pub mod compression;
+/// `compress_params` parsing and validation (SPEC §2); it lives in `quant`.
+pub mod compression {
+    pub use crate::quant::compression::*;
+}
 pub mod dist;
 pub mod error;
 pub mod hash;
+pub mod key;
 pub mod kvstore;
 pub mod optimizer;
 pub mod quant;

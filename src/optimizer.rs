@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use crate::compression::parse_f64;
 use crate::bytes::Reader;
 use crate::error::{Error, Result};
-use crate::kvstore::Key;
+use crate::key::Key;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Rule {

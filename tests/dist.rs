@@ -212,7 +212,8 @@ fn bad_input_is_refused_before_anything_changes() {
 /// (with the refusal undeliverable to the unknown sender, node 9999), and
 /// counted, while the server keeps serving exact values.
 fn rogue_frames(key: &Key) -> Vec<Vec<Vec<u8>>> {
-    use gradpack::dist::message::{f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
+    use gradpack::dist::message::{f32s_to_bytes, Command, Meta};
+    use gradpack::dist::protocol::Flag;
     let meta = |command, k: &Key, len: u64, flags: u16| {
         let mut m = Meta::new(command, 9999);
         m.key = Some(k.clone());
@@ -235,9 +236,9 @@ fn rogue_frames(key: &Key) -> Vec<Vec<Vec<u8>>> {
         // A header cut short: its fields claim more bytes than the frame carries.
         vec![truncated[..truncated.len() - 3].to_vec(), f32s_to_bytes(&[1.0; 32])],
         // A well-formed 2-bit push holding code 0b11.
-        vec![meta(Command::Push, key, 32, FLAG_COMPRESSED).encode(), f32s_to_bytes(&code_11)],
+        vec![meta(Command::Push, key, 32, Flag::Compressed.bit()).encode(), f32s_to_bytes(&code_11)],
         // A 2-bit push whose header claims 64 elements for the slice of 32.
-        vec![meta(Command::Push, key, 32, FLAG_COMPRESSED).encode(), f32s_to_bytes(&header(0.5, 64.0, 4))],
+        vec![meta(Command::Push, key, 32, Flag::Compressed.bit()).encode(), f32s_to_bytes(&header(0.5, 64.0, 4))],
         // A float32 push claiming 32 elements that carries 16, and one of 7 bytes.
         vec![meta(Command::Push, key, 32, 0).encode(), f32s_to_bytes(&[9.0; 16])],
         vec![meta(Command::Push, key, 32, 0).encode(), vec![0u8; 7]],
@@ -519,7 +520,7 @@ fn rogue_registrations_do_not_hurt_the_scheduler() {
 #[test]
 fn scheme_frames_claiming_huge_sizes_are_refused() {
     use gradpack::dist::message::{encode_pairs, Command, Meta};
-    use gradpack::dist::server::{FLAG_EXCHANGE, FLAG_SCHEME};
+    use gradpack::dist::protocol::Flag;
     let (sched, server, post, w) = one_server_job();
     let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
@@ -529,7 +530,7 @@ fn scheme_frames_claiming_huge_sizes_are_refused() {
     let rogue = outsider(&host, server_port, 0);
     let mut frames = Vec::new();
     for n in [1u64 << 40, 1 << 62] {
-        for (flags, body) in [(FLAG_SCHEME, encode_pairs([("step", "0")])), (FLAG_EXCHANGE, encode_pairs([("op", "max"), ("step", "0"), ("phase", "0")]))] {
+        for (flags, body) in [(Flag::Scheme.bit(), encode_pairs([("step", "0")])), (Flag::Exchange.bit(), encode_pairs([("op", "max"), ("step", "0"), ("phase", "0")]))] {
             // kind 2 (codes) in -1..=1, and kind 1 (scale indices) of 2 scales
             let mut codes = vec![2u8];
             codes.extend(n.to_le_bytes());

@@ -14,8 +14,9 @@ use std::time::Duration;
 
 use gradpack::codec::{self, Thresholds};
 use gradpack::dist::counts;
-use gradpack::dist::message::{decode_pairs, encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, FLAG_COMPRESSED};
-use gradpack::dist::server::{Server, FLAG_ASYNC, FLAG_EXCHANGE, FLAG_SCHEME};
+use gradpack::dist::message::{decode_pairs, encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta};
+use gradpack::dist::protocol::Flag;
+use gradpack::dist::server::Server;
 use gradpack::dist::{serve, Config, DistWorker, Role};
 use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
 use gradpack::quant::scheme::{from_wire, to_wire, value_from_wire, value_to_wire, Part};
@@ -148,11 +149,11 @@ fn seeds() -> Vec<(Vec<u8>, Vec<u8>)> {
         (meta(Command::Init, k.clone(), 40, 0, &encode_pairs([("shape", "4,10")])).encode(), f32s_to_bytes(&g)),
         (meta(Command::Init, s.clone(), 40, 0, "").encode(), f32s_to_bytes(&g)),
         (meta(Command::Push, k.clone(), 40, 0, "").encode(), f32s_to_bytes(&g)),
-        (meta(Command::Push, k.clone(), 40, FLAG_COMPRESSED, "").encode(), f32s_to_bytes(&compr)),
-        (meta(Command::Push, k.clone(), 40, FLAG_ASYNC, "").encode(), f32s_to_bytes(&g)),
-        (meta(Command::Push, k.clone(), 40, FLAG_SCHEME, &encode_pairs([("step", "0")])).encode(), to_wire(&parts[2])),
-        (meta(Command::Push, k.clone(), 40, FLAG_EXCHANGE, &encode_pairs([("op", "max"), ("step", "0"), ("phase", "0")])).encode(), to_wire(&parts[0])),
-        (meta(Command::Push, s.clone(), 40, FLAG_EXCHANGE, &encode_pairs([("op", "sum"), ("step", "0"), ("phase", "0")])).encode(), to_wire(&parts[1])),
+        (meta(Command::Push, k.clone(), 40, Flag::Compressed.bit(), "").encode(), f32s_to_bytes(&compr)),
+        (meta(Command::Push, k.clone(), 40, Flag::Async.bit(), "").encode(), f32s_to_bytes(&g)),
+        (meta(Command::Push, k.clone(), 40, Flag::Scheme.bit(), &encode_pairs([("step", "0")])).encode(), to_wire(&parts[2])),
+        (meta(Command::Push, k.clone(), 40, Flag::Exchange.bit(), &encode_pairs([("op", "max"), ("step", "0"), ("phase", "0")])).encode(), to_wire(&parts[0])),
+        (meta(Command::Push, s.clone(), 40, Flag::Exchange.bit(), &encode_pairs([("op", "sum"), ("step", "0"), ("phase", "0")])).encode(), to_wire(&parts[1])),
         (meta(Command::Pull, k.clone(), 40, 0, "").encode(), Vec::new()),
         (meta(Command::Response, k.clone(), 40, 0, "").encode(), value_to_wire(3, &parts[..2], &parts[2], 2)),
         (meta(Command::Response, k, 40, 0, "").encode(), counts::encode(&pos, &neg, th, counts::bits_for(2))),

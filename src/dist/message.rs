@@ -3,6 +3,7 @@
 //! are float32 values or packed 2-bit blocks moved as bytes only. Decoding
 //! checks every length and tag: a malformed frame is an error, never a panic.
 
+use super::protocol::Flag;
 use crate::bytes::Reader;
 use crate::error::{Error, Result};
 use crate::kvstore::Key;
@@ -61,9 +62,6 @@ impl Command {
     }
 }
 
-/// Payload encodings.
-pub const FLAG_COMPRESSED: u16 = 1;
-
 /// The header of a message.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Meta {
@@ -84,6 +82,15 @@ pub struct Meta {
 }
 
 impl Meta {
+    /// Whether `flag` is set in `flags`.
+    pub fn has(&self, flag: Flag) -> bool {
+        self.flags & flag.bit() != 0
+    }
+
+    pub fn set(&mut self, flag: Flag) {
+        self.flags |= flag.bit();
+    }
+
     pub fn new(command: Command, sender: i32) -> Meta {
         Meta { command, flags: 0, sender, request_id: 0, key: None, offset: 0, len: 0, status: 0, body: String::new() }
     }
@@ -266,7 +273,7 @@ mod tests {
     fn meta_round_trips() {
         for key in [None, Some(Key::Int(-7)), Some(Key::Str("fc1_weight".into()))] {
             let mut m = Meta::new(Command::Push, 9);
-            m.flags = FLAG_COMPRESSED;
+            m.flags = Flag::Compressed.bit();
             m.request_id = 1 << 40;
             m.key = key;
             m.offset = 16;

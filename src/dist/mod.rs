@@ -1,8 +1,9 @@
 //! The distributed KVStore (SPEC §3 dist, §4 launch), in ps-lite's layers, one
 //! file each, each knowing only the one below: `van` (ZeroMQ transport) ->
 //! `postoffice` (membership: scheduler, ranks, barrier, heartbeats) and
-//! `customer` (request tracking) -> `worker` and `server`. `config` reads every
-//! setting from MXNet's `DMLC_*` variables in one place.
+//! `customer` (request tracking) -> `worker` and `server`, which speak the
+//! vocabulary of `protocol` (flags, exchanges). `config` reads every setting
+//! from MXNet's `DMLC_*` variables in one place.
 
 pub mod auth;
 pub mod config;
@@ -10,6 +11,7 @@ pub mod counts;
 pub mod customer;
 pub mod message;
 pub mod postoffice;
+pub mod protocol;
 pub mod server;
 pub mod van;
 pub mod worker;

@@ -6,7 +6,8 @@
 use std::collections::HashMap;
 
 use super::config::Config;
-use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, Payload, FLAG_COMPRESSED};
+use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, Payload};
+use super::protocol::{Exchange, Flag};
 use super::postoffice::Postoffice;
 use super::counts;
 use crate::codec::{self, Thresholds};
@@ -16,25 +17,6 @@ use crate::kvstore::{settle, Key};
 use crate::optimizer::Optimizer;
 use crate::quant::{self, scheme, scheme::Part};
 
-/// Push flag: apply this push at once (dist_async).
-pub const FLAG_ASYNC: u16 = 2;
-/// Pull-response flag: the payload is in the code-count encoding (`counts`).
-pub const FLAG_CODE_COUNTS: u16 = 4;
-/// Push flag: one exchange of a scheme (`quant::scheme`): reduce over every
-/// worker and answer each with the result. Body: `op` (max, sum, min), `step`, `phase`.
-pub const FLAG_EXCHANGE: u16 = 8;
-/// Push flag: a scheme's final contribution: summed, decoded once with the
-/// round's exchanges, then applied like any push. Body: `step`.
-pub const FLAG_SCHEME: u16 = 16;
-
-/// Pull-response flag: the value is a scheme's decoded sum, sent as its
-/// exchanges and summed codes (`scheme::value_to_wire`); lossless.
-pub const FLAG_SCHEME_VALUE: u16 = 32;
-/// A sync push that failed on its worker (a wrong shape, a NaN): it takes the
-/// worker's turn in the round and fails the round for every worker; the body
-/// says why.
-pub const FLAG_ABORT: u16 = 64;
-
 /// A scheme's round in progress on one key.
 #[derive(Default)]
 struct SchemeRound {
@@ -43,10 +25,10 @@ struct SchemeRound {
     /// This round's completed reductions, in order.
     exchanged: Vec<Part>,
     /// The reduction being gathered: its op and partial result.
-    acc: Option<(String, Part)>,
+    acc: Option<(Exchange, Part)>,
     /// Workers that contributed to it: (node id, request id).
     waiting: Vec<(i32, u64)>,
-    /// A worker's part failed on the worker (`FLAG_ABORT`): the round fails
+    /// A worker's part failed on the worker (`Flag::Abort`): the round fails
     /// for every worker once all took their turn.
     aborted: Option<String>,
     /// Some worker contributed to a round of this key. Until then the first
@@ -55,15 +37,15 @@ struct SchemeRound {
 }
 
 /// `acc = op(acc, part)` elementwise; both from workers of one round.
-fn combine(op: &str, acc: &mut Part, part: Part) -> Result<()> {
-    let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{op}'"));
+fn combine(op: Exchange, acc: &mut Part, part: Part) -> Result<()> {
+    let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()));
     match (op, acc, part) {
-        ("max", Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x = x.max(y)),
-        ("sum" | "final", Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
-        ("min", Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => {
+        (Exchange::Max, Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x = x.max(y)),
+        (Exchange::Sum | Exchange::Final, Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
+        (Exchange::Min, Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => {
             a.iter_mut().zip(b).for_each(|(x, y)| *x = (*x).min(y))
         }
-        ("sum" | "final", Part::Codes { codes: a, lo, hi }, Part::Codes { codes: b, lo: l, hi: h }) if a.len() == b.len() && (*lo, *hi) == (l, h) => {
+        (Exchange::Sum | Exchange::Final, Part::Codes { codes: a, lo, hi }, Part::Codes { codes: b, lo: l, hi: h }) if a.len() == b.len() && (*lo, *hi) == (l, h) => {
             quant::qsgd::accumulate(&b, a)?
         }
         _ => return Err(mismatch()),
@@ -103,7 +85,7 @@ struct Slot {
     /// Workers that pushed in the current sync round: (node id, request id).
     pushed: Vec<(i32, u64)>,
     /// Why the current sync round fails: a worker's push failed on the
-    /// worker (`FLAG_ABORT`). Its turn counts; the round ends when every
+    /// worker (`Flag::Abort`). Its turn counts; the round ends when every
     /// worker has taken it, with this error for all and the value unchanged.
     aborted: Option<String>,
 }
@@ -298,7 +280,7 @@ impl Server {
         let slot = self.slots.get_mut(&key).unwrap();
         if slot.pull_cache.is_none() {
             slot.pull_cache = Some(match slot.value_counts {
-                Some((th, pushes)) if pushes <= 255 => (counts::encode(&slot.value_pos, &slot.value_neg, th, counts::bits_for(pushes)), FLAG_CODE_COUNTS),
+                Some((th, pushes)) if pushes <= 255 => (counts::encode(&slot.value_pos, &slot.value_neg, th, counts::bits_for(pushes)), Flag::CodeCounts.bit()),
                 _ => (f32s_to_bytes(&slot.value), 0),
             });
         }
@@ -355,24 +337,24 @@ impl Server {
     }
 
     fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
-        if msg.meta.flags & FLAG_ASYNC == 0 {
+        if !msg.meta.has(Flag::Async) {
             if let (Some(&node), Ok(key)) = (self.closed.first(), Self::key_of(&msg.meta)) {
                 return Err(closed_error(node, &key));
             }
         }
-        if msg.meta.flags & (FLAG_EXCHANGE | FLAG_SCHEME) != 0 {
+        if msg.meta.has(Flag::Exchange) || msg.meta.has(Flag::Scheme) {
             return self.scheme_push(msg);
         }
         let meta = msg.meta;
         let key = Self::key_of(&meta)?;
         self.slot(&key, &meta)?;
         let num_workers = self.num_workers;
-        let asynchronous = meta.flags & FLAG_ASYNC != 0;
+        let asynchronous = meta.has(Flag::Async);
         let slot = self.slots.get_mut(&key).unwrap();
         if slot.pushed.iter().any(|(s, _)| *s == meta.sender) {
             return Err(Error::Key { key: key.to_string(), problem: format!("node {} pushed twice in one sync round", meta.sender) });
         }
-        if meta.flags & FLAG_ABORT != 0 && !asynchronous {
+        if meta.has(Flag::Abort) && !asynchronous {
             let cause: String = meta.body.chars().take(1000).collect();
             slot.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
             slot.pushed.push((meta.sender, meta.request_id));
@@ -380,7 +362,7 @@ impl Server {
         }
         let payload = f32_view(&msg.data)?;
         // Validate first: a bad push changes nothing.
-        let compressed = meta.flags & FLAG_COMPRESSED != 0;
+        let compressed = meta.has(Flag::Compressed);
         let th = if compressed {
             Some(codec::check_compressed(&payload, slot.merge.len())?)
         } else {
@@ -476,13 +458,15 @@ impl Server {
         let pairs = decode_pairs(&meta.body)?;
         let get = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         let number = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| Error::Transport(format!("malformed message: scheme push without '{k}'")));
-        let is_final = meta.flags & FLAG_SCHEME != 0;
-        let abort = meta.flags & FLAG_ABORT != 0;
+        let is_final = meta.has(Flag::Scheme);
+        let abort = meta.has(Flag::Abort);
         let step = number("step")?;
-        let (op, phase) = if is_final { ("final", None) } else { (get("op").unwrap_or(""), Some(number("phase")? as usize)) };
-        if !abort && !["max", "sum", "min", "final"].contains(&op) {
-            return Err(Error::Transport(format!("malformed message: unknown exchange '{op}'")));
-        }
+        let (name, phase) = if is_final { (Exchange::Final.name(), None) } else { (get("op").unwrap_or(""), Some(number("phase")? as usize)) };
+        let op = match Exchange::parse(name) {
+            Some(op) => op,
+            None if abort => Exchange::Sum, // an abort carries no part to reduce
+            None => return Err(Error::Transport(format!("malformed message: unknown exchange '{}'", name.escape_debug()))),
+        };
         let part = if abort { None } else { Some(scheme::from_wire(&msg.data)?) };
         let cause: String = get("cause").unwrap_or("").chars().take(1000).collect();
         let num_workers = self.num_workers;
@@ -512,9 +496,9 @@ impl Server {
             (_, None) => {
                 round.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
             }
-            (None, Some(part)) => round.acc = Some((op.to_string(), part)),
-            (Some((o, acc)), Some(part)) if o == op => combine(op, acc, part)?,
-            (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{op}' while the workers' '{o}' is being gathered") }),
+            (None, Some(part)) => round.acc = Some((op, part)),
+            (Some((o, acc)), Some(part)) if *o == op => combine(op, acc, part)?,
+            (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' while the workers' '{}' is being gathered", op.name(), o.name()) }),
         }
         round.waiting.push((meta.sender, meta.request_id));
         if round.waiting.len() < num_workers {
@@ -542,7 +526,7 @@ impl Server {
                 None => {
                     // The value is exactly this decoded sum: pulls send what it was decoded from.
                     slot.value.copy_from_slice(&slot.merge);
-                    slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers), FLAG_SCHEME_VALUE));
+                    slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers), Flag::SchemeValue.bit()));
                     Ok(())
                 }
             });

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::{Config, Role};
-use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta, FLAG_COMPRESSED};
+use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta};
+use super::protocol::{Exchange, Flag};
 use super::postoffice::Postoffice;
 use super::counts;
-use super::server::{FLAG_ABORT, FLAG_ASYNC, FLAG_CODE_COUNTS, FLAG_EXCHANGE, FLAG_SCHEME, FLAG_SCHEME_VALUE};
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
@@ -94,25 +94,25 @@ struct ServerExchange<'a> {
 }
 
 impl ServerExchange<'_> {
-    fn exchange(&mut self, op: &str, part: Part) -> Result<Part> {
+    fn exchange(&mut self, op: Exchange, part: Part) -> Result<Part> {
         let mut m = self.slice.meta(Command::Push, self.key);
-        m.flags |= FLAG_EXCHANGE;
-        m.body = encode_pairs([("op", op), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
+        m.set(Flag::Exchange);
+        m.body = encode_pairs([("op", op.name()), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
         self.phase += 1;
         let replies = self.post.request(vec![(self.slice.server, m, scheme::to_wire(&part))]).inspect_err(|_| self.refused = true)?;
         scheme::from_wire(&replies[0].data)
     }
 
     /// `x = op over workers (x)`, for float32 exchanges.
-    fn exchange_f32(&mut self, op: &str, x: &mut [f32]) -> Result<()> {
+    fn exchange_f32(&mut self, op: Exchange, x: &mut [f32]) -> Result<()> {
         match self.exchange(op, Part::F32(x.to_vec()))? {
             Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
             _ => Err(self.malformed(op)),
         }
     }
 
-    fn malformed(&self, op: &str) -> Error {
-        Error::Transport(format!("malformed message: the server's '{op}' result for key {} has the wrong kind or length", self.key))
+    fn malformed(&self, op: Exchange) -> Error {
+        Error::Transport(format!("malformed message: the server's '{}' result for key {} has the wrong kind or length", op.name(), self.key))
     }
 }
 
@@ -122,24 +122,24 @@ impl Collective for ServerExchange<'_> {
     }
 
     fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        self.exchange_f32("max", x)
+        self.exchange_f32(Exchange::Max, x)
     }
 
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        self.exchange_f32("sum", x)
+        self.exchange_f32(Exchange::Sum, x)
     }
 
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
-        match self.exchange("min", Part::Levels { levels: x.to_vec(), count })? {
+        match self.exchange(Exchange::Min, Part::Levels { levels: x.to_vec(), count })? {
             Part::Levels { levels, .. } if levels.len() == x.len() => Ok(x.copy_from_slice(&levels)),
-            _ => Err(self.malformed("min")),
+            _ => Err(self.malformed(Exchange::Min)),
         }
     }
 
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
-        match self.exchange("sum", Part::Codes { codes: x.to_vec(), lo, hi })? {
+        match self.exchange(Exchange::Sum, Part::Codes { codes: x.to_vec(), lo, hi })? {
             Part::Codes { codes, .. } if codes.len() == x.len() => Ok(x.copy_from_slice(&codes)),
-            _ => Err(self.malformed("sum")),
+            _ => Err(self.malformed(Exchange::Sum)),
         }
     }
 }
@@ -338,7 +338,7 @@ impl DistWorker {
                     .iter()
                     .map(|s| {
                         let mut m = s.meta(Command::Push, key);
-                        m.flags |= FLAG_ABORT;
+                        m.set(Flag::Abort);
                         m.body = err.to_string();
                         (s.server, m, Vec::new())
                     })
@@ -394,12 +394,12 @@ impl DistWorker {
         for (i, s) in e.slices.iter().enumerate() {
             let mut m = s.meta(Command::Push, key);
             if self.asynchronous {
-                m.flags |= FLAG_ASYNC;
+                m.set(Flag::Async);
             }
             let payload = match compression {
                 Compression::None => f32s_to_bytes(part_of(s)),
                 Compression::TwoBit(_) => {
-                    m.flags |= FLAG_COMPRESSED;
+                    m.set(Flag::Compressed);
                     std::mem::take(&mut payloads[i])
                 }
                 _ => unreachable!("refused by set_compress"),
@@ -419,7 +419,8 @@ impl DistWorker {
     /// worker, with `err` as the cause. Waits for the round to end.
     fn abort_scheme_round(&self, key: &Key, slice: &Slice, step: u64, phase: usize, err: &Error) {
         let mut m = slice.meta(Command::Push, key);
-        m.flags |= FLAG_EXCHANGE | FLAG_ABORT;
+        m.set(Flag::Exchange);
+        m.set(Flag::Abort);
         let cause = err.to_string().replace('\n', " ");
         m.body = encode_pairs([("op", "abort"), ("step", step.to_string().as_str()), ("phase", phase.to_string().as_str()), ("cause", cause.as_str())]);
         let _ = self.post.request(vec![(slice.server, m, Vec::new())]);
@@ -443,7 +444,7 @@ impl DistWorker {
             }
         };
         let mut m = slice.meta(Command::Push, key);
-        m.flags |= FLAG_SCHEME;
+        m.set(Flag::Scheme);
         m.body = encode_pairs([("step", state.step.to_string().as_str())]);
         let replies = self.post.request(vec![(slice.server, m, scheme::to_wire(&part))])?;
         let summed = if replies[0].data.is_empty() { part } else { scheme::from_wire(&replies[0].data)? };
@@ -472,10 +473,10 @@ impl DistWorker {
             if lo + len > n {
                 return Err(Error::Transport(format!("malformed message: pull reply for key {key} covers {lo}..{} of {n}", lo + len)));
             }
-            let reply = if r.meta.flags & FLAG_SCHEME_VALUE != 0 {
+            let reply = if r.meta.has(Flag::SchemeValue) {
                 let (step, exchanged, sum) = scheme::value_from_wire(&r.data)?;
                 PullReply::Scheme { step, exchanged, sum }
-            } else if r.meta.flags & FLAG_CODE_COUNTS != 0 {
+            } else if r.meta.has(Flag::CodeCounts) {
                 counts::validate(&r.data, len)?;
                 PullReply::Counts(&r.data)
             } else {

@@ -12,7 +12,6 @@
 //! running finish with the setting they started with.
 
 pub(crate) mod checkpoint;
-mod key;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,7 +19,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use rayon::prelude::*;
 
-pub use key::Key;
+pub use crate::key::Key;
 
 pub use crate::codec::Grad;
 use crate::codec::{self, CHUNK};

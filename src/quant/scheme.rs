@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::collective::Collective;
 use super::{lanes, onebit, powersgd, qsgd};
-use crate::compression::{Compression, Qsgd};
+use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
 use crate::codec;
 use crate::error::{Error, Result};

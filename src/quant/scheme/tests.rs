@@ -1,5 +1,5 @@
 use super::*;
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::quant::collective::run_group;
 
 fn params(p: &[(&str, &str)]) -> Compression {

@@ -45,7 +45,7 @@ impl Qsgd {
             return Err(param_error("bits", &format!("give 1 to {MAX_SCALES} values, got {}", bits.len())));
         }
         for &b in bits {
-            crate::quant::qsgd::levels(b)?;
+            super::qsgd::levels(b)?;
         }
         if bits.windows(2).any(|w| w[0] >= w[1]) {
             return Err(param_error("bits", &format!("scales must be ascending and distinct, got {bits:?}")));
@@ -114,7 +114,7 @@ impl Compression {
             "none" => return Ok(Compression::None),
             "1bit" => {
                 let threshold = match get("threshold") {
-                    Some(t) => crate::quant::onebit::check_threshold(parse_f32("threshold", t)?)?,
+                    Some(t) => super::onebit::check_threshold(parse_f32("threshold", t)?)?,
                     None => 0.0, // MXNet 2.0's default
                 };
                 return Ok(Compression::OneBit { threshold });
@@ -210,10 +210,10 @@ impl Compression {
             Compression::TwoBit(_) => 4 * crate::codec::compressed_len(n),
             Compression::Qsgd(q) => {
                 let k = q.selected(n);
-                let mask = if q.count > 1 { crate::quant::lanes::width_for(q.count as u64 - 1) as usize } else { 0 };
+                let mask = if q.count > 1 { super::lanes::width_for(q.count as u64 - 1) as usize } else { 0 };
                 4 + (k * (mask + q.bits[0] as usize + 1)).div_ceil(8)
             }
-            Compression::PowerSgd { rank, .. } => match crate::quant::powersgd::factors(shape, *rank as usize) {
+            Compression::PowerSgd { rank, .. } => match super::powersgd::factors(shape, *rank as usize) {
                 Some((rows, cols, r)) => 4 * r * (rows + cols),
                 None => 4 * n,
             },
