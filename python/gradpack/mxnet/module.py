@@ -74,22 +74,6 @@ def store_for(kvstore, num_contexts, compress_params, owner):
     return create(kvstore)
 
 
-def check_dense(owner, store, params, compress_params):
-    """gradpack's stores hold dense arrays: a parameter whose weight or
-    gradient is sparse is an error naming it. `params`: (name, weight stype,
-    gradient stype) triples."""
-    from .kvstore import KVStoreError
-    for name, weight, grad in params:
-        kinds = [(k, s) for k, s in (("weight", weight), ("gradient", grad)) if s != "default"]
-        if kinds:
-            what = "gradient compression" if compresses(compress_params) else "store"
-            raise KVStoreError(
-                "%s: parameter '%s' has a %s %s, but gradpack's '%s' %s handles dense parameters "
-                "only. Train it without compression on a local store (MXNet's own store then serves "
-                "it), or make it dense (e.g. sparse_grad=False)"
-                % (owner, name, kinds[0][1], " and ".join(k for k, _ in kinds), store.type, what))
-
-
 class Module(mx.mod.Module):
     """``mx.mod.Module`` with ``compress_params`` (or MXNet's ``compression_params``)."""
 
@@ -105,11 +89,4 @@ class Module(mx.mod.Module):
             with native_create():
                 return super(Module, self).init_optimizer(kvstore, optimizer, optimizer_params, force_init)
         kvstore = store_for(kvstore, len(self._context), self._compression_params, "Module")
-        from .kvstore import GradpackStore
-        if isinstance(kvstore, GradpackStore) and self.binded:
-            group = self._exec_group
-            check_dense("Module", kvstore, [
-                (name, arrays[0].stype, grads[0].stype if grads and grads[0] is not None else "default")
-                for name, arrays, grads in zip(self._param_names, group.param_arrays, group.grad_arrays)],
-                self._compression_params)
         return super(Module, self).init_optimizer(kvstore, optimizer, optimizer_params, force_init)
