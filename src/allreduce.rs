@@ -25,7 +25,7 @@ mod imp {
     use mpi::traits::*;
 
     use crate::error::{Error, Result};
-    use crate::quant::collective::Collective;
+    use crate::quant::collective::{self, Collective};
     use crate::quant::lanes;
 
     /// Statics never drop: MPI is finalised by the exit hook, once.
@@ -104,10 +104,12 @@ mod imp {
             self.comm.lock().unwrap().process_at_rank(0).broadcast_into(x);
         }
 
-        fn reduce<T: Equivalence + Copy>(&self, x: &mut [T], op: impl mpi::collective::Operation) {
+        /// `bytes`: what this rank hands MPI, as `collective`'s counts say.
+        fn reduce<T: Equivalence + Copy>(&self, x: &mut [T], op: impl mpi::collective::Operation, bytes: u64) {
+            debug_assert_eq!(bytes, std::mem::size_of_val(x) as u64, "the shared count is what MPI gets");
             // The mpi crate has no MPI_IN_PLACE: reduce from a copy.
             let send = x.to_vec();
-            self.sent.fetch_add(std::mem::size_of_val(x) as u64, Ordering::Relaxed);
+            self.sent.fetch_add(bytes, Ordering::Relaxed);
             self.comm.lock().unwrap().all_reduce_into(&send[..], x, op);
         }
     }
@@ -118,12 +120,12 @@ mod imp {
         }
 
         fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-            self.reduce(x, SystemOperation::max());
+            self.reduce(x, SystemOperation::max(), collective::f32_bytes(x.len()));
             Ok(())
         }
 
         fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-            self.reduce(x, SystemOperation::sum());
+            self.reduce(x, SystemOperation::sum(), collective::f32_bytes(x.len()));
             Ok(())
         }
 
@@ -144,7 +146,7 @@ mod imp {
                     *w = out;
                 }
             });
-            self.reduce(&mut words, &lane_min);
+            self.reduce(&mut words, &lane_min, collective::levels_bytes(x.len(), count));
             lanes::unpack_into(&words, width, x, |v| v as u8)?;
             Ok(())
         }
@@ -156,7 +158,7 @@ mod imp {
             })?;
             let width = lanes::width_for(total);
             let mut words = lanes::pack_with(x.len(), width, |i| (x[i] as i64 - lo as i64) as u64);
-            self.reduce(&mut words, SystemOperation::sum());
+            self.reduce(&mut words, SystemOperation::sum(), collective::codes_bytes(x.len(), lo, hi, self.size));
             let base = lo as i64 * self.size as i64;
             lanes::unpack_into(&words, width, x, |v| (v as i64 + base) as i32)?;
             Ok(())

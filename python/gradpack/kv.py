@@ -468,7 +468,9 @@ class KVStore(object):
 
     def stats(self):
         """Traffic. Local stores: bytes pushes moved between devices as float32
-        ('raw_bytes') and as sent ('wire_bytes'); 'dist_sync_allreduce': the
+        ('raw_bytes') and as counted when handed over ('wire_bytes': the
+        devices' arrays, their packed 2-bit buffers, or what each handed the
+        scheme's group, counted as MPI gets it); 'dist_sync_allreduce': the
         same for what this worker handed to MPI. Parameter-server workers: this
         node's transport payload bytes ('bytes_sent', 'bytes_received') and
         the messages it dropped ('dropped': unauthenticated, replayed,

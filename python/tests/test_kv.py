@@ -393,7 +393,10 @@ def test_qsgd_on_a_device_store_is_unbiased():
     scale = max(np.abs(g).max() for g in grads)
     sigma = scale / 3 / 2 / np.sqrt(trials) * np.sqrt(2)  # (M/s)/2 per device, 2 devices
     np.testing.assert_allclose(mean, grads[0] + grads[1], atol=5 * sigma)
-    assert kv.stats()["wire_bytes"] == trials * 2 * (4 + 64 * 3 // 8)
+    # Counted, per device and push: the scale (one float32, 4 bytes) and 64
+    # codes in -1..1 summed over 2 devices (-2..2: 3-bit lanes, 21 to a
+    # 64-bit word, so 4 words).
+    assert kv.stats()["wire_bytes"] == trials * 2 * (4 + 8 * 4)
     with pytest.raises(gradpack.Error, match="'bits': must be between 1 and 15"):
         kv.set_compress({"compress": "qsgd_mn", "bits": 16})
     with pytest.raises(gradpack.Error, match="create a 'device' store"):

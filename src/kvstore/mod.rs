@@ -643,8 +643,12 @@ impl KVStore {
         }
         checked?; // every check before anything is written
         e.merge_buf.resize(n, 0.0);
+        // Bytes the devices hand over for the merge: their arrays, their
+        // compressed buffers, or what each gave the scheme's group.
+        let sent: u64;
         match compression {
             Compression::None => {
+                sent = values.len() as u64 * 4 * n as u64;
                 let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
                 // float16 keys sum as MXNet's stores do: 'device' rounds each
                 // partial sum to float16, 'local' accumulates in float32 and
@@ -683,6 +687,7 @@ impl KVStore {
                 for (residual, spare) in e.residuals.iter_mut().zip(e.spares.iter_mut()).take(devices) {
                     std::mem::swap(residual, spare);
                 }
+                sent = e.compr_bufs.iter().take(devices).map(|c| 4 * c.len() as u64).sum();
             }
             c if c.is_scheme() => {
                 // One member per device, on its own thread, through the same
@@ -699,12 +704,15 @@ impl KVStore {
                 let states: Vec<Mutex<scheme::State>> = (0..devices).map(|d| Mutex::new(e.states.get(d).cloned().unwrap_or_default())).collect();
                 let (shape, key_hash) = (&e.shape[..], key.stable_hash());
                 let step = e.pushes;
-                let mut outs = collective::run_group(devices, |d, member| {
+                let results = collective::run_group(devices, |d, member| {
                     let ctx = scheme::Ctx { shape, step, key_hash, member: d as u64, workers: devices };
                     let mut out = vec![0f32; n];
                     scheme::allreduce(&c, &mut states[d].lock().unwrap(), &widened[d], &ctx, member, &mut out)?;
-                    Ok(out)
+                    Ok((out, member.bytes_sent()))
                 })?;
+                // Counted, not modelled: what each device handed the group.
+                sent = results.iter().map(|(_, bytes)| bytes).sum();
+                let mut outs: Vec<Vec<f32>> = results.into_iter().map(|(out, _)| out).collect();
                 debug_assert!(matches!(c, Compression::Qsgd(q) if q.keep_local) || outs.iter().all(|o| o == &outs[0]), "every device decodes the same aggregate");
                 e.merge_buf = outs.swap_remove(0);
                 if let Compression::Qsgd(q) = c {
@@ -729,9 +737,8 @@ impl KVStore {
             }
             _ => unreachable!("every compression is handled above"),
         }
-        let devices = values.len() as u64;
-        self.raw_bytes.fetch_add(devices * 4 * n as u64, Ordering::Relaxed);
-        self.wire_bytes.fetch_add(devices * compression.wire_bytes(&e.shape) as u64, Ordering::Relaxed);
+        self.raw_bytes.fetch_add(values.len() as u64 * 4 * n as u64, Ordering::Relaxed);
+        self.wire_bytes.fetch_add(sent, Ordering::Relaxed);
         apply_update(key, e, updater)
     }
 

@@ -9,6 +9,7 @@
 
 use std::sync::{Condvar, Mutex};
 
+use super::lanes;
 use crate::error::{Error, Result};
 
 /// Elementwise reductions over every member, in place.
@@ -61,7 +62,7 @@ impl LocalGroup {
 
     /// The handle member `rank` reduces through.
     pub fn member(&self, rank: usize) -> LocalMember<'_> {
-        LocalMember { group: self, rank, round: 0 }
+        LocalMember { group: self, rank, round: 0, sent: 0 }
     }
 
     /// Wakes every waiting member with an error (a member failed).
@@ -91,13 +92,37 @@ impl LocalGroup {
     }
 }
 
+/// The bytes each collective operation hands its transport for one member,
+/// counted alike by every transport: float32 values as they are, levels and
+/// codes packed in lanes just wide enough (for codes, for `workers` members'
+/// sum). The MPI store sends exactly these; the device store counts them.
+pub fn f32_bytes(n: usize) -> u64 {
+    4 * n as u64
+}
+
+pub fn levels_bytes(n: usize, count: u8) -> u64 {
+    8 * lanes::words_for(n, lanes::width_for(count.saturating_sub(1) as u64)) as u64
+}
+
+pub fn codes_bytes(n: usize, lo: i32, hi: i32, workers: usize) -> u64 {
+    let span = (hi as i64 - lo as i64) as u64;
+    8 * lanes::words_for(n, lanes::width_for(span.saturating_mul(workers as u64))) as u64
+}
+
 pub struct LocalMember<'g> {
     group: &'g LocalGroup,
     rank: usize,
     round: u64,
+    /// Bytes this member handed the group, counted as `f32_bytes` etc.
+    sent: u64,
 }
 
 impl LocalMember<'_> {
+    /// What this member has handed the group so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+
     fn all(&mut self, buf: Buf) -> Result<Vec<Buf>> {
         let r = self.round;
         self.round += 1;
@@ -119,24 +144,28 @@ impl Collective for LocalMember<'_> {
     }
 
     fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
+        self.sent += f32_bytes(x.len());
         let all = self.all(Buf::F32(x.to_vec()))?;
         fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, f32::max);
         Ok(())
     }
 
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
+        self.sent += f32_bytes(x.len());
         let all = self.all(Buf::F32(x.to_vec()))?;
         fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, |a, b| a + b);
         Ok(())
     }
 
-    fn min_u8(&mut self, x: &mut [u8], _count: u8) -> Result<()> {
+    fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
+        self.sent += levels_bytes(x.len(), count);
         let all = self.all(Buf::U8(x.to_vec()))?;
         fold(x, all, |b| if let Buf::U8(v) = b { v } else { unreachable!() }, u8::min);
         Ok(())
     }
 
-    fn sum_codes(&mut self, x: &mut [i32], _lo: i32, _hi: i32) -> Result<()> {
+    fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
+        self.sent += codes_bytes(x.len(), lo, hi, self.group.size);
         let all = self.all(Buf::I32(x.to_vec()))?;
         fold(x, all, |b| if let Buf::I32(v) = b { v } else { unreachable!() }, |a, b| a + b);
         Ok(())

@@ -201,26 +201,6 @@ impl Compression {
         }
     }
 
-    /// Bytes one worker sends for one push of an array of `shape` (scales,
-    /// masks and codes; for PowerSGD its two factors).
-    pub fn wire_bytes(&self, shape: &[usize]) -> usize {
-        let n: usize = shape.iter().product();
-        match self {
-            Compression::None => 4 * n,
-            Compression::TwoBit(_) => 4 * crate::codec::compressed_len(n),
-            Compression::Qsgd(q) => {
-                let k = q.selected(n);
-                let mask = if q.count > 1 { super::lanes::width_for(q.count as u64 - 1) as usize } else { 0 };
-                4 + (k * (mask + q.bits[0] as usize + 1)).div_ceil(8)
-            }
-            Compression::PowerSgd { rank, .. } => match super::powersgd::factors(shape, *rank as usize) {
-                Some((rows, cols, r)) => 4 * r * (rows + cols),
-                None => 4 * n,
-            },
-            Compression::OneBit { .. } => n.div_ceil(8),
-        }
-    }
-
     /// Schemes that reduce through `quant::scheme` (everything but none and 2bit).
     pub fn is_scheme(&self) -> bool {
         matches!(self, Compression::Qsgd(_) | Compression::PowerSgd { .. } | Compression::OneBit { .. })
