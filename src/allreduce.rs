@@ -227,6 +227,7 @@ pub use imp::World;
 pub const AVAILABLE: bool = cfg!(feature = "mpi");
 
 /// The name MXNet gives its MPI store.
+/// `kvstore::STORE_TYPES`'s name for this store (MXNet's).
 pub const TYPE_NAME: &str = "dist_sync_allreduce";
 
 /// The operations whose agreement `check_agree` checks; each has its own

@@ -93,6 +93,29 @@ fn version_and_kernel_are_static_strings() {
     assert!(k == "avx2" || k == "portable");
 }
 
+/// One table of store types: every local name creates a store that reports
+/// the table's own string; every dist name is in it; nothing else creates.
+#[test]
+fn store_types_come_from_one_table() {
+    let table = unsafe { CStr::from_ptr(gp_kvstore_types()) }.to_str().unwrap();
+    let entries: Vec<(&str, &str)> = table.split(',').map(|e| e.split_once(':').unwrap()).collect();
+    let names: Vec<&str> = entries.iter().map(|e| e.0).collect();
+    assert_eq!(names, ["local", "device", "dist_sync_allreduce", "dist_sync", "dist_async", "dist_sync_device", "dist_device_sync"]);
+    assert_eq!(entries.iter().filter(|e| e.1 == "dist").count(), 4);
+    for (name, kind) in entries.iter().filter(|e| e.1 == "local") {
+        let c = std::ffi::CString::new(*name).unwrap();
+        let mut kv = ptr::null_mut();
+        unsafe {
+            assert_eq!(gp_kvstore_new(c.as_ptr(), &mut kv), 0, "{name} ({kind}): {}", last_error());
+            assert_eq!(CStr::from_ptr(gp_kvstore_type(kv)).to_str().unwrap(), *name);
+            gp_kvstore_free(kv);
+        }
+    }
+    let mut kv = ptr::null_mut();
+    assert_eq!(unsafe { gp_kvstore_new(c"nccl".as_ptr(), &mut kv) }, -1);
+    assert!(last_error().contains("unknown KVStore type 'nccl'"), "{}", last_error());
+}
+
 /// A device store through the C ABI with careless calls: each fails with its
 /// reason, and the residuals and value stay as the next push proves.
 #[test]

@@ -133,6 +133,11 @@ typedef struct {
 typedef int (*gp_updater_fn)(gp_key_t key, const float* merged, float* stored,
                              uint64_t n, void* user);
 
+/* Every store type gradpack serves: a static string of name:kind entries
+ * joined by commas, kind local, allreduce (MPI) or dist (parameter server),
+ * e.g. "local:local,device:local,...". The one table of names. */
+const char* gp_kvstore_types(void);
+
 /* type: "local", "device", or a worker of "dist_sync", "dist_async",
  * "dist_sync_device", "dist_device_sync" (joins the job the DMLC_* variables
  * describe; blocks until every node registered). *out receives a handle owned

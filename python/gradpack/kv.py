@@ -97,10 +97,15 @@ def _close_open_stores():
 _DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
-DIST_TYPES = ("dist_sync", "dist_async", "dist_sync_device", "dist_device_sync")
+LIB.gp_kvstore_types.argtypes = []
+LIB.gp_kvstore_types.restype = ctypes.c_char_p
+# The Rust core's one table of store types: (name, kind) in its order.
+_TYPES = [tuple(entry.split(":")) for entry in LIB.gp_kvstore_types().decode().split(",")]
+STORE_TYPES = tuple(name for name, _ in _TYPES)
+DIST_TYPES = tuple(name for name, kind in _TYPES if kind == "dist")
 # MXNet's name for its MPI store: workers only, launched with mpirun; each
 # worker updates its own replica, so it behaves like a local store otherwise.
-ALLREDUCE_TYPE = "dist_sync_allreduce"
+ALLREDUCE_TYPE = next(name for name, kind in _TYPES if kind == "allreduce")
 
 
 def create(name="local"):

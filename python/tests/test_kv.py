@@ -71,6 +71,17 @@ def test_float16_keys(name, want):
     assert (out16 == np.float16(1 - 10 * np.float32(np.float16(1e-4)))).all()
 
 
+def test_store_types_come_from_the_rust_table():
+    assert gradpack.kv.STORE_TYPES == ("local", "device", "dist_sync_allreduce", "dist_sync", "dist_async",
+                                       "dist_sync_device", "dist_device_sync")
+    assert gradpack.kv.DIST_TYPES == gradpack.kv.STORE_TYPES[3:]
+    assert gradpack.kv.ALLREDUCE_TYPE == "dist_sync_allreduce"
+    for name in ("local", "device"):
+        assert gradpack.kv.create(name).type == name
+    with pytest.raises(gradpack.Error, match="unknown KVStore type 'nccl'"):
+        gradpack.kv.create("nccl")
+
+
 def test_lists_of_keys_and_str_keys():
     kv = gradpack.kv.create("device")
     keys = ["w0", "w1", "w2"]

@@ -203,10 +203,9 @@ pub unsafe extern "C" fn gp_kvstore_new(type_name: *const c_char, out: *mut *mut
             return Err(Error::NullPointer { what: "out" });
         }
         let name = cstr(type_name, "type")?;
-        let store = if name.starts_with("dist") && name != crate::allreduce::TYPE_NAME {
-            gp_kvstore_t::Dist(DistWorker::start(name, Config::from_env()?)?)
-        } else {
-            gp_kvstore_t::Local(KVStore::new(name)?)
+        let store = match crate::kvstore::store_type(name) {
+            Some((_, crate::kvstore::Kind::Dist { .. })) => gp_kvstore_t::Dist(DistWorker::start(name, Config::from_env()?)?),
+            _ => gp_kvstore_t::Local(KVStore::new(name)?),
         };
         *out = Box::into_raw(Box::new(store));
         Ok(())
@@ -262,26 +261,43 @@ pub unsafe extern "C" fn gp_kvstore_dropped(store: *const gp_kvstore_t, out: *mu
     })
 }
 
+/// Every store type gradpack serves, as a static string of `name:kind`
+/// entries joined by commas; kind `local`, `allreduce` (MPI) or `dist`
+/// (parameter server).
+#[no_mangle]
+pub extern "C" fn gp_kvstore_types() -> *const c_char {
+    static TABLE: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+    TABLE
+        .get_or_init(|| {
+            let entries: Vec<String> = crate::kvstore::STORE_TYPES
+                .iter()
+                .map(|(n, k)| {
+                    let kind = match k {
+                        crate::kvstore::Kind::Dist { .. } => "dist",
+                        crate::kvstore::Kind::Local(crate::kvstore::StoreType::Allreduce) => "allreduce",
+                        crate::kvstore::Kind::Local(_) => "local",
+                    };
+                    format!("{}:{kind}", n.to_string_lossy())
+                })
+                .collect();
+            std::ffi::CString::new(entries.join(",")).expect("names have no NUL")
+        })
+        .as_ptr()
+}
+
 /// The store's type name (static string), or NULL for a NULL store.
 ///
 /// # Safety
 /// `store` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_type(store: *const gp_kvstore_t) -> *const c_char {
-    match store.as_ref() {
-        Some(gp_kvstore_t::Local(s)) => match s.store_type() {
-            crate::kvstore::StoreType::Local => c"local".as_ptr(),
-            crate::kvstore::StoreType::Device => c"device".as_ptr(),
-            crate::kvstore::StoreType::Allreduce => c"dist_sync_allreduce".as_ptr(),
-        },
-        Some(gp_kvstore_t::Dist(w)) => match w.type_name() {
-            "dist_sync" => c"dist_sync".as_ptr(),
-            "dist_async" => c"dist_async".as_ptr(),
-            "dist_sync_device" => c"dist_sync_device".as_ptr(),
-            _ => c"dist_device_sync".as_ptr(),
-        },
-        None => std::ptr::null(),
-    }
+    let name = match store.as_ref() {
+        Some(gp_kvstore_t::Local(s)) => s.store_type().name(),
+        Some(gp_kvstore_t::Dist(w)) => w.type_name(),
+        None => return std::ptr::null(),
+    };
+    // Every store was made from a name of the table.
+    crate::kvstore::store_type(name).map_or(std::ptr::null(), |(c, _)| c.as_ptr())
 }
 
 /// This worker's rank and the number of workers (0 and 1 for local stores).

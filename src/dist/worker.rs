@@ -18,7 +18,7 @@ use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::kvstore::checkpoint;
-use crate::kvstore::{check_outputs, check_push, check_shape, key_error, round_to_f16, sum_into, Array, ArrayMut, Key, Store};
+use crate::kvstore::{check_outputs, check_push, check_shape, key_error, round_to_f16, store_type, sum_into, Array, ArrayMut, Key, Kind, Store};
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
 
@@ -155,20 +155,19 @@ pub struct DistWorker {
 }
 
 impl DistWorker {
-    pub const TYPES: [&'static str; 4] = ["dist_sync", "dist_async", "dist_sync_device", "dist_device_sync"];
-
-    /// Joins the job described by `config` (a worker's) as a store of `type_name`.
+    /// Joins the job described by `config` (a worker's) as a store of
+    /// `type_name`, a dist type of `kvstore::STORE_TYPES`.
     pub fn start(type_name: &str, config: Config) -> Result<DistWorker> {
-        if !Self::TYPES.contains(&type_name) {
+        let Some((_, Kind::Dist { asynchronous })) = store_type(type_name) else {
             return Err(Error::Store(format!("unknown distributed KVStore type '{type_name}'")));
-        }
+        };
         if config.role != Role::Worker {
             return Err(Error::Store(format!("a {} process serves; only workers create a '{type_name}' store", config.role.name())));
         }
         let post = Postoffice::start(config, None)?;
         Ok(DistWorker {
             type_name: type_name.to_string(),
-            asynchronous: type_name == "dist_async",
+            asynchronous,
             post,
             compression: RwLock::default(),
             keys: RwLock::default(),

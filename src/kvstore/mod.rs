@@ -42,22 +42,47 @@ pub enum StoreType {
     Allreduce,
 }
 
+/// What a store type name makes: a `KVStore` of some `StoreType`, or a
+/// parameter-server worker (`dist::DistWorker`), asynchronous or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Local(StoreType),
+    Dist { asynchronous: bool },
+}
+
+/// Every store type gradpack serves, in one table: the C ABI's names, the
+/// Python package's lists and the MXNet front all come from here.
+pub const STORE_TYPES: [(&std::ffi::CStr, Kind); 7] = [
+    (c"local", Kind::Local(StoreType::Local)),
+    (c"device", Kind::Local(StoreType::Device)),
+    (c"dist_sync_allreduce", Kind::Local(StoreType::Allreduce)),
+    (c"dist_sync", Kind::Dist { asynchronous: false }),
+    (c"dist_async", Kind::Dist { asynchronous: true }),
+    (c"dist_sync_device", Kind::Dist { asynchronous: false }),
+    (c"dist_device_sync", Kind::Dist { asynchronous: false }),
+];
+
+/// The table's entry for `name`: its static C string and kind.
+pub fn store_type(name: &str) -> Option<(&'static std::ffi::CStr, Kind)> {
+    STORE_TYPES.iter().find(|(n, _)| n.to_bytes() == name.as_bytes()).copied()
+}
+
+/// Every name of the table, for messages.
+pub fn store_type_names() -> String {
+    STORE_TYPES.iter().map(|(n, _)| format!("'{}'", n.to_string_lossy())).collect::<Vec<_>>().join(", ")
+}
+
 impl StoreType {
     pub fn parse(name: &str) -> Result<StoreType> {
-        match name {
-            "local" => Ok(StoreType::Local),
-            "device" => Ok(StoreType::Device),
-            allreduce::TYPE_NAME => Ok(StoreType::Allreduce),
-            other => Err(Error::Store(format!("unknown KVStore type '{other}' (this store supports 'local', 'device' and '{}')", allreduce::TYPE_NAME))),
+        match store_type(name) {
+            Some((_, Kind::Local(t))) => Ok(t),
+            _ => Err(Error::Store(format!("unknown KVStore type '{name}' (this store supports 'local', 'device' and '{}')", allreduce::TYPE_NAME))),
         }
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            StoreType::Local => "local",
-            StoreType::Device => "device",
-            StoreType::Allreduce => allreduce::TYPE_NAME,
-        }
+        let entry = STORE_TYPES.iter().find(|(_, k)| *k == Kind::Local(self)).expect("every StoreType is in the table");
+        entry.0.to_str().expect("ASCII names")
     }
 }
 

@@ -41,8 +41,7 @@ def _mxnet_errors(method):
             raise KVStoreError(str(e)) from e
     return wrapped
 
-_LOCAL_TYPES = ("local", "device", _kv.ALLREDUCE_TYPE)
-_STORE_TYPES = _LOCAL_TYPES + _kv.DIST_TYPES
+_STORE_TYPES = _kv.STORE_TYPES  # the Rust core's table
 
 
 def _wait(arr, write):
