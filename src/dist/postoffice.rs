@@ -113,10 +113,10 @@ impl Postoffice {
                     config.root_uri, config.root_port, unreachable_after
                 )));
             }
-            if scheduler_link.closed() {
+            if scheduler_link.down_for().is_some_and(|d| d > Duration::from_secs(3)) {
                 return Err(Error::JobFailed(format!(
-                    "the scheduler at {}:{} closed the connection when this {} registered, without answering. A gradpack \
-                     scheduler answers or refuses with a reason, so either it died, or it is MXNet's own ps-lite, which \
+                    "the scheduler at {}:{} closed the connection when this {} registered, without answering, and stays \
+                     unreachable. A gradpack scheduler answers or refuses with a reason, so either it died, or it is MXNet's own ps-lite, which \
                      aborts on gradpack's messages (\"failed to parse string into protobuf\"). Every process of the job must \
                      run gradpack: in a script started by MXNet's tools/launch.py, import gradpack.mxnet before mxnet \
                      (then gradpack serves the scheduler and server roles), or start the job with python -m gradpack.launch",

@@ -25,7 +25,9 @@ fn zmq_error(what: &str, e: zmq::Error) -> Error {
 pub struct Watch {
     events: zmq::Socket,
     up: bool,
-    closed: bool,
+    ever_up: bool,
+    /// When an accepted connection went down, unless it came back since.
+    down_since: Option<std::time::Instant>,
 }
 
 impl Watch {
@@ -37,9 +39,9 @@ impl Watch {
             let Some(head) = frames.first().filter(|f| f.len() >= 2) else { continue };
             let event = u16::from_le_bytes([head[0], head[1]]);
             if event == zmq::SocketEvent::CONNECTED.to_raw() {
-                self.up = true;
-            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
-                self.closed = true;
+                (self.up, self.ever_up, self.down_since) = (true, true, None);
+            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() && self.up {
+                (self.up, self.down_since) = (false, Some(std::time::Instant::now()));
             }
         }
     }
@@ -47,14 +49,15 @@ impl Watch {
     /// True once the peer has accepted the connection.
     pub fn ever_up(&mut self) -> bool {
         self.update();
-        self.up
+        self.ever_up
     }
 
-    /// True once the peer has closed an accepted connection (its process
-    /// died, or it dropped us).
-    pub fn closed(&mut self) -> bool {
+    /// How long an accepted connection has been down without coming back
+    /// (ZeroMQ reconnects within a fraction of a second to a live peer; a
+    /// peer that closed it and stays unreachable has died).
+    pub fn down_for(&mut self) -> Option<Duration> {
         self.update();
-        self.closed
+        self.down_since.map(|t| t.elapsed())
     }
 }
 
@@ -225,7 +228,7 @@ impl Van {
         let watch = self.ctx.socket(zmq::PAIR).map_err(|e| zmq_error("creating a socket", e))?;
         watch.connect(&endpoint).map_err(|e| zmq_error("monitoring a connection", e))?;
         self.connect_socket(id, socket, host, port)?;
-        Ok(Watch { events: watch, up: false, closed: false })
+        Ok(Watch { events: watch, up: false, ever_up: false, down_since: None })
     }
 
     /// Sends a message to node `to`; the payload buffer is handed to ZeroMQ without a copy.
