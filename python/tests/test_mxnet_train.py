@@ -112,6 +112,26 @@ def test_plugin_without_compression_equals_native_bit_for_bit(update_on_kvstore,
         np.testing.assert_array_equal(a, b)
 
 
+def dense_and_trainer(in_units, **trainer_args):
+    """A seeded Dense(4) on CTX and an SGD-momentum Trainer: the checkpoint tests' model."""
+    mx.random.seed(3)
+    net = mx.gluon.nn.Dense(4, in_units=in_units)
+    net.initialize(mx.init.Xavier(), ctx=CTX)
+    tr = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, **trainer_args)
+    return net, tr
+
+
+def dense_step(net, tr, seed, loss):
+    """One step on a batch of 4 drawn from `seed`, split over CTX."""
+    x = np.random.default_rng(seed).normal(0, 1, (4, net.weight.shape[1])).astype(np.float32)
+    xs = mx.gluon.utils.split_and_load(x, CTX)
+    with mx.autograd.record():
+        losses = [loss(net(a)) for a in xs]
+    for l in losses:
+        l.backward()
+    tr.step(4)
+
+
 def test_trainer_checkpoint_restores_optimizer_state(tmp_path):
     """save_states / load_states through gradpack's store (update_on_kvstore):
     a run resumed from a checkpoint takes exactly the step the original took.
@@ -119,21 +139,10 @@ def test_trainer_checkpoint_restores_optimizer_state(tmp_path):
     states, params = str(tmp_path / "trainer.states"), str(tmp_path / "net.params")
 
     def build():
-        mx.random.seed(3)
-        net = mx.gluon.nn.Dense(4, in_units=5)
-        net.initialize(mx.init.Xavier(), ctx=CTX)
-        tr = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                          kvstore="gradpack_device", update_on_kvstore=True, compress_params=None)
-        return net, tr
+        return dense_and_trainer(5, kvstore="gradpack_device", update_on_kvstore=True, compress_params=None)
 
     def step(net, tr, seed):
-        x = np.random.default_rng(seed).normal(0, 1, (4, 5)).astype(np.float32)
-        xs = mx.gluon.utils.split_and_load(x, CTX)
-        with mx.autograd.record():
-            losses = [net(a).sum() for a in xs]
-        for l in losses:
-            l.backward()
-        tr.step(4)
+        dense_step(net, tr, seed, lambda y: y.sum())
 
     net, tr = build()
     step(net, tr, 0)
@@ -169,21 +178,10 @@ def test_trainer_checkpoint_resumes_compression_exactly(tmp_path, update_on_kvst
     states, params = str(tmp_path / "t.states"), str(tmp_path / "t.params")
 
     def build():
-        mx.random.seed(3)
-        net = mx.gluon.nn.Dense(4, in_units=6)
-        net.initialize(mx.init.Xavier(), ctx=CTX)
-        tr = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                          kvstore="device", update_on_kvstore=update_on_kvstore, compress_params=compress)
-        return net, tr
+        return dense_and_trainer(6, kvstore="device", update_on_kvstore=update_on_kvstore, compress_params=compress)
 
     def step(net, tr, seed):
-        x = np.random.default_rng(seed).normal(0, 1, (4, 6)).astype(np.float32)
-        xs = mx.gluon.utils.split_and_load(x, CTX)
-        with mx.autograd.record():
-            losses = [(net(a) ** 2).sum() for a in xs]
-        for l in losses:
-            l.backward()
-        tr.step(4)
+        dense_step(net, tr, seed, lambda y: (y ** 2).sum())
 
     net, tr = build()
     for s in range(6):

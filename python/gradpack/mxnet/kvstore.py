@@ -459,8 +459,7 @@ class GradpackStore(mx.kv.KVStoreBase):
                        "optimizer": self._optimizer if dump_optimizer else None,
                        "index_update_count": dict(self._optimizer._index_update_count)}
         else:
-            payload = {"mxnet_states": self._updater.get_states(dump_optimizer),
-                       "gradpack_compression": self._store.compression_states()}
+            payload = _gradpack_payload_of(self._updater.get_states(dump_optimizer), self._store)
         with open(fname, "wb") as f:
             pickle.dump(payload, f)
 
@@ -502,6 +501,12 @@ class GradpackStore(mx.kv.KVStoreBase):
     def load_compression_states(self, fname):
         with open(fname, "rb") as f:
             self._store.set_compression_states(f.read())
+
+
+def _gradpack_payload_of(mxnet_states, store):
+    """What ``_gradpack_payload`` reads back: MXNet's updater states beside
+    the gradpack store's (``gradpack.kv``'s) compression states."""
+    return {"mxnet_states": mxnet_states, "gradpack_compression": store.compression_states()}
 
 
 def _gradpack_payload(data):

@@ -7,8 +7,8 @@ import tempfile
 
 import mxnet as mx
 
-from .kvstore import GradpackStore, _gradpack_payload, runs_on_servers
-from .module import native, native_create, store_for
+from .kvstore import GradpackStore, _gradpack_payload, _gradpack_payload_of, runs_on_servers
+from .module import native, native_create, resolve_compression, store_for
 
 __all__ = ["Trainer"]
 
@@ -18,7 +18,6 @@ class Trainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore="device",
                  compression_params=None, update_on_kvstore=None, compress_params=None):
-        from .module import resolve_compression
         compression = resolve_compression(compress_params, compression_params)
         super(Trainer, self).__init__(params, optimizer, optimizer_params=optimizer_params,
                                       kvstore=kvstore, compression_params=compression,
@@ -80,23 +79,23 @@ class Trainer(mx.gluon.Trainer):
         """MXNet's ``save_states``; when the workers update
         (update_on_kvstore=False) on a gradpack store, the store's compression
         states go in the same file, so a resumed run continues exactly."""
-        if not self._kv_initialized:
-            self._init_kvstore()
-        if self._params_to_init:
-            self._init_params()
+        self._ready()
         store = self._kvstore
         if self._update_on_kvstore or not isinstance(store, GradpackStore):
             return super(Trainer, self).save_states(fname)
-        payload = {"mxnet_states": self._updaters[0].get_states(dump_optimizer=True),
-                   "gradpack_compression": store._store.compression_states()}
+        payload = _gradpack_payload_of(self._updaters[0].get_states(dump_optimizer=True), store._store)
         with open(fname, "wb") as f:
             pickle.dump(payload, f)
 
-    def load_states(self, fname):
+    def _ready(self):
+        """The store and parameters initialized, as MXNet's save/load do first."""
         if not self._kv_initialized:
             self._init_kvstore()
         if self._params_to_init:
             self._init_params()
+
+    def load_states(self, fname):
+        self._ready()
         with open(fname, "rb") as f:
             payload = _gradpack_payload(f.read())
         if payload is None or self._update_on_kvstore or not isinstance(self._kvstore, GradpackStore):
