@@ -547,7 +547,7 @@ impl DistWorker {
         if let Some(k) = saved.keys.iter().find(|k| k.states.len() > 1) {
             return Err(Error::OptimizerStates(format!("key {}: {} scheme states, a worker keeps one", k.key, k.states.len())));
         }
-        let mut by_key: HashMap<Key, checkpoint::KeyState> = saved.keys.into_iter().map(|k| (k.key.clone(), k)).collect();
+        let mut by_key = saved.by_key();
         for (key, entry) in keys.iter() {
             let mut e = entry.lock().unwrap();
             let slices = e.slices.len();

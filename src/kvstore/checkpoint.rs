@@ -39,6 +39,13 @@ pub(crate) struct Saved {
     pub keys: Vec<KeyState>,
 }
 
+impl Saved {
+    /// Each key's state, by key (every store's load replaces its keys from this).
+    pub(crate) fn by_key(self) -> std::collections::HashMap<Key, KeyState> {
+        self.keys.into_iter().map(|k| (k.key.clone(), k)).collect()
+    }
+}
+
 fn fail(problem: &str) -> Error {
     Error::OptimizerStates(format!("compression-state blob: {problem}"))
 }

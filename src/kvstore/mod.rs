@@ -538,7 +538,7 @@ impl KVStore {
 
     fn apply_compression_states(&self, saved: checkpoint::Saved) -> Result<()> {
         let keys = self.keys.read().unwrap();
-        let mut by_key: HashMap<Key, checkpoint::KeyState> = saved.keys.into_iter().map(|k| (k.key.clone(), k)).collect();
+        let mut by_key = saved.by_key();
         // Every lock first: a poisoned one fails before anything changed.
         let mut guards = keys.map.iter().map(|(k, e)| lock(k, e).map(|g| (k, g))).collect::<Result<Vec<_>>>()?;
         for (key, e) in guards.iter_mut() {
