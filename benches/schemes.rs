@@ -2,7 +2,7 @@
 //! memory-bound loop (`r += g`, same run, same threads): one worker's encode
 //! (quantize, pack for the wire) and decode of a summed result, on 16 Mi
 //! elements (PowerSGD: a 4096 x 4096 matrix). Exchanges go through a
-//! one-member group, so this measures computation, not a network.
+//! one-member in-process collective, so this measures computation, not a network.
 //!
 //! Run: `cargo bench --bench schemes` (GRADPACK_BENCH_MI sets the size in
 //! Mi-elements, GRADPACK_BENCH_ONLY picks schemes by name).
@@ -11,7 +11,7 @@ mod common;
 
 use common::time;
 use gradpack::compression::Compression;
-use gradpack::quant::collective::run_group;
+use gradpack::quant::collective::InProcess;
 use gradpack::quant::scheme::{self, Ctx, State};
 
 fn main() {
@@ -54,23 +54,19 @@ fn main() {
         let c = Compression::from_params(params.iter().copied()).unwrap();
         let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
         let reps = if matches!(c, Compression::PowerSgd { .. }) { 3 } else { reps };
-        let (enc, dec, wire_bytes) = run_group(1, |_, member| {
-            let mut state = State::default();
-            let mut out = vec![0f32; n];
-            let mut wire_bytes = 0usize;
-            let ctx = Ctx { shape: &shape, step: 0, key_hash: 1, member: 0, workers: 1 };
-            // As a store's push: encode, then finish (which keeps the code buffer for the next push).
-            let enc = time(reps, || {
-                let (ex, part) = scheme::encode(&c, &mut state, &grad, &ctx, member).unwrap();
-                wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
-                scheme::finish(&c, &mut state, part);
-            });
-            let (ex, part) = scheme::encode(&c, &mut state, &grad, &ctx, member).unwrap();
-            let dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
-            Ok((enc, dec, wire_bytes))
-        })
-        .unwrap()
-        .remove(0);
+        let mut member = InProcess::new(1);
+        let mut states = [State::default()];
+        let mut out = vec![0f32; n];
+        let mut wire_bytes = 0usize;
+        let ctx = Ctx { shape: &shape, step: 0, key_hash: 1, member: 0, workers: 1 };
+        // As a store's push: encode, then finish (which keeps the code buffer for the next push).
+        let enc = time(reps, || {
+            let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
+            wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
+            scheme::finish(&c, &mut states, part);
+        });
+        let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
+        let dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
         row(name, enc, Some(dec), wire_bytes as f64 / n as f64);
     }
     println!("\nvs r+=g: encode time / the in-place r += g loop's (12 B/element, the memory floor of a residual update).");

@@ -15,7 +15,7 @@ use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::kvstore::{settle, Key};
 use crate::optimizer::Optimizer;
-use crate::quant::{self, scheme, scheme::Part};
+use crate::quant::{collective, scheme, scheme::Part};
 
 /// A scheme's round in progress on one key.
 #[derive(Default)]
@@ -40,17 +40,12 @@ struct SchemeRound {
 fn combine(op: Exchange, acc: &mut Part, part: Part) -> Result<()> {
     let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()));
     match (op, acc, part) {
-        (Exchange::Max, Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x = x.max(y)),
-        (Exchange::Sum | Exchange::Final, Part::F32(a), Part::F32(b)) if a.len() == b.len() => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
-        (Exchange::Min, Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => {
-            a.iter_mut().zip(b).for_each(|(x, y)| *x = (*x).min(y))
-        }
-        (Exchange::Sum | Exchange::Final, Part::Codes { codes: a, lo, hi }, Part::Codes { codes: b, lo: l, hi: h }) if a.len() == b.len() && (*lo, *hi) == (l, h) => {
-            quant::qsgd::accumulate(&b, a)?
-        }
-        _ => return Err(mismatch()),
+        (Exchange::Max, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::max_into(a, &b),
+        (Exchange::Sum | Exchange::Final, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::sum_into(a, &b),
+        (Exchange::Min, Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => collective::min_into(a, &b),
+        (Exchange::Sum | Exchange::Final, Part::Codes { codes: a, lo, hi }, Part::Codes { codes: b, lo: l, hi: h }) if a.len() == b.len() && (*lo, *hi) == (l, h) => collective::add_codes(a, &b),
+        _ => Err(mismatch()),
     }
-    Ok(())
 }
 
 /// How the current round's pushes are being summed.

@@ -433,7 +433,8 @@ impl DistWorker {
         let (rank, workers) = (self.rank(), self.num_workers());
         let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
         let mut exchange = ServerExchange { post: &self.post, key, slice, step: state.step, phase: 0, workers, refused: false };
-        let (_, part) = match scheme::encode(&compression, &mut next, merged, &ctx, &mut exchange) {
+        let encoded = scheme::check_input(&compression, 1, &[merged], workers).and_then(|()| scheme::encode(&compression, std::slice::from_mut(&mut next), &[merged], &ctx, &mut exchange));
+        let (_, part) = match encoded {
             Ok(encoded) => encoded,
             Err(err) => {
                 if !exchange.refused {
@@ -447,7 +448,7 @@ impl DistWorker {
         m.body = encode_pairs([("step", state.step.to_string().as_str())]);
         let replies = self.post.request(vec![(slice.server, m, scheme::to_wire(&part))])?;
         let summed = if replies[0].data.is_empty() { part } else { scheme::from_wire(&replies[0].data)? };
-        scheme::finish(&compression, &mut next, summed);
+        scheme::finish(&compression, std::slice::from_mut(&mut next), summed);
         *state = next;
         Ok(())
     }

@@ -178,8 +178,8 @@ pub struct KVStore {
     closed: std::sync::atomic::AtomicBool,
 }
 
-/// Sums a worker's devices into `e.merge_buf` (scratch, not state) and, under
-/// 2-bit, checks that the sum plus the residual is finite: all before an
+/// Sums a worker's devices into `e.merge_buf` (scratch, not state) and checks
+/// it (under 2-bit, that the sum plus the residual is finite): all before an
 /// all-reduce push agrees with the other workers or changes anything.
 fn merge_for_allreduce(key: &Key, e: &mut Entry, values: &[Array], compression: Compression) -> Result<()> {
     let n = e.value.len();
@@ -196,6 +196,9 @@ fn merge_for_allreduce(key: &Key, e: &mut Entry, values: &[Array], compression: 
             }
         };
         codec::check_finite("merged gradient", &e.merge_buf, residual).map_err(|err| key_error(key, err.to_string()))?;
+    } else if !matches!(compression, Compression::Qsgd(_)) {
+        // (QSGD's shared scale fails every worker together by itself.)
+        scheme::check_input(&compression, 1, &[&e.merge_buf], 1).map_err(|err| key_error(key, err.to_string()))?;
     }
     Ok(())
 }
@@ -715,49 +718,22 @@ impl KVStore {
                 sent = e.compr_bufs.iter().take(devices).map(|c| 4 * c.len() as u64).sum();
             }
             c if c.is_scheme() => {
-                // One member per device, on its own thread, through the same
-                // scheme code the distributed stores run.
+                // Every device is a member of the scheme's one path (as an
+                // all-reduce worker is): each encodes, the codes are summed
+                // once and decoded once, here in this thread. Checked first,
+                // so the states change in place.
                 let widened: Vec<_> = values.iter().map(|v| v.data.to_f32()).collect();
-                if let Compression::Qsgd(_) = c {
-                    if let Some((d, i)) = widened.iter().enumerate().find_map(|(d, g)| g.iter().position(|x| !x.is_finite()).map(|i| (d, i))) {
-                        return Err(key_error(key, format!("pushed value {d} holds {} at element {i}", widened[d][i])));
-                    }
-                }
+                let grads: Vec<&[f32]> = widened.iter().map(|g| &g[..]).collect();
                 let devices = values.len();
-                // Work on copies (new devices start from a default state): a
-                // failed push leaves every residual and state as it was.
-                let states: Vec<Mutex<scheme::State>> = (0..devices).map(|d| Mutex::new(e.states.get(d).cloned().unwrap_or_default())).collect();
-                let (shape, key_hash) = (&e.shape[..], key.stable_hash());
-                let step = e.pushes;
-                let results = collective::run_group(devices, |d, member| {
-                    let ctx = scheme::Ctx { shape, step, key_hash, member: d as u64, workers: devices };
-                    let mut out = vec![0f32; n];
-                    scheme::allreduce(&c, &mut states[d].lock().unwrap(), &widened[d], &ctx, member, &mut out)?;
-                    Ok((out, member.bytes_sent()))
-                })?;
-                // Counted, not modelled: what each device handed the group.
-                sent = results.iter().map(|(_, bytes)| bytes).sum();
-                let mut outs: Vec<Vec<f32>> = results.into_iter().map(|(out, _)| out).collect();
-                debug_assert!(matches!(c, Compression::Qsgd(q) if q.keep_local) || outs.iter().all(|o| o == &outs[0]), "every device decodes the same aggregate");
-                e.merge_buf = outs.swap_remove(0);
-                if let Compression::Qsgd(q) = c {
-                    // unselected='local' keeps the worker's own gradient where nothing
-                    // was sent; this store is one worker, so that is the sum over its
-                    // devices (each member above filled in only its own).
-                    if let (true, Some(idx)) = (q.keep_local, scheme::selection(&q, n, step, key_hash)) {
-                        let mut selected = vec![false; n];
-                        idx.iter().for_each(|&i| selected[i] = true);
-                        for (i, m) in e.merge_buf.iter_mut().enumerate().filter(|(i, _)| !selected[*i]) {
-                            *m = widened.iter().skip(1).fold(widened[0][i], |acc, g| acc + g[i]);
-                        }
-                    }
-                }
+                scheme::check_input(&c, devices, &grads, devices).map_err(|err| key_error(key, err.to_string()))?;
                 if e.states.len() < devices {
-                    e.states.resize_with(devices, Default::default);
+                    e.states.resize_with(devices, Default::default); // a new device starts from a default state
                 }
-                for (dst, src) in e.states.iter_mut().zip(states) {
-                    *dst = src.into_inner().unwrap();
-                }
+                let ctx = scheme::Ctx { shape: &e.shape, step: e.pushes, key_hash: key.stable_hash(), member: 0, workers: devices };
+                let mut group = collective::InProcess::new(devices);
+                scheme::allreduce(&c, &mut e.states[..devices], &grads, &ctx, &mut group, &mut e.merge_buf)?;
+                // Counted, not modelled: what each device handed the reductions.
+                sent = group.bytes_sent();
                 e.pushes += 1;
             }
             _ => unreachable!("every compression is handled above"),
@@ -828,7 +804,7 @@ impl KVStore {
             // The decoded sum goes to a second buffer, kept between pushes.
             let mut out = std::mem::take(&mut e.scheme_out);
             out.resize(n, 0.0);
-            let result = scheme::allreduce(&compression, &mut e.states[0], &e.merge_buf, &ctx, &mut member, &mut out);
+            let result = scheme::allreduce(&compression, &mut e.states[..1], &[&e.merge_buf], &ctx, &mut member, &mut out);
             e.scheme_out = std::mem::replace(&mut e.merge_buf, out);
             result?;
         }

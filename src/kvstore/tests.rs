@@ -288,7 +288,7 @@ fn qsgd_device_store_sums_integer_codes_with_one_scale() {
         for (d, g) in [&a, &b].iter().enumerate() {
             let mut codes = vec![0i32; N];
             crate::quant::qsgd::quantize(g, scale, 3, crate::quant::qsgd::stream_seed(5, step, k.stable_hash(), d as u64), &mut codes).unwrap();
-            crate::quant::qsgd::accumulate(&codes, &mut acc).unwrap();
+            crate::quant::collective::add_codes(&mut acc, &codes).unwrap();
         }
         let mut want = vec![0f32; N];
         crate::quant::qsgd::decode(&acc, scale, 3, &mut want).unwrap();

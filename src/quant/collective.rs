@@ -1,18 +1,87 @@
-//! The reductions a compression scheme needs from its job, and the
-//! in-process group that performs them among the devices of one store.
+//! The reductions a compression scheme needs from its job: the one
+//! elementwise implementation of each (`max_into`, `sum_into`, `min_into`,
+//! `add_codes`), and the transports' interface to them (`Collective`).
 //!
-//! A scheme (`scheme`) is written once against `Collective`; the `device`
-//! store runs one member per device on its own thread (`LocalGroup`), the
-//! all-reduce store maps the calls onto MPI, and the parameter-server store
-//! sends them to the key's server. Every member must make the same calls in
-//! the same order with the same lengths; results are identical on every member.
+//! A scheme (`scheme`) is written once against `Collective`. It first folds
+//! the members held in this process with the functions here (the `device`
+//! store holds every device, so its `InProcess` collective has nothing left
+//! to do), then reduces the fold over the job: the all-reduce store through
+//! MPI, the parameter-server store through the key's server (which folds
+//! what workers sent with the same functions). Every process makes the same
+//! calls in the same order with the same lengths; results are identical on
+//! every member.
 
-use std::sync::{Condvar, Mutex};
+use rayon::prelude::*;
 
 use super::lanes;
 use crate::error::{Error, Result};
 
-/// Elementwise reductions over every member, in place.
+#[cfg(test)]
+pub(crate) mod threads;
+
+const CHUNK: usize = 1 << 16;
+
+fn zip_chunks<A: Send, B: Sync>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, &B) + Sync) {
+    if acc.len() > CHUNK {
+        acc.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| f(a, b)));
+    } else {
+        acc.iter_mut().zip(x).for_each(|(a, b)| f(a, b));
+    }
+}
+
+fn check(what: &'static str, acc: usize, x: usize) -> Result<()> {
+    if acc != x {
+        return Err(Error::SizeMismatch { what, expected: acc, got: x });
+    }
+    Ok(())
+}
+
+/// `acc = max(acc, x)` elementwise.
+pub fn max_into(acc: &mut [f32], x: &[f32]) -> Result<()> {
+    check("max operand", acc.len(), x.len())?;
+    zip_chunks(acc, x, |a, b| *a = a.max(*b));
+    Ok(())
+}
+
+/// `acc += x` elementwise (float32: callers fold members in member order).
+pub fn sum_into(acc: &mut [f32], x: &[f32]) -> Result<()> {
+    check("sum operand", acc.len(), x.len())?;
+    zip_chunks(acc, x, |a, b| *a += *b);
+    Ok(())
+}
+
+/// `acc = min(acc, x)` elementwise (scale indices).
+pub fn min_into(acc: &mut [u8], x: &[u8]) -> Result<()> {
+    check("min operand", acc.len(), x.len())?;
+    zip_chunks(acc, x, |a, b| *a = (*a).min(*b));
+    Ok(())
+}
+
+/// `acc += x` for integer codes (the sum servers, all-reduces and devices
+/// perform). An `i32` overflow is an error that leaves `acc` as it was. One
+/// pass: each chunk is checked while cache-resident and added only if it
+/// fits; integer addition is exact, so chunks added before a failing one
+/// are subtracted again.
+pub fn add_codes(acc: &mut [i32], x: &[i32]) -> Result<()> {
+    check("code accumulator", acc.len(), x.len())?;
+    let add = |a: &mut [i32], b: &[i32]| {
+        let fits = a.iter().zip(b).all(|(a, b)| a.checked_add(*b).is_some());
+        if fits {
+            a.iter_mut().zip(b).for_each(|(a, b)| *a += *b);
+        }
+        fits
+    };
+    let added: Vec<bool> = if acc.len() > CHUNK { acc.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).map(|(a, b)| add(a, b)).collect() } else { vec![add(acc, x)] };
+    if added.iter().all(|&ok| ok) {
+        return Ok(());
+    }
+    let undo = |(a, b): (&mut [i32], &[i32])| a.iter_mut().zip(b).for_each(|(a, b)| *a -= *b);
+    acc.chunks_mut(CHUNK).zip(x.chunks(CHUNK)).zip(added).filter(|(_, ok)| *ok).for_each(|(pair, _)| undo(pair));
+    Err(Error::InvalidParam { key: "workers".into(), problem: "too many workers for the code accumulator".into() })
+}
+
+/// The job's reductions of one process's fold over every process, in
+/// place. `workers` counts members (devices or workers), not processes.
 pub trait Collective {
     /// How many members take part.
     fn workers(&self) -> usize;
@@ -22,74 +91,8 @@ pub trait Collective {
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()>;
     /// MIN over members of values below `count`.
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()>;
-    /// Exact SUM over members of integer codes in `lo..=hi`.
+    /// Exact SUM over members of integer codes, each member's in `lo..=hi`.
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()>;
-}
-
-const ABORTED: &str = "another device failed";
-
-#[derive(Clone)]
-enum Buf {
-    F32(Vec<f32>),
-    U8(Vec<u8>),
-    I32(Vec<i32>),
-}
-
-struct GroupState {
-    /// Double-buffered by round parity: a round's buffers are overwritten two
-    /// rounds later, when every member has finished reading them.
-    slots: [Vec<Option<Buf>>; 2],
-    arrived: [usize; 2],
-    round_of: [u64; 2],
-    aborted: Option<String>,
-}
-
-/// The devices of one store push, each on its own thread.
-pub struct LocalGroup {
-    size: usize,
-    state: Mutex<GroupState>,
-    ready: Condvar,
-}
-
-impl LocalGroup {
-    pub fn new(size: usize) -> LocalGroup {
-        LocalGroup {
-            size,
-            state: Mutex::new(GroupState { slots: [vec![None; size], vec![None; size]], arrived: [0; 2], round_of: [u64::MAX; 2], aborted: None }),
-            ready: Condvar::new(),
-        }
-    }
-
-    /// The handle member `rank` reduces through.
-    pub fn member(&self, rank: usize) -> LocalMember<'_> {
-        LocalMember { group: self, rank, round: 0, sent: 0 }
-    }
-
-    /// Wakes every waiting member with an error (a member failed).
-    pub fn abort(&self, why: &str) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.aborted.get_or_insert_with(|| why.to_string());
-        self.ready.notify_all();
-    }
-
-    fn exchange(&self, rank: usize, round: u64, buf: Buf) -> Result<Vec<Buf>> {
-        let p = (round % 2) as usize;
-        let mut s = self.state.lock().unwrap();
-        if s.round_of[p] != round {
-            s.round_of[p] = round;
-            s.arrived[p] = 0;
-        }
-        s.slots[p][rank] = Some(buf);
-        s.arrived[p] += 1;
-        self.ready.notify_all();
-        while s.arrived[p] < self.size || s.round_of[p] != round {
-            if let Some(why) = &s.aborted {
-                return Err(Error::Store(format!("{ABORTED}: {why}")));
-            }
-            s = self.ready.wait(s).unwrap();
-        }
-        Ok(s.slots[p].iter().map(|b| b.clone().expect("every member deposited")).collect())
-    }
 }
 
 /// The bytes each collective operation hands its transport for one member,
@@ -109,96 +112,54 @@ pub fn codes_bytes(n: usize, lo: i32, hi: i32, workers: usize) -> u64 {
     8 * lanes::words_for(n, lanes::width_for(span.saturating_mul(workers as u64))) as u64
 }
 
-pub struct LocalMember<'g> {
-    group: &'g LocalGroup,
-    rank: usize,
-    round: u64,
-    /// Bytes this member handed the group, counted as `f32_bytes` etc.
+/// The collective of a store whose members are all in this process (the
+/// `device` store): `scheme` has already folded them, so every reduction is
+/// done; it counts the bytes each member handed over, as the MPI store's
+/// transport counts what it sends.
+pub struct InProcess {
+    members: usize,
     sent: u64,
 }
 
-impl LocalMember<'_> {
-    /// What this member has handed the group so far.
+impl InProcess {
+    pub fn new(members: usize) -> InProcess {
+        InProcess { members, sent: 0 }
+    }
+
+    /// Bytes every member together handed the reductions so far.
     pub fn bytes_sent(&self) -> u64 {
         self.sent
     }
 
-    fn all(&mut self, buf: Buf) -> Result<Vec<Buf>> {
-        let r = self.round;
-        self.round += 1;
-        self.group.exchange(self.rank, r, buf)
+    fn count(&mut self, per_member: u64) {
+        self.sent += self.members as u64 * per_member;
     }
 }
 
-fn fold<T: Copy>(x: &mut [T], bufs: Vec<Buf>, get: impl Fn(Buf) -> Vec<T>, f: impl Fn(T, T) -> T) {
-    let mut bufs = bufs.into_iter().map(get);
-    x.copy_from_slice(&bufs.next().unwrap());
-    for b in bufs {
-        x.iter_mut().zip(b).for_each(|(a, v)| *a = f(*a, v));
-    }
-}
-
-impl Collective for LocalMember<'_> {
+impl Collective for InProcess {
     fn workers(&self) -> usize {
-        self.group.size
+        self.members
     }
 
     fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        self.sent += f32_bytes(x.len());
-        let all = self.all(Buf::F32(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, f32::max);
+        self.count(f32_bytes(x.len()));
         Ok(())
     }
 
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        self.sent += f32_bytes(x.len());
-        let all = self.all(Buf::F32(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, |a, b| a + b);
+        self.count(f32_bytes(x.len()));
         Ok(())
     }
 
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
-        self.sent += levels_bytes(x.len(), count);
-        let all = self.all(Buf::U8(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::U8(v) = b { v } else { unreachable!() }, u8::min);
+        self.count(levels_bytes(x.len(), count));
         Ok(())
     }
 
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
-        self.sent += codes_bytes(x.len(), lo, hi, self.group.size);
-        let all = self.all(Buf::I32(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::I32(v) = b { v } else { unreachable!() }, |a, b| a + b);
+        self.count(codes_bytes(x.len(), lo, hi, self.members));
         Ok(())
     }
-}
-
-/// Runs `work(rank, member)` for every member of a new group, each on its own
-/// thread; the first error aborts the others and is returned.
-pub fn run_group<T: Send>(size: usize, work: impl Fn(usize, &mut LocalMember) -> Result<T> + Sync) -> Result<Vec<T>> {
-    let group = LocalGroup::new(size);
-    let results: Vec<Result<T>> = std::thread::scope(|s| {
-        let run = |rank: usize| {
-            let mut m = group.member(rank);
-            // A panicking member fails the push like an error, and wakes the others.
-            let r = crate::error::catch_panic(|| work(rank, &mut m)).map_err(|e| match e {
-                Error::Internal(why) => Error::Internal(format!("device {rank} panicked: {why}")),
-                other => other,
-            });
-            if let Err(e) = &r {
-                group.abort(&e.to_string());
-            }
-            r
-        };
-        let handles: Vec<_> = (1..size).map(|rank| s.spawn(move || run(rank))).collect();
-        let mut out = vec![run(0)];
-        out.extend(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("a device thread panicked".into())))));
-        out
-    });
-    // Report the member that failed first, not the ones it aborted.
-    if let Some(i) = results.iter().position(|r| matches!(r, Err(e) if !e.to_string().starts_with(ABORTED))) {
-        return Err(results.into_iter().nth(i).unwrap().err().unwrap());
-    }
-    results.into_iter().collect()
 }
 
 #[cfg(test)]
@@ -206,51 +167,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn members_agree_over_many_rounds() {
-        let out = run_group(3, |rank, m| {
-            let mut seen = Vec::new();
-            for round in 0..20 {
-                let mut x = vec![rank as f32 + round as f32, -(rank as f32)];
-                m.max_f32(&mut x)?;
-                let mut c = vec![rank as i32 - 1; 3];
-                m.sum_codes(&mut c, -1, 1)?;
-                let mut l = vec![rank as u8 + 1, 2];
-                m.min_u8(&mut l, 4)?;
-                seen.push((x, c, l));
-            }
-            Ok(seen)
-        })
-        .unwrap();
-        for (round, (x, c, l)) in out[0].iter().enumerate() {
-            assert_eq!(x, &vec![2.0 + round as f32, 0.0]);
-            assert_eq!(c, &vec![0; 3]);
-            assert_eq!(l, &vec![1, 2]);
-        }
-        assert!(out.iter().all(|o| o == &out[0]));
+    fn reductions_fold_elementwise_and_check_lengths() {
+        let mut a = vec![1.0f32, -2.0, 3.0];
+        max_into(&mut a, &[0.0, 5.0, 3.0]).unwrap();
+        assert_eq!(a, [1.0, 5.0, 3.0]);
+        sum_into(&mut a, &[1.0, 1.0, -3.0]).unwrap();
+        assert_eq!(a, [2.0, 6.0, 0.0]);
+        let mut l = vec![3u8, 0, 2];
+        min_into(&mut l, &[1, 1, 2]).unwrap();
+        assert_eq!(l, [1, 0, 2]);
+        let mut c = vec![-3i32, 7];
+        add_codes(&mut c, &[3, -8]).unwrap();
+        assert_eq!(c, [0, -1]);
+        assert!(sum_into(&mut a, &[1.0]).is_err());
+        let mut full = [1, i32::MAX];
+        let err = add_codes(&mut full, &[1, 1]).unwrap_err().to_string();
+        assert!(err.contains("too many workers") && full == [1, i32::MAX], "{err}"); // nothing added
+        // An overflow in a late chunk takes back the chunks already added.
+        let n = 4 * CHUNK;
+        let mut acc: Vec<i32> = (0..n as i32).collect();
+        let mut x = vec![-3i32; n];
+        acc[n - 1] = i32::MIN + 1;
+        x[n - 1] = -2;
+        let before = acc.clone();
+        assert!(add_codes(&mut acc, &x).is_err());
+        assert_eq!(acc, before);
+        // Large inputs take the parallel path with the same results.
+        let n = 3 * CHUNK + 5;
+        let mut big: Vec<i32> = (0..n as i32).collect();
+        add_codes(&mut big, &vec![1; n]).unwrap();
+        assert!(big.iter().enumerate().all(|(i, &v)| v == i as i32 + 1));
     }
 
     #[test]
-    fn a_failing_member_ends_the_others() {
-        let err = run_group(3, |rank, m| {
-            if rank == 1 {
-                return Err(Error::Store("device 1 broke".into()));
-            }
-            m.sum_f32(&mut [1.0])
-        })
-        .unwrap_err();
-        assert!(err.to_string().contains("device 1 broke"), "{err}");
-    }
-
-    #[test]
-    fn a_panicking_member_fails_the_group_without_a_deadlock() {
-        let err = run_group(3, |rank, m| {
-            m.sum_f32(&mut [1.0])?;
-            if rank == 2 {
-                panic!("device 2 blew up");
-            }
-            m.sum_f32(&mut [1.0]) // the others wait here for device 2
-        })
-        .unwrap_err();
-        assert_eq!(err, Error::Internal("device 2 panicked: device 2 blew up".into()));
+    fn the_in_process_collective_counts_every_members_bytes() {
+        let mut c = InProcess::new(3);
+        c.sum_f32(&mut [0.0; 10]).unwrap();
+        assert_eq!(c.bytes_sent(), 3 * 40);
+        c.sum_codes(&mut [0; 64], -1, 1).unwrap();
+        assert_eq!(c.bytes_sent(), 120 + 3 * codes_bytes(64, -1, 1, 3));
+        assert_eq!(c.workers(), 3);
     }
 }

@@ -4,10 +4,11 @@
 //! `qsgd`: max-norm QSGD codes (one or several scales) that workers sum as
 //! integers. `onebit`: MXNet 2.0's 1-bit scheme. `powersgd`: low-rank
 //! factors. `lanes`: the packed wire form of codes and masks. `collective`:
-//! the reductions (MAX, MIN, SUM) a scheme asks of its job, and the
-//! in-process group of a `device` store. `scheme`: every scheme as
-//! encode -> sum -> decode over a `Collective`, shared by the device,
-//! all-reduce and parameter-server stores. `compression`: the parsed and
+//! the one implementation of each reduction (MAX, MIN, SUM of floats and
+//! of codes) and the interface a scheme reduces over its job through.
+//! `scheme`: every scheme as encode -> sum -> decode, shared by the device
+//! store (every device a member, folded in one thread), the all-reduce
+//! store (MPI) and the parameter-server store (the key's server). `compression`: the parsed and
 //! validated `compress_params` every store takes (re-exported as
 //! `crate::compression`), below `scheme` and above the quantizers it checks
 //! parameters with: `quant` imports nothing above it, from the store down; only the

@@ -210,19 +210,6 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
     Ok(())
 }
 
-/// Adds codes into an integer accumulator (the reduction servers or an
-/// all-reduce perform); errors, leaving no partial sum, on an `i32` overflow.
-pub fn accumulate(codes: &[i32], acc: &mut [i32]) -> Result<()> {
-    if codes.len() != acc.len() {
-        return Err(Error::SizeMismatch { what: "accumulator", expected: codes.len(), got: acc.len() });
-    }
-    if acc.iter().zip(codes).any(|(a, &c)| a.checked_add(c).is_none()) {
-        return Err(bad("workers", "too many workers for the code accumulator".into()));
-    }
-    acc.iter_mut().zip(codes).for_each(|(a, &c)| *a += c);
-    Ok(())
-}
-
 /// Decodes summed codes: `out = sum * scale / s`.
 pub fn decode(sum: &[i32], scale: f32, bits: u32, out: &mut [f32]) -> Result<()> {
     decode_at(sum, scale, &[levels(bits)?], None, out)
@@ -292,7 +279,7 @@ mod tests {
             let wire = to_wire(&Part::Codes { codes: codes.clone(), lo: -15, hi: 15 });
             assert_eq!(wire.len(), 17 + 8 * 333usize.div_ceil(12));
             let Part::Codes { codes: received, .. } = from_wire(&wire).unwrap() else { unreachable!() };
-            accumulate(&received, &mut acc).unwrap();
+            crate::quant::collective::add_codes(&mut acc, &received).unwrap();
             direct.iter_mut().zip(&codes).for_each(|(d, c)| *d += c);
         }
         assert_eq!(acc, direct);
@@ -309,10 +296,10 @@ mod tests {
         let workers = max_workers(bits).unwrap();
         let mut acc = vec![0i32; 2];
         for _ in 0..workers {
-            accumulate(&[s, -s], &mut acc).unwrap();
+            crate::quant::collective::add_codes(&mut acc, &[s, -s]).unwrap();
         }
         assert_eq!(acc, vec![s * workers as i32, -s * workers as i32]);
-        assert!(accumulate(&[s, 0], &mut acc).unwrap_err().to_string().contains("too many workers"));
+        assert!(crate::quant::collective::add_codes(&mut acc, &[s, 0]).unwrap_err().to_string().contains("too many workers"));
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
-use super::collective::Collective;
+use super::collective::{self, Collective};
 use super::{lanes, onebit, powersgd, qsgd};
 use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
@@ -123,89 +123,194 @@ pub fn check_state(c: &Compression, shape: &[usize], state: &State) -> std::resu
     Ok(())
 }
 
-/// Runs the exchanges and returns (exchanged values, final contribution).
-/// `grad` is this worker's (device-merged) gradient; `state` its state for the key.
-pub fn encode(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
+/// Checks what `encode` will be given, before anything changes: one state
+/// per gradient, equal lengths, and (every scheme but 2-bit, whose codec
+/// checks residual + gradient) finite values, so that no NaN or inf enters
+/// a residual or a shared scale. The error names the member and element.
+pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: usize) -> Result<()> {
+    let n = grads.first().map_or(0, |g| g.len());
+    if grads.is_empty() || states != grads.len() || grads.iter().any(|g| g.len() != n) {
+        return Err(Error::Internal(format!("a scheme push of {} gradients of lengths {:?} with {states} states", grads.len(), grads.iter().map(|g| g.len()).collect::<Vec<_>>())));
+    }
+    if let Compression::Qsgd(q) = c {
+        if workers as u64 > qsgd::max_workers(q.bits()[0])? {
+            return Err(bad("bits", format!("{workers} workers could overflow the code sum at {} bits", q.bits()[0])));
+        }
+    }
+    if matches!(c, Compression::None | Compression::TwoBit(_)) {
+        return Ok(());
+    }
+    for (m, g) in grads.iter().enumerate() {
+        if qsgd::max_abs(g).is_none() {
+            let i = g.iter().position(|x| !x.is_finite()).unwrap_or(0);
+            return Err(Error::Store(format!("pushed value {m} holds {} at element {i}, a non-finite value; nothing was applied", g[i])));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the exchanges of one push and returns (exchanged values, the sum of
+/// the final contributions of the members held here).
+///
+/// `states[i]` and `grads[i]` belong to member `ctx.member + i`: the device
+/// store passes every device (with `collective::InProcess`), the all-reduce
+/// and parameter-server stores their one merged gradient (with a collective
+/// that reaches the other workers). Every exchange folds the members here
+/// first, in member order, with `collective`'s reductions, then reduces
+/// the fold through `coll`: the bits do not depend on where members live.
+/// Call `check_input` first; then only `coll` can fail.
+pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
+    if states.len() != grads.len() || grads.is_empty() {
+        return Err(Error::Internal(format!("{} states for {} gradients", states.len(), grads.len())));
+    }
+    let n = grads[0].len();
     match c {
-        Compression::Qsgd(q) => encode_qsgd(q, std::mem::take(&mut state.spare_codes), grad, ctx, coll),
+        Compression::Qsgd(q) => encode_qsgd(q, states, grads, ctx, coll),
         Compression::PowerSgd { rank, seed } => {
             let Some((rows, cols, r)) = powersgd::factors(ctx.shape, *rank as usize) else {
-                return Ok((Vec::new(), Part::F32(grad.to_vec())));
+                return Ok((Vec::new(), Part::F32(sum_of(grads)?)));
             };
-            if state.q.len() != cols * r {
-                state.q = powersgd::initial_q(cols, r, qsgd::stream_seed(*seed, 0, ctx.key_hash, u64::MAX));
+            for s in states.iter_mut() {
+                if s.q.len() != cols * r {
+                    s.q = powersgd::initial_q(cols, r, qsgd::stream_seed(*seed, 0, ctx.key_hash, u64::MAX));
+                }
             }
             // Error feedback: compress g + e; e keeps what the approximation missed.
-            state.residual.resize(grad.len(), 0.0);
-            let m = &mut state.residual;
-            m.par_iter_mut().zip(grad).for_each(|(e, g)| *e += g);
             let mut p = vec![0f32; rows * r];
-            powersgd::m_times_q(m, &state.q, rows, cols, r, &mut p);
+            let mut mine = Vec::new();
+            for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
+                s.residual.resize(n, 0.0);
+                s.residual.par_iter_mut().zip(*g).for_each(|(e, g)| *e += g);
+                let dst = if i == 0 { &mut p } else { mine.resize(rows * r, 0.0); &mut mine };
+                powersgd::m_times_q(&s.residual, &s.q, rows, cols, r, dst);
+                if i > 0 {
+                    collective::sum_into(&mut p, &mine)?;
+                }
+            }
             coll.sum_f32(&mut p)?;
             let mut p_hat = p.clone();
             powersgd::orthogonalize(&mut p_hat, rows, r);
-            let mut q_local = vec![0f32; cols * r];
-            powersgd::mt_times_p(m, &p_hat, rows, cols, r, &mut q_local);
-            powersgd::p_times_qt(&p_hat, &q_local, rows, cols, r, m, true);
-            Ok((vec![Part::F32(p)], Part::F32(q_local)))
+            let (mut q_sum, mut q_local) = (vec![0f32; cols * r], vec![0f32; cols * r]);
+            for (i, s) in states.iter_mut().enumerate() {
+                powersgd::mt_times_p(&s.residual, &p_hat, rows, cols, r, &mut q_local);
+                powersgd::p_times_qt(&p_hat, &q_local, rows, cols, r, &mut s.residual, true);
+                if i == 0 {
+                    q_sum.copy_from_slice(&q_local);
+                } else {
+                    collective::sum_into(&mut q_sum, &q_local)?;
+                }
+            }
+            Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
         Compression::OneBit { threshold } => {
-            state.residual.resize(grad.len(), 0.0);
-            let mut codes = vec![0i32; grad.len()];
-            onebit::quantize(grad, &mut state.residual, *threshold, &mut codes);
+            let codes = sum_codes(states, n, |s, g, bits| {
+                s.residual.resize(n, 0.0);
+                onebit::quantize(g, &mut s.residual, *threshold, bits);
+                Ok(())
+            }, grads)?;
             Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
         }
         Compression::TwoBit(th) => {
             // Codes counted, not decoded: n indicators of +pos, then n of neg.
             // The codec's fast kernels quantize; the store has checked that
             // every residual + gradient is finite before any worker agreed.
-            state.residual.resize(grad.len(), 0.0);
-            let n = grad.len();
             let mut compr = codec::create_2bit(n);
-            codec::quantize_2bit_finite(grad, &mut state.residual, &mut compr, *th)?;
-            let blocks = codec::blocks(&compr);
-            let mut codes = vec![0i32; 2 * n];
-            let (pos, neg) = codes.split_at_mut(n);
-            for (i, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
-                let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
-                (*p, *q) = ((code == 0b01) as i32, (code == 0b10) as i32);
-            }
+            let codes = sum_codes(states, 2 * n, |s, g, codes| {
+                s.residual.resize(n, 0.0);
+                codec::quantize_2bit_finite(g, &mut s.residual, &mut compr, *th)?;
+                let blocks = codec::blocks(&compr);
+                let (pos, neg) = codes.split_at_mut(n);
+                for (i, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
+                    let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
+                    (*p, *q) = ((code == 0b01) as i32, (code == 0b10) as i32);
+                }
+                Ok(())
+            }, grads)?;
             Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
         }
-        Compression::None => Ok((Vec::new(), Part::F32(grad.to_vec()))),
+        Compression::None => Ok((Vec::new(), Part::F32(sum_of(grads)?))),
     }
 }
 
-fn encode_qsgd(q: &Qsgd, mut codes: Vec<i32>, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
+/// The float32 sum of the members' gradients, in member order.
+fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
+    let mut sum = grads[0].to_vec();
+    for g in &grads[1..] {
+        collective::sum_into(&mut sum, g)?;
+    }
+    Ok(sum)
+}
+
+/// Each member's codes (`len` of them, written by `quantize(state, grad,
+/// codes)`) summed into the first state's spare code buffer (kept by
+/// `finish` for the next push, as the second state's is kept here).
+fn sum_codes(states: &mut [State], len: usize, mut quantize: impl FnMut(&mut State, &[f32], &mut [i32]) -> Result<()>, grads: &[&[f32]]) -> Result<Vec<i32>> {
+    let mut codes = std::mem::take(&mut states[0].spare_codes);
+    codes.resize(len, 0);
+    // The other members' codes pass through the second state's spare buffer.
+    let mut mine = states.get_mut(1).map(|s| std::mem::take(&mut s.spare_codes)).unwrap_or_default();
+    for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
+        if i == 0 {
+            quantize(s, g, &mut codes)?;
+        } else {
+            mine.resize(len, 0);
+            quantize(s, g, &mut mine)?;
+            collective::add_codes(&mut codes, &mine)?;
+        }
+    }
+    if let Some(s) = states.get_mut(1) {
+        s.spare_codes = mine;
+    }
+    Ok(codes)
+}
+
+fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
     let levels = q.levels();
     let s0 = levels[0];
     if ctx.workers as u64 > qsgd::max_workers(q.bits()[0])? {
         return Err(bad("bits", format!("{} workers could overflow the code sum at {} bits", ctx.workers, q.bits()[0])));
     }
-    let idx = selection(q, grad.len(), ctx.step, ctx.key_hash);
-    let x: Cow<[f32]> = match &idx {
-        Some(idx) => Cow::Owned(idx.iter().map(|&i| grad[i]).collect()),
-        None => Cow::Borrowed(grad),
-    };
+    let idx = selection(q, grads[0].len(), ctx.step, ctx.key_hash);
+    let xs: Vec<Cow<[f32]>> = grads
+        .iter()
+        .map(|g| match &idx {
+            Some(idx) => Cow::Owned(idx.iter().map(|&i| g[i]).collect()),
+            None => Cow::Borrowed(*g),
+        })
+        .collect();
+    let len = xs[0].len();
     // A non-finite gradient anywhere poisons the shared scale, so every
     // worker fails this push together instead of waiting on the others.
-    let mut scale = [qsgd::max_abs(&x).unwrap_or(f32::INFINITY)];
+    let mut scale = [xs.iter().map(|x| qsgd::max_abs(x).unwrap_or(f32::INFINITY)).fold(0f32, f32::max)];
     coll.max_f32(&mut scale)?;
     if !scale[0].is_finite() {
         return Err(bad("gradient", "a worker pushed a non-finite value (inf or NaN); nothing was applied".into()));
     }
     let mut exchanged = vec![Part::F32(scale.to_vec())];
-    let level_of = (levels.len() > 1)
-        .then(|| {
-            let mut l = vec![0u8; x.len()];
-            qsgd::fit_levels(&x, scale[0], &levels, &mut l);
-            coll.min_u8(&mut l, levels.len() as u8).map(|_| l)
-        })
-        .transpose()?;
-    codes.resize(x.len(), 0);
-    let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member);
-    // The scale is a MAX that includes this worker's finite max|x|: no need to check x again.
-    qsgd::quantize_levels(&x, scale[0], &levels, level_of.as_deref(), seed, &mut codes);
+    let level_of = if levels.len() > 1 {
+        let (mut l, mut mine) = (vec![0u8; len], Vec::new());
+        for (i, x) in xs.iter().enumerate() {
+            if i == 0 {
+                qsgd::fit_levels(x, scale[0], &levels, &mut l);
+            } else {
+                mine.resize(len, 0);
+                qsgd::fit_levels(x, scale[0], &levels, &mut mine);
+                collective::min_into(&mut l, &mine)?;
+            }
+        }
+        coll.min_u8(&mut l, levels.len() as u8)?;
+        Some(l)
+    } else {
+        None
+    };
+    // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
+    let mut member = ctx.member;
+    let codes = sum_codes(states, len, |_, x, codes| {
+        let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, member);
+        member += 1;
+        qsgd::quantize_levels(x, scale[0], &levels, level_of.as_deref(), seed, codes);
+        Ok(())
+    }, &xs.iter().map(|x| &x[..]).collect::<Vec<_>>())?;
     if let Some(l) = level_of {
         exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
     }
@@ -259,7 +364,7 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
         },
         (Compression::OneBit { .. }, Part::Codes { codes, .. }) if codes.len() == n => {
             let w = ctx.workers as i32;
-            out.iter_mut().zip(codes).for_each(|(o, &c)| *o = (2 * c - w) as f32);
+            out.par_chunks_mut(1 << 16).zip(codes.par_chunks(1 << 16)).for_each(|(o, c)| o.iter_mut().zip(c).for_each(|(o, &c)| *o = (2 * c - w) as f32));
             Ok(())
         }
         (Compression::TwoBit(th), Part::Codes { codes, .. }) if codes.len() == 2 * n => {
@@ -276,15 +381,24 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
     }
 }
 
-/// After a push: PowerSGD warm-starts from the summed `Q` (the same on every
-/// worker); code buffers are kept for the next push; every scheme counts the step.
-pub fn finish(c: &Compression, state: &mut State, sum: Part) {
+/// After a push: PowerSGD warm-starts every member from the summed `Q`
+/// (the same on every worker); the code buffer is kept for the next push;
+/// every member counts the step.
+pub fn finish(c: &Compression, states: &mut [State], sum: Part) {
     match (c, sum) {
-        (Compression::PowerSgd { .. }, Part::F32(q)) if q.len() == state.q.len() => state.q.copy_from_slice(&q),
-        (_, Part::Codes { codes, .. }) => state.spare_codes = codes,
+        (Compression::PowerSgd { .. }, Part::F32(q)) => {
+            for s in states.iter_mut().filter(|s| s.q.len() == q.len()) {
+                s.q.copy_from_slice(&q);
+            }
+        }
+        (_, Part::Codes { codes, .. }) => {
+            if let Some(s) = states.first_mut() {
+                s.spare_codes = codes;
+            }
+        }
         _ => {}
     }
-    state.step += 1;
+    states.iter_mut().for_each(|s| s.step += 1);
 }
 
 /// Sums the final contribution through `coll`.
@@ -297,21 +411,24 @@ pub fn sum_final(part: &mut Part, coll: &mut dyn Collective) -> Result<()> {
 }
 
 /// A whole push on a store whose members all decode: encode, sum, decode,
-/// finish. With `keep_local` random-K, unselected coordinates take `grad`.
-pub fn allreduce(c: &Compression, state: &mut State, grad: &[f32], ctx: &Ctx, coll: &mut dyn Collective, out: &mut [f32]) -> Result<()> {
-    let (exchanged, mut part) = encode(c, state, grad, ctx, coll)?;
+/// finish. With `keep_local` random-K, unselected coordinates take the
+/// members' own gradients (their sum: this process is one worker).
+pub fn allreduce(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective, out: &mut [f32]) -> Result<()> {
+    let (exchanged, mut part) = encode(c, states, grads, ctx, coll)?;
     sum_final(&mut part, coll)?;
     decode(c, &exchanged, &part, ctx, out)?;
     if let Compression::Qsgd(q) = c {
         if q.keep_local {
-            if let Some(idx) = selection(q, grad.len(), ctx.step, ctx.key_hash) {
-                let mut selected = vec![false; grad.len()];
+            if let Some(idx) = selection(q, out.len(), ctx.step, ctx.key_hash) {
+                let mut selected = vec![false; out.len()];
                 idx.iter().for_each(|&i| selected[i] = true);
-                out.iter_mut().zip(grad).zip(selected).filter(|(_, s)| !s).for_each(|((o, &g), _)| *o = g);
+                for (i, o) in out.iter_mut().enumerate().filter(|(i, _)| !selected[*i]) {
+                    *o = grads[1..].iter().fold(grads[0][i], |acc, g| acc + g[i]);
+                }
             }
         }
     }
-    finish(c, state, part);
+    finish(c, states, part);
     Ok(())
 }
 

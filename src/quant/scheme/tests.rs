@@ -1,6 +1,7 @@
 use super::*;
 use crate::quant::compression::Compression;
-use crate::quant::collective::run_group;
+use crate::quant::collective::threads::run_group;
+use crate::quant::collective::InProcess;
 
 fn params(p: &[(&str, &str)]) -> Compression {
     Compression::from_params(p.iter().copied()).unwrap()
@@ -10,22 +11,47 @@ fn grad(n: usize, seed: u64, amp: f32) -> Vec<f32> {
     (0..n).map(|i| (qsgd::uniform(seed, i as u64) - 0.5) * 2.0 * amp).collect()
 }
 
-/// Every member's aggregate of one push per step, with fresh states.
+/// Every member's aggregate of one push per step, with fresh states, each
+/// member a worker on a thread of its own; and checks that the same members
+/// folded in one thread (as a device store holds its devices) give the
+/// same bits, except where unselected='local' keeps each worker's own.
 fn run(c: &Compression, shape: &[usize], grads: &[Vec<f32>], steps: u64) -> Vec<Vec<Vec<f32>>> {
     let n: usize = shape.iter().product();
     let w = grads.len();
-    run_group(w, |m, coll| {
-        let mut state = State::default();
+    let threaded = run_group(w, |m, coll| {
+        let mut state = [State::default()];
         (0..steps)
             .map(|step| {
                 let ctx = Ctx { shape, step, key_hash: 42, member: m as u64, workers: w };
                 let mut out = vec![0f32; n];
-                allreduce(c, &mut state, &grads[m], &ctx, coll, &mut out)?;
+                allreduce(c, &mut state, &[&grads[m]], &ctx, coll, &mut out)?;
                 Ok(out)
             })
             .collect::<Result<Vec<_>>>()
     })
-    .unwrap()
+    .unwrap();
+    if !matches!(c, Compression::Qsgd(q) if q.keep_local) {
+        assert_eq!(in_process(c, shape, grads, steps), threaded[0], "{}: one thread and {w} differ", c.name());
+    }
+    threaded
+}
+
+/// The aggregates of the same pushes with every member in one process.
+fn in_process(c: &Compression, shape: &[usize], grads: &[Vec<f32>], steps: u64) -> Vec<Vec<f32>> {
+    let n: usize = shape.iter().product();
+    let w = grads.len();
+    let mut states: Vec<State> = (0..w).map(|_| State::default()).collect();
+    let views: Vec<&[f32]> = grads.iter().map(|g| &g[..]).collect();
+    (0..steps)
+        .map(|step| {
+            let ctx = Ctx { shape, step, key_hash: 42, member: 0, workers: w };
+            let mut out = vec![0f32; n];
+            let mut group = InProcess::new(w);
+            check_input(c, w, &views, w).unwrap();
+            allreduce(c, &mut states, &views, &ctx, &mut group, &mut out).unwrap();
+            out
+        })
+        .collect()
 }
 
 #[test]
@@ -39,7 +65,7 @@ fn qsgd_mn_is_exact_integer_sums_decoded_once_and_alike_everywhere() {
         for (w, g) in grads.iter().enumerate() {
             let mut codes = vec![0i32; 101];
             qsgd::quantize(g, scale, 3, qsgd::stream_seed(9, step, 42, w as u64), &mut codes).unwrap();
-            qsgd::accumulate(&codes, &mut acc).unwrap();
+            crate::quant::collective::add_codes(&mut acc, &codes).unwrap();
         }
         let mut want = vec![0f32; 101];
         qsgd::decode(&acc, scale, 3, &mut want).unwrap();
@@ -126,6 +152,12 @@ fn random_k_picks_the_same_coordinates_everywhere_without_sending_them() {
             assert_eq!(out[m][0][i], grads[m][i]);
         }
     }
+    // Members in one process are one worker: its own gradient is their sum.
+    let one = in_process(&local, &[100], &grads, 1);
+    for i in (0..100).filter(|i| !idx.contains(i)) {
+        assert_eq!(one[0][i], grads[0][i] + grads[1][i]);
+    }
+    assert!(idx.iter().all(|&i| one[0][i] == out[0][0][i]));
 }
 
 #[test]
@@ -134,14 +166,14 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
     let (rows, cols) = (8, 6);
     let grads: Vec<Vec<f32>> = (0..2).map(|w| grad(rows * cols, 50 + w, 1.0)).collect();
     run_group(2, |m, coll| {
-        let mut state = State::default();
+        let mut state = [State::default()];
         let mut sent = vec![0f64; rows * cols];
         for step in 0..6 {
             let ctx = Ctx { shape: &[rows, cols], step, key_hash: 42, member: m as u64, workers: 2 };
             let mut out = vec![0f32; rows * cols];
             // error feedback on this member: what it put in = what it sent locally + residual
-            let before = state.residual.clone();
-            let (ex, mut part) = encode(&c, &mut state, &grads[m], &ctx, coll)?;
+            let before = state[0].residual.clone();
+            let (ex, mut part) = encode(&c, &mut state, &[&grads[m]], &ctx, coll)?;
             let Part::F32(q_local) = &part else { unreachable!() };
             let mut p_hat = match &ex[0] {
                 Part::F32(p) => p.clone(),
@@ -152,7 +184,7 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
             powersgd::p_times_qt(&p_hat, q_local, rows, cols, 1, &mut local_approx, false);
             for i in 0..rows * cols {
                 let input = grads[m][i] + before.get(i).copied().unwrap_or(0.0);
-                assert!((input - local_approx[i] - state.residual[i]).abs() < 1e-5);
+                assert!((input - local_approx[i] - state[0].residual[i]).abs() < 1e-5);
             }
             sum_final(&mut part, coll)?;
             decode(&c, &ex, &part, &ctx, &mut out)?;
@@ -184,12 +216,29 @@ fn one_bit_sums_plus_minus_one() {
 }
 
 #[test]
+fn check_input_names_the_member_and_element_of_a_non_finite_value() {
+    let g0 = [1.0f32, 2.0, 3.0];
+    let g1 = [1.0f32, f32::NEG_INFINITY, 3.0];
+    for c in [params(&[("compress", "1bit")]), params(&[("compress", "powersgd"), ("rank", "1")]), params(&[("compress", "qsgd_mn"), ("bits", "2")])] {
+        let err = check_input(&c, 2, &[&g0, &g1], 2).unwrap_err().to_string();
+        assert!(err.contains("pushed value 1 holds -inf at element 1"), "{}: {err}", c.name());
+        check_input(&c, 2, &[&g0, &g0], 2).unwrap();
+    }
+    // 2-bit's codec checks residual + gradient itself; lengths and counts are checked for all.
+    check_input(&params(&[("compress", "2bit"), ("threshold", "0.5")]), 2, &[&g0, &g1], 2).unwrap();
+    assert!(check_input(&params(&[("compress", "1bit")]), 1, &[&g0, &g0], 2).is_err());
+    assert!(check_input(&params(&[("compress", "1bit")]), 2, &[&g0, &g0[..2]], 2).is_err());
+    let err = check_input(&params(&[("compress", "qsgd_mn"), ("bits", "8")]), 1, &[&g0], 1 << 30).unwrap_err().to_string();
+    assert!(err.contains("could overflow the code sum"), "{err}");
+}
+
+#[test]
 fn a_non_finite_gradient_fails_every_member_together() {
     let c = params(&[("compress", "qsgd_mn"), ("bits", "4")]);
     let grads = vec![vec![1.0f32, 2.0], vec![f32::NAN, 0.0]];
     let err = run_group(2, |m, coll| {
         let ctx = Ctx { shape: &[2], step: 0, key_hash: 1, member: m as u64, workers: 2 };
-        allreduce(&c, &mut State::default(), &grads[m], &ctx, coll, &mut [0.0; 2])
+        allreduce(&c, &mut [State::default()], &[&grads[m]], &ctx, coll, &mut [0.0; 2])
     })
     .unwrap_err();
     assert!(err.to_string().contains("non-finite"), "{err}");
