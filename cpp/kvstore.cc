@@ -85,6 +85,12 @@ KVStore::KVStore(const std::string& type) : store_(store_new(type)) {}
 
 std::string KVStore::type() const { return std::string(store_type(*store_)); }
 
+int KVStore::rank() const { return static_cast<int>(store_rank(*store_)); }
+
+int KVStore::num_workers() const { return static_cast<int>(store_num_workers(*store_)); }
+
+void KVStore::Barrier() { store_barrier(*store_); }
+
 void KVStore::Init(int key, const Tensor& value) {
   store_init(*store_, int_key(key), {value.shape.data(), value.shape.size()}, {value.data, value.size()});
 }

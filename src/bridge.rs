@@ -9,9 +9,8 @@ use half::{bf16, f16};
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{catch_panic as guarded, Error, Result};
-use crate::kvstore::{elements, Array, ArrayMut, Grad, KVStore, Key, Store as _, Updater};
+use crate::kvstore::{elements, Array, ArrayMut, Grad, Key, Updater};
 use std::borrow::Cow;
-use crate::optimizer::Optimizer;
 
 #[cxx::bridge(namespace = "gradpack")]
 mod ffi {
@@ -37,10 +36,13 @@ mod ffi {
         /// Validates thresholds given as attribute values; Err names the problem.
         fn check_thresholds(neg_threshold: f32, pos_threshold: f32) -> Result<()>;
 
-        /// A local/device KVStore (see `crate::kvstore`).
+        /// Any store (`crate::kvstore::Store`), opened by `crate::stores::open`.
         type Store;
         fn store_new(type_name: &str) -> Result<Box<Store>>;
         fn store_type(store: &Store) -> &'static str;
+        fn store_rank(store: &Store) -> usize;
+        fn store_num_workers(store: &Store) -> usize;
+        fn store_barrier(store: &Store) -> Result<()>;
         fn store_init(store: &Store, key: &KeyArg, shape: &[usize], value: &[f32]) -> Result<()>;
         /// `values` holds the addresses of float32 arrays of `shape`, one per device.
         unsafe fn store_push(store: &Store, key: &KeyArg, shape: &[usize], values: &[usize]) -> Result<()>;
@@ -73,8 +75,8 @@ mod ffi {
 unsafe impl Send for ffi::Updater {}
 unsafe impl Sync for ffi::Updater {}
 
-/// The store behind `gradpack::KVStore`.
-pub struct Store(KVStore);
+/// The store behind `gradpack::KVStore`: any store, behind the one trait.
+pub struct Store(Box<dyn crate::kvstore::Store>);
 
 fn key_of(k: &ffi::KeyArg) -> Key {
     if k.is_str {
@@ -86,12 +88,24 @@ fn key_of(k: &ffi::KeyArg) -> Key {
 
 fn store_new(type_name: &str) -> Result<Box<Store>> {
     guarded(|| {
-        Ok(Box::new(Store(KVStore::new(type_name)?)))
+        Ok(Box::new(Store(crate::stores::open(type_name)?)))
     })
 }
 
 fn store_type(store: &Store) -> &'static str {
-    store.0.store_type().name()
+    store.0.type_name()
+}
+
+fn store_rank(store: &Store) -> usize {
+    store.0.rank()
+}
+
+fn store_num_workers(store: &Store) -> usize {
+    store.0.num_workers()
+}
+
+fn store_barrier(store: &Store) -> Result<()> {
+    guarded(|| store.0.barrier())
 }
 
 fn store_init(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: &[f32]) -> Result<()> {
@@ -189,15 +203,14 @@ fn string_pairs(keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<c
 fn store_set_compress(store: &Store, keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<cxx::CxxString>) -> Result<()> {
     guarded(|| {
         let pairs = string_pairs(keys, values)?;
-        store.0.set_compress(Compression::from_params(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?)
+        store.0.set_compress(Compression::from_params(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?, &pairs)
     })
 }
 
 fn store_set_optimizer(store: &Store, name: &str, keys: &cxx::CxxVector<cxx::CxxString>, values: &cxx::CxxVector<cxx::CxxString>) -> Result<()> {
     guarded(|| {
         let pairs = string_pairs(keys, values)?;
-        store.0.set_optimizer(Optimizer::from_params(name, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?);
-        Ok(())
+        store.0.set_optimizer(name, &pairs)
     })
 }
 
@@ -220,8 +233,7 @@ fn store_set_updater(store: &Store, updater: cxx::UniquePtr<ffi::Updater>) -> Re
                 Key::Str(s) => ffi::KeyArg { is_str: true, int_key: 0, str_key: s.clone() },
             };
             updater.call(&arg, merged, stored).map_err(|e| Error::Updater { key: key.to_string(), message: e.what().to_string() })
-        })));
-        Ok(())
+        })))
     })
 }
 

@@ -18,7 +18,9 @@ pub mod hash;
 pub mod key;
 pub mod kvstore;
 pub mod optimizer;
+pub mod par;
 pub mod quant;
+pub mod stores;
 
 pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, quantize_2bit_to, Thresholds};
 pub use error::{Dtype, Error, Result};

@@ -37,12 +37,16 @@ class KVStore {
   using IntUpdater = std::function<void(int key, const Tensor& merged, Tensor* stored)>;
   using StrUpdater = std::function<void(const std::string& key, const Tensor& merged, Tensor* stored)>;
 
-  // type: "local" or "device".
+  // type: "local", "device", "dist_sync_allreduce" (MPI), or a worker of
+  // "dist_sync" / "dist_async" / ... (joins the job the DMLC_* variables
+  // describe); gp_kvstore_types() in c_api.h lists them.
   explicit KVStore(const std::string& type = "local");
 
   std::string type() const;
-  int rank() const { return 0; }
-  int num_workers() const { return 1; }
+  int rank() const;
+  int num_workers() const;
+  // Waits for every worker (returns at once on a local store).
+  void Barrier();
   void Barrier() const {}
 
   void Init(int key, const Tensor& value);

@@ -1,4 +1,5 @@
-//! C ABI of the local/device KVStore: an opaque `gp_kvstore_t` handle with
+//! C ABI of every KVStore: an opaque `gp_kvstore_t` handle (a `Box<dyn
+//! Store>` from `stores::open`, so each call is one trait call) with
 //! `_new`/`_free`, keys as `gp_key_t`, arrays as `gp_array_t` descriptors.
 //! The caller owns every array; the store copies what it keeps.
 #![allow(non_camel_case_types)] // the C names, as c_api.h spells them
@@ -9,32 +10,12 @@ use half::{bf16, f16};
 
 use super::{guard, slice, slice_mut, Raw};
 use crate::compression::Compression;
-use crate::dist::{self, Config, DistWorker};
+use crate::dist::{self, Config};
 use crate::error::{Error, Result};
-use crate::kvstore::{elements, Array, ArrayMut, Grad, KVStore, Key, Store, Updater};
-use crate::optimizer::Optimizer;
+use crate::kvstore::{elements, Array, ArrayMut, Grad, Key, Store, Updater};
 
-/// Opaque store handle: a local/device store or a distributed worker.
-pub enum gp_kvstore_t {
-    Local(KVStore),
-    Dist(DistWorker),
-}
-
-impl gp_kvstore_t {
-    /// The one dispatch of every shared call.
-    fn store(&self) -> &dyn Store {
-        match self {
-            Self::Local(s) => s,
-            Self::Dist(s) => s,
-        }
-    }
-    fn local(&self, what: &str) -> Result<&KVStore> {
-        match self {
-            Self::Local(s) => Ok(s),
-            Self::Dist(s) => Err(Error::Store(format!("{what} is not available on a '{}' store: its optimizer runs on the servers", s.type_name()))),
-        }
-    }
-}
+/// Opaque store handle: any store, behind the one `Store` trait.
+pub struct gp_kvstore_t(Box<dyn Store>);
 
 /// A key: `str_key` (UTF-8, NUL-terminated) when not NULL, else `int_key`.
 #[repr(C)]
@@ -202,12 +183,8 @@ pub unsafe extern "C" fn gp_kvstore_new(type_name: *const c_char, out: *mut *mut
         if out.is_null() {
             return Err(Error::NullPointer { what: "out" });
         }
-        let name = cstr(type_name, "type")?;
-        let store = match crate::kvstore::store_type(name) {
-            Some((_, crate::kvstore::Kind::Dist { .. })) => gp_kvstore_t::Dist(DistWorker::start(name, Config::from_env()?)?),
-            _ => gp_kvstore_t::Local(KVStore::new(name)?),
-        };
-        *out = Box::into_raw(Box::new(store));
+        let store = crate::stores::open(cstr(type_name, "type")?)?;
+        *out = Box::into_raw(Box::new(gp_kvstore_t(store)));
         Ok(())
     })
 }
@@ -233,13 +210,7 @@ pub unsafe extern "C" fn gp_kvstore_free(store: *mut gp_kvstore_t) {
 /// `store` is a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_close(store: *mut gp_kvstore_t) -> c_int {
-    guard(|| match self::store(store)? {
-        gp_kvstore_t::Local(s) => s.close(),
-        gp_kvstore_t::Dist(w) => {
-            w.close();
-            Ok(())
-        }
-    })
+    guard(|| self::store(store)?.0.close())
 }
 
 /// Messages a distributed worker received and dropped (unauthenticated,
@@ -253,10 +224,7 @@ pub unsafe extern "C" fn gp_kvstore_dropped(store: *const gp_kvstore_t, out: *mu
         if out.is_null() {
             return Err(Error::NullPointer { what: "out" });
         }
-        *out = match self::store(store)? {
-            gp_kvstore_t::Local(_) => 0,
-            gp_kvstore_t::Dist(w) => w.dropped(),
-        };
+        *out = self::store(store)?.0.dropped();
         Ok(())
     })
 }
@@ -291,11 +259,8 @@ pub extern "C" fn gp_kvstore_types() -> *const c_char {
 /// `store` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_type(store: *const gp_kvstore_t) -> *const c_char {
-    let name = match store.as_ref() {
-        Some(gp_kvstore_t::Local(s)) => s.store_type().name(),
-        Some(gp_kvstore_t::Dist(w)) => w.type_name(),
-        None => return std::ptr::null(),
-    };
+    let Some(store) = store.as_ref() else { return std::ptr::null() };
+    let name = store.0.type_name();
     // Every store was made from a name of the table.
     crate::kvstore::store_type(name).map_or(std::ptr::null(), |(c, _)| c.as_ptr())
 }
@@ -310,10 +275,8 @@ pub unsafe extern "C" fn gp_kvstore_rank(store: *const gp_kvstore_t, rank: *mut 
         if rank.is_null() || num_workers.is_null() {
             return Err(Error::NullPointer { what: "rank/num_workers" });
         }
-        let (r, n) = match self::store(store)? {
-            gp_kvstore_t::Local(s) => (s.rank(), s.num_workers()),
-            gp_kvstore_t::Dist(w) => (w.rank(), w.num_workers()),
-        };
+        let s = &self::store(store)?.0;
+        let (r, n) = (s.rank(), s.num_workers());
         *rank = r as u64;
         *num_workers = n as u64;
         Ok(())
@@ -326,13 +289,7 @@ pub unsafe extern "C" fn gp_kvstore_rank(store: *const gp_kvstore_t, rank: *mut 
 /// `store` is live.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_barrier(store: *const gp_kvstore_t) -> c_int {
-    guard(|| match self::store(store)? {
-        gp_kvstore_t::Local(s) => {
-            s.barrier();
-            Ok(())
-        }
-        gp_kvstore_t::Dist(w) => w.barrier(),
-    })
+    guard(|| self::store(store)?.0.barrier())
 }
 
 /// Copies the error-feedback residual of `key` on `device` (2-bit's, or a
@@ -344,11 +301,10 @@ pub unsafe extern "C" fn gp_kvstore_barrier(store: *const gp_kvstore_t) -> c_int
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_residual(store: *const gp_kvstore_t, key: gp_key_t, device: u64, out: *mut f32, len: u64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?.local("residual")?;
+        let kv = &self::store(store)?.0;
         Raw::new("out", out, len)?;
-        let key = key_of(key)?;
-        let r = kv.residual(&key, device as usize)?;
-        let want = kv.value(&key)?.len();
+        let r = kv.residual(&key_of(key)?, device as usize)?;
+        let want = r.len();
         if len as usize != want {
             return Err(Error::SizeMismatch { what: "residual output", expected: want, got: len as usize });
         }
@@ -373,7 +329,7 @@ pub unsafe extern "C" fn gp_kvstore_init(store: *mut gp_kvstore_t, key: gp_key_t
     guard(|| {
         let kv = self::store(store)?;
         let inputs = arrays_in(&value, 1, &[])?;
-        kv.store().init(&key_of(key)?, inputs.views()[0])
+        kv.0.init(&key_of(key)?, inputs.views()[0])
     })
 }
 
@@ -387,7 +343,7 @@ pub unsafe extern "C" fn gp_kvstore_push(store: *mut gp_kvstore_t, key: gp_key_t
     guard(|| {
         let kv = self::store(store)?;
         let inputs = arrays_in(values, num, &[])?;
-        kv.store().push(&key_of(key)?, &inputs.views())
+        kv.0.push(&key_of(key)?, &inputs.views())
     })
 }
 
@@ -400,7 +356,7 @@ pub unsafe extern "C" fn gp_kvstore_pull(store: *mut gp_kvstore_t, key: gp_key_t
     guard(|| {
         let kv = self::store(store)?;
         let mut outputs = Outputs::new(outs, num)?;
-        kv.store().pull(&key_of(key)?, &mut outputs.slices())
+        kv.0.pull(&key_of(key)?, &mut outputs.slices())
     })
 }
 
@@ -421,7 +377,7 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
         let kv = self::store(store)?;
         let mut outputs = Outputs::new(outs, num_outs)?;
         let inputs = arrays_in(values, num_values, &outputs.raws())?;
-        kv.store().pushpull(&key_of(key)?, &inputs.views(), &mut outputs.slices())
+        kv.0.pushpull(&key_of(key)?, &inputs.views(), &mut outputs.slices())
     })
 }
 
@@ -435,7 +391,7 @@ pub unsafe extern "C" fn gp_kvstore_broadcast(store: *mut gp_kvstore_t, key: gp_
         let kv = self::store(store)?;
         let mut outputs = Outputs::new(outs, num_outs)?;
         let inputs = arrays_in(&value, 1, &outputs.raws())?;
-        kv.store().broadcast(&key_of(key)?, inputs.views()[0], &mut outputs.slices())
+        kv.0.broadcast(&key_of(key)?, inputs.views()[0], &mut outputs.slices())
     })
 }
 
@@ -448,10 +404,7 @@ pub unsafe extern "C" fn gp_kvstore_set_compress(store: *mut gp_kvstore_t, keys:
     guard(|| {
         let pairs = params(keys, vals, num)?;
         let compression = Compression::from_params(pairs.iter().copied())?;
-        match self::store(store)? {
-            gp_kvstore_t::Local(s) => s.set_compress(compression),
-            gp_kvstore_t::Dist(w) => w.set_compress(compression, &owned(&pairs)),
-        }
+        self::store(store)?.0.set_compress(compression, &owned(&pairs))
     })
 }
 
@@ -465,13 +418,7 @@ pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name
     guard(|| {
         let name = cstr(name, "optimizer")?;
         let pairs = params(keys, vals, num)?;
-        match self::store(store)? {
-            gp_kvstore_t::Local(s) => {
-                s.set_optimizer(Optimizer::from_params(name, pairs.iter().copied())?);
-                Ok(())
-            }
-            gp_kvstore_t::Dist(w) => w.set_optimizer(name, &owned(&pairs)),
-        }
+        self::store(store)?.0.set_optimizer(name, &owned(&pairs))
     })
 }
 
@@ -483,7 +430,7 @@ pub unsafe extern "C" fn gp_kvstore_set_optimizer(store: *mut gp_kvstore_t, name
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_key_t, learning_rate: f64, wd: f64) -> c_int {
     guard(|| {
-        self::store(store)?.local("per-key rates")?.set_rates(&key_of(key)?, learning_rate, wd)
+        self::store(store)?.0.set_rates(&key_of(key)?, learning_rate, wd)
     })
 }
 
@@ -494,7 +441,7 @@ pub unsafe extern "C" fn gp_kvstore_set_rates(store: *mut gp_kvstore_t, key: gp_
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_grad_scaling(store: *mut gp_kvstore_t, rescale_grad: f32, clip_gradient: f32) -> c_int {
     guard(|| {
-        self::store(store)?.local("gradient scaling")?.set_grad_scaling(rescale_grad, clip_gradient)
+        self::store(store)?.0.set_grad_scaling(rescale_grad, clip_gradient)
     })
 }
 
@@ -516,7 +463,7 @@ unsafe impl Sync for CallbackUpdater {}
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_updater_fn, user: *mut c_void) -> c_int {
     guard(|| {
-        let kv = self::store(store)?.local("set_updater")?;
+        let kv = &self::store(store)?.0;
         let f = f.ok_or(Error::NullPointer { what: "updater" })?;
         let cb = CallbackUpdater { f, user };
         kv.set_updater(Updater::Custom(Box::new(move |key, merged, stored| {
@@ -536,8 +483,7 @@ pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_
             } else {
                 Err(Error::Updater { key: key.to_string(), message: format!("callback returned {status}") })
             }
-        })));
-        Ok(())
+        })))
     })
 }
 
@@ -550,7 +496,7 @@ pub unsafe extern "C" fn gp_kvstore_set_updater(store: *mut gp_kvstore_t, f: gp_
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_save_optimizer_states(store: *mut gp_kvstore_t, data: *mut *mut u8, len: *mut u64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?.local("saving optimizer states")?;
+        let kv = &self::store(store)?.0;
         if data.is_null() || len.is_null() {
             return Err(Error::NullPointer { what: "data/len" });
         }
@@ -575,11 +521,7 @@ pub unsafe extern "C" fn gp_kvstore_save_compression_states(store: *mut gp_kvsto
         if data.is_null() || len.is_null() {
             return Err(Error::NullPointer { what: "data/len" });
         }
-        let blob = match kv {
-            gp_kvstore_t::Local(s) => s.save_compression_states()?,
-            gp_kvstore_t::Dist(w) => w.save_compression_states()?,
-        }
-        .into_boxed_slice();
+        let blob = kv.0.save_compression_states()?.into_boxed_slice();
         *len = blob.len() as u64;
         *data = Box::into_raw(blob).cast::<u8>();
         Ok(())
@@ -597,10 +539,7 @@ pub unsafe extern "C" fn gp_kvstore_load_compression_states(store: *mut gp_kvsto
     guard(|| {
         let kv = self::store(store)?;
         Raw::new("data", data, len)?;
-        match kv {
-            gp_kvstore_t::Local(s) => s.load_compression_states(slice(data, len)),
-            gp_kvstore_t::Dist(w) => w.load_compression_states(slice(data, len)),
-        }
+        kv.0.load_compression_states(slice(data, len))
     })
 }
 
@@ -624,7 +563,7 @@ pub unsafe extern "C" fn gp_buffer_free(data: *mut u8, len: u64) {
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_load_optimizer_states(store: *mut gp_kvstore_t, data: *const u8, len: u64) -> c_int {
     guard(|| {
-        let kv = self::store(store)?.local("loading optimizer states")?;
+        let kv = &self::store(store)?.0;
         Raw::new("data", data, len)?;
         kv.load_optimizer_states(slice(data, len))
     })
@@ -642,10 +581,7 @@ pub unsafe extern "C" fn gp_kvstore_stats(store: *const gp_kvstore_t, a: *mut u6
         if a.is_null() || b.is_null() {
             return Err(Error::NullPointer { what: "stats outputs" });
         }
-        let (x, y) = match self::store(store)? {
-            gp_kvstore_t::Local(s) => (s.stats().raw_bytes, s.stats().wire_bytes),
-            gp_kvstore_t::Dist(w) => w.stats(),
-        };
+        let (x, y) = self::store(store)?.0.stats();
         *a = x;
         *b = y;
         Ok(())

@@ -1,5 +1,6 @@
-//! The one place that decides how chunks spread over threads. Kernels process
-//! one chunk each and know nothing of threads.
+//! How the codec's chunks spread over threads: `par`'s pieces, with the
+//! kernels' errors, the first non-finite element, and streaming stores.
+//! Kernels process one chunk each and know nothing of threads.
 
 use rayon::prelude::*;
 
@@ -8,9 +9,10 @@ use super::platform::Platform;
 use super::Thresholds;
 use crate::error::Result;
 
-/// Elements per parallel task: a multiple of 16 so chunks never split a block,
-/// large enough (768 KiB of traffic for quantize) to amortise a task.
-pub const CHUNK: usize = 1 << 16;
+/// Elements per parallel task: `par`'s pieces, a multiple of 16 so chunks
+/// never split a block, large enough (768 KiB of traffic for quantize) to
+/// amortise a task.
+pub use crate::par::CHUNK;
 const CHUNK_BLOCKS: usize = CHUNK / 16;
 
 /// Residuals of at least this many elements (16 MiB) are written with

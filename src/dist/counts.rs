@@ -7,16 +7,15 @@
 //! sends (p, q) in `bits` bits each instead of 32-bit floats, and the worker
 //! rebuilds the same float32 values bit for bit: pulls stay lossless.
 //!
-//! Payload: `pos` (f32), `neg` (f32), `bits` (u32), then the packed counts,
-//! element i at bit offset `2·bits·i` (p first), little-endian 64-bit words.
-
-use rayon::prelude::*;
+//! Payload: `pos` (f32), `neg` (f32), `bits` (u32), then the counts in
+//! `lanes` of `2·bits` bits, one element's pair per lane (p in the low
+//! `bits`), little-endian 64-bit words: the one packed form of the crate.
 
 use crate::codec::{self, Thresholds};
+use crate::par;
+use crate::quant::lanes;
 use crate::error::{Error, Result};
 
-/// Elements per parallel task; a multiple of 64 so tasks own whole words.
-const CHUNK: usize = 1 << 16;
 
 /// The float32 value of `p` positive and `q` negative codes.
 #[inline(always)]
@@ -43,24 +42,14 @@ pub fn add_codes(compr: &[f32], pos: &mut [u8], neg: &mut [u8], first: bool) {
             }
         }
     };
-    if pos.len() > CHUNK {
-        pos.par_chunks_mut(CHUNK)
-            .zip(neg.par_chunks_mut(CHUNK))
-            .zip(blocks.par_chunks(CHUNK / 16))
-            .for_each(|((p, q), b)| work(b, p, q));
-    } else {
-        work(blocks, pos, neg);
-    }
+    // Pieces start at multiples of 16: whole blocks.
+    par::chunks2(pos, neg, |start, p, q| work(&blocks[start / 16..], p, q));
 }
 
 /// Writes `value[i] = p[i]·pos + q[i]·neg`.
 pub fn values(pos: &[u8], neg: &[u8], th: Thresholds, value: &mut [f32]) {
     let work = |p: &[u8], q: &[u8], v: &mut [f32]| v.iter_mut().zip(p.iter().zip(q)).for_each(|(v, (&p, &q))| *v = value_of(p, q, th));
-    if value.len() > CHUNK {
-        value.par_chunks_mut(CHUNK).zip(pos.par_chunks(CHUNK).zip(neg.par_chunks(CHUNK))).for_each(|(v, (p, q))| work(p, q, v));
-    } else {
-        work(pos, neg, value);
-    }
+    par::chunks(value, |start, v| work(&pos[start..start + v.len()], &neg[start..start + v.len()], v));
 }
 
 /// Bits per count for up to `max` workers.
@@ -70,41 +59,17 @@ pub fn bits_for(max: usize) -> u32 {
 
 const HEADER: usize = 12;
 
-/// Packs the counts (each at most `2^bits - 1`) into a pull payload.
+/// Packs the counts (each at most `2^bits - 1`) into a pull payload: each
+/// element's pair in one lane of `2 * bits` bits (`lanes`).
 pub fn encode(pos: &[u8], neg: &[u8], th: Thresholds, bits: u32) -> Vec<u8> {
     let n = pos.len();
-    let width = 2 * bits as usize;
-    let per_word = 64 / width; // whole elements per 64-bit word
-    let words_needed = n.div_ceil(per_word);
-    let mut packed = vec![0u64; words_needed];
-    let fill = |w0: usize, out: &mut [u64]| {
-        for (k, word) in out.iter_mut().enumerate() {
-            let mut acc = 0u64;
-            let base = (w0 + k) * per_word;
-            for j in 0..per_word {
-                let e = base + j;
-                if e >= n {
-                    break;
-                }
-                let pair = (pos[e] as u64) | ((neg[e] as u64) << bits);
-                acc |= pair << (j * width);
-            }
-            *word = acc;
-        }
-    };
-    let words_per_task = CHUNK / per_word.max(1);
-    if words_needed > words_per_task {
-        packed.par_chunks_mut(words_per_task).enumerate().for_each(|(c, out)| fill(c * words_per_task, out));
-    } else {
-        fill(0, &mut packed);
-    }
-    let mut out = Vec::with_capacity(HEADER + 8 * packed.len());
+    let width = 2 * bits;
+    let mut out = Vec::with_capacity(HEADER + 8 * lanes::words_for(n, width));
     out.extend(th.pos().to_bits().to_le_bytes());
     out.extend(th.neg().to_bits().to_le_bytes());
     out.extend(bits.to_le_bytes());
-    for w in packed {
-        out.extend(w.to_le_bytes());
-    }
+    out.resize(HEADER + 8 * lanes::words_for(n, width), 0);
+    lanes::pack_into_bytes(n, width, |i| pos[i] as u64 | (neg[i] as u64) << bits, &mut out[HEADER..]);
     out
 }
 
@@ -120,8 +85,8 @@ pub fn validate(payload: &[u8], n: usize) -> Result<(Thresholds, u32)> {
     if !(1..=8).contains(&bits) {
         return Err(bad(format!("{bits} bits per count")));
     }
-    let words = n.div_ceil(64 / (2 * bits as usize));
-    if payload.len() - HEADER != 8 * words {
+    let words = lanes::words_for(n, 2 * bits);
+    if (payload.len() - HEADER) as u128 != 8 * words as u128 {
         return Err(bad(format!("{} bytes of counts for {n} elements", payload.len() - HEADER)));
     }
     Ok((th, bits))
@@ -131,29 +96,8 @@ pub fn validate(payload: &[u8], n: usize) -> Result<(Thresholds, u32)> {
 /// Checks the header and length before writing anything.
 pub fn decode(payload: &[u8], value: &mut [f32]) -> Result<()> {
     let (th, bits) = validate(payload, value.len())?;
-    let width = 2 * bits as usize;
-    let per_word = 64 / width;
-    let body = &payload[HEADER..];
     let mask = (1u64 << bits) - 1;
-    let work = |body: &[u8], out: &mut [f32]| {
-        for (bytes, out) in body.chunks_exact(8).zip(out.chunks_mut(per_word)) {
-            let w = u64::from_le_bytes(bytes.try_into().unwrap());
-            for (j, v) in out.iter_mut().enumerate() {
-                let pair = w >> (j * width);
-                *v = value_of((pair & mask) as u8, ((pair >> bits) & mask) as u8, th);
-            }
-        }
-    };
-    let words_per_task = CHUNK / per_word.max(1);
-    if value.len() > words_per_task * per_word {
-        value
-            .par_chunks_mut(words_per_task * per_word)
-            .zip(body.par_chunks(8 * words_per_task))
-            .for_each(|(out, b)| work(b, out));
-    } else {
-        work(body, value);
-    }
-    Ok(())
+    lanes::unpack_bytes_into(&payload[HEADER..], 2 * bits, value, |pair| value_of((pair & mask) as u8, ((pair >> bits) & mask) as u8, th))
 }
 
 #[cfg(test)]
@@ -163,7 +107,7 @@ mod tests {
     #[test]
     fn counts_round_trip_bit_for_bit() {
         let th = Thresholds::new(-0.3, 0.7).unwrap();
-        for (n, workers) in [(1usize, 1usize), (17, 2), (1000, 3), (CHUNK * 3 + 5, 2), (100_003, 15)] {
+        for (n, workers) in [(1usize, 1usize), (17, 2), (1000, 3), (par::CHUNK * 3 + 5, 2), (100_003, 15)] {
             let pos: Vec<u8> = (0..n).map(|i| ((i * 7) % (workers + 1)) as u8).collect();
             let neg: Vec<u8> = (0..n).map(|i| ((i * 3) % (workers + 1 - pos[i] as usize)) as u8).collect();
             let mut want = vec![0f32; n];

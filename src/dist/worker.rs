@@ -581,6 +581,35 @@ impl DistWorker {
 }
 
 impl Store for DistWorker {
+    fn type_name(&self) -> &'static str {
+        // Every worker was started from a name of the table.
+        crate::kvstore::store_type(&self.type_name).and_then(|(c, _)| c.to_str().ok()).unwrap_or("dist")
+    }
+    fn rank(&self) -> usize {
+        DistWorker::rank(self)
+    }
+    fn num_workers(&self) -> usize {
+        DistWorker::num_workers(self)
+    }
+    fn barrier(&self) -> Result<()> {
+        DistWorker::barrier(self)
+    }
+    fn stats(&self) -> (u64, u64) {
+        DistWorker::stats(self)
+    }
+    fn dropped(&self) -> u64 {
+        DistWorker::dropped(self)
+    }
+    fn close(&self) -> Result<()> {
+        DistWorker::close(self);
+        Ok(())
+    }
+    fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
+        DistWorker::set_compress(self, compression, params)
+    }
+    fn set_optimizer(&self, name: &str, params: &[(String, String)]) -> Result<()> {
+        DistWorker::set_optimizer(self, name, params)
+    }
     fn init(&self, key: &Key, value: Array) -> Result<()> {
         DistWorker::init(self, key, value)
     }
@@ -592,6 +621,12 @@ impl Store for DistWorker {
     }
     fn shape(&self, key: &Key) -> Result<Vec<usize>> {
         DistWorker::shape(self, key)
+    }
+    fn save_compression_states(&self) -> Result<Vec<u8>> {
+        DistWorker::save_compression_states(self)
+    }
+    fn load_compression_states(&self, blob: &[u8]) -> Result<()> {
+        DistWorker::load_compression_states(self, blob)
     }
 }
 

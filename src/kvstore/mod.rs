@@ -12,17 +12,19 @@
 //! running finish with the setting they started with.
 
 pub(crate) mod checkpoint;
+mod store;
+
+pub use store::Store;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use rayon::prelude::*;
-
 pub use crate::key::Key;
 
 pub use crate::codec::Grad;
-use crate::codec::{self, CHUNK};
+use crate::codec;
+use crate::par;
 use crate::allreduce::{self, World};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
@@ -285,33 +287,34 @@ pub(crate) fn check_outputs(key: &Key, what: &str, outs: &[ArrayMut], shape: &[u
     Ok(())
 }
 
-/// What every store shares: its calls that combine others are written once
-/// here, and check every output before the push or init changes anything
-/// (validate, then mutate). The local/device, parameter-server and MPI
-/// stores implement it.
-pub trait Store {
-    fn init(&self, key: &Key, value: Array) -> Result<()>;
-    fn push(&self, key: &Key, values: &[Array]) -> Result<()>;
-    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()>;
-    /// The shape `key` was initialised with.
-    fn shape(&self, key: &Key) -> Result<Vec<usize>>;
-
-    /// push, then pull into `outs`; outputs of the wrong shape fail before the push.
-    fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
-        check_outputs(key, "pushpull", outs, &self.shape(key)?)?;
-        self.push(key, values)?;
-        self.pull(key, outs)
-    }
-
-    /// init, then pull into `outs`; outputs of the wrong shape fail before the init.
-    fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
-        check_outputs(key, "broadcast", outs, value.shape)?;
-        self.init(key, value)?;
-        self.pull(key, outs)
-    }
-}
-
 impl Store for KVStore {
+    fn type_name(&self) -> &'static str {
+        self.kind.name()
+    }
+    fn rank(&self) -> usize {
+        KVStore::rank(self)
+    }
+    fn num_workers(&self) -> usize {
+        KVStore::num_workers(self)
+    }
+    fn barrier(&self) -> Result<()> {
+        KVStore::barrier(self);
+        Ok(())
+    }
+    fn stats(&self) -> (u64, u64) {
+        let s = KVStore::stats(self);
+        (s.raw_bytes, s.wire_bytes)
+    }
+    fn close(&self) -> Result<()> {
+        KVStore::close(self)
+    }
+    fn set_compress(&self, compression: Compression, _params: &[(String, String)]) -> Result<()> {
+        KVStore::set_compress(self, compression)
+    }
+    fn set_optimizer(&self, name: &str, params: &[(String, String)]) -> Result<()> {
+        KVStore::set_optimizer(self, Optimizer::from_params(name, params.iter().map(|(k, v)| (k.as_str(), v.as_str())))?);
+        Ok(())
+    }
     fn init(&self, key: &Key, value: Array) -> Result<()> {
         KVStore::init(self, key, value)
     }
@@ -323,6 +326,31 @@ impl Store for KVStore {
     }
     fn shape(&self, key: &Key) -> Result<Vec<usize>> {
         KVStore::shape(self, key)
+    }
+    fn save_compression_states(&self) -> Result<Vec<u8>> {
+        KVStore::save_compression_states(self)
+    }
+    fn load_compression_states(&self, blob: &[u8]) -> Result<()> {
+        KVStore::load_compression_states(self, blob)
+    }
+    fn set_rates(&self, key: &Key, learning_rate: f64, wd: f64) -> Result<()> {
+        KVStore::set_rates(self, key, learning_rate, wd)
+    }
+    fn set_grad_scaling(&self, rescale_grad: f32, clip_gradient: f32) -> Result<()> {
+        KVStore::set_grad_scaling(self, rescale_grad, clip_gradient)
+    }
+    fn set_updater(&self, updater: Updater) -> Result<()> {
+        KVStore::set_updater(self, updater);
+        Ok(())
+    }
+    fn save_optimizer_states(&self) -> Result<Vec<u8>> {
+        KVStore::save_optimizer_states(self)
+    }
+    fn load_optimizer_states(&self, blob: &[u8]) -> Result<()> {
+        KVStore::load_optimizer_states(self, blob)
+    }
+    fn residual(&self, key: &Key, device: usize) -> Result<Vec<f32>> {
+        KVStore::residual(self, key, device)
     }
 }
 
@@ -352,11 +380,7 @@ fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<(
 
 /// `dst = src`, in parallel chunks for large arrays.
 fn copy_into(dst: &mut [f32], src: &[f32]) {
-    if dst.len() > CHUNK {
-        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
-    } else {
-        dst.copy_from_slice(src);
-    }
+    par::chunks(dst, |start, d| d.copy_from_slice(&src[start..start + d.len()]));
 }
 
 /// `dst = grads[0] + grads[1] + ...` in float32 (half-precision gradients
@@ -376,11 +400,7 @@ pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad], half: bool) {
             }
         }
     };
-    if dst.len() > CHUNK {
-        dst.par_chunks_mut(CHUNK).enumerate().for_each(|(i, d)| chunk(i * CHUNK, d));
-    } else {
-        chunk(0, dst);
-    }
+    par::chunks(dst, chunk);
 }
 
 impl KVStore {

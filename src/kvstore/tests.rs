@@ -255,7 +255,7 @@ fn pushes_of_different_keys_run_concurrently() {
 
 #[test]
 fn large_keys_reduce_exactly() {
-    let n = 3 * CHUNK + 7;
+    let n = 3 * crate::par::CHUNK + 7;
     let shape = [n];
     let kv = KVStore::new("device").unwrap();
     let k = Key::Int(0);

@@ -11,7 +11,7 @@
 //! calls in the same order with the same lengths; results are identical on
 //! every member.
 
-use rayon::prelude::*;
+use crate::par;
 
 use super::lanes;
 use crate::error::{Error, Result};
@@ -19,14 +19,11 @@ use crate::error::{Error, Result};
 #[cfg(test)]
 pub(crate) mod threads;
 
-const CHUNK: usize = 1 << 16;
-
 fn zip_chunks<A: Send, B: Sync>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, &B) + Sync) {
-    if acc.len() > CHUNK {
-        acc.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| f(a, b)));
-    } else {
-        acc.iter_mut().zip(x).for_each(|(a, b)| f(a, b));
-    }
+    par::chunks(acc, |start, a| {
+        let b = &x[start..start + a.len()];
+        a.iter_mut().zip(b).for_each(|(a, b)| f(a, b))
+    });
 }
 
 fn check(what: &'static str, acc: usize, x: usize) -> Result<()> {
@@ -64,19 +61,26 @@ pub fn min_into(acc: &mut [u8], x: &[u8]) -> Result<()> {
 /// are subtracted again.
 pub fn add_codes(acc: &mut [i32], x: &[i32]) -> Result<()> {
     check("code accumulator", acc.len(), x.len())?;
-    let add = |a: &mut [i32], b: &[i32]| {
-        let fits = a.iter().zip(b).all(|(a, b)| a.checked_add(*b).is_some());
-        if fits {
+    // The starts of the pieces that did not fit (and were left alone).
+    let refused = std::sync::Mutex::new(Vec::new());
+    par::chunks(acc, |start, a| {
+        let b = &x[start..start + a.len()];
+        if a.iter().zip(b).all(|(a, b)| a.checked_add(*b).is_some()) {
             a.iter_mut().zip(b).for_each(|(a, b)| *a += *b);
+        } else {
+            refused.lock().unwrap().push(start);
         }
-        fits
-    };
-    let added: Vec<bool> = if acc.len() > CHUNK { acc.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).map(|(a, b)| add(a, b)).collect() } else { vec![add(acc, x)] };
-    if added.iter().all(|&ok| ok) {
+    });
+    let refused = refused.into_inner().unwrap();
+    if refused.is_empty() {
         return Ok(());
     }
-    let undo = |(a, b): (&mut [i32], &[i32])| a.iter_mut().zip(b).for_each(|(a, b)| *a -= *b);
-    acc.chunks_mut(CHUNK).zip(x.chunks(CHUNK)).zip(added).filter(|(_, ok)| *ok).for_each(|(pair, _)| undo(pair));
+    par::chunks(acc, |start, a| {
+        if !refused.contains(&start) {
+            let b = &x[start..start + a.len()];
+            a.iter_mut().zip(b).for_each(|(a, b)| *a -= *b);
+        }
+    });
     Err(Error::InvalidParam { key: "workers".into(), problem: "too many workers for the code accumulator".into() })
 }
 
@@ -184,7 +188,7 @@ mod tests {
         let err = add_codes(&mut full, &[1, 1]).unwrap_err().to_string();
         assert!(err.contains("too many workers") && full == [1, i32::MAX], "{err}"); // nothing added
         // An overflow in a late chunk takes back the chunks already added.
-        let n = 4 * CHUNK;
+        let n = 4 * par::CHUNK;
         let mut acc: Vec<i32> = (0..n as i32).collect();
         let mut x = vec![-3i32; n];
         acc[n - 1] = i32::MIN + 1;
@@ -193,7 +197,7 @@ mod tests {
         assert!(add_codes(&mut acc, &x).is_err());
         assert_eq!(acc, before);
         // Large inputs take the parallel path with the same results.
-        let n = 3 * CHUNK + 5;
+        let n = 3 * par::CHUNK + 5;
         let mut big: Vec<i32> = (0..n as i32).collect();
         add_codes(&mut big, &vec![1; n]).unwrap();
         assert!(big.iter().enumerate().all(|(i, &v)| v == i as i32 + 1));

@@ -7,15 +7,10 @@ use crate::error::{Error, Result};
 /// Quantizes one worker's gradient into bits (0 or 1, decoding to -1 or +1),
 /// updating its residual. Lengths are the caller's to check.
 pub fn quantize(grad: &[f32], residual: &mut [f32], threshold: f32, bits: &mut [i32]) {
-    const CHUNK: usize = 1 << 16;
-    if grad.len() > CHUNK {
-        use rayon::prelude::*;
-        grad.par_chunks(CHUNK)
-            .zip(residual.par_chunks_mut(CHUNK))
-            .zip(bits.par_chunks_mut(CHUNK))
-            .for_each(|((g, r), b)| quantize(g, r, threshold, b));
-        return;
-    }
+    crate::par::chunks2(residual, bits, |start, r, b| quantize_piece(&grad[start..start + r.len()], r, threshold, b));
+}
+
+fn quantize_piece(grad: &[f32], residual: &mut [f32], threshold: f32, bits: &mut [i32]) {
     for ((g, r), b) in grad.iter().zip(residual.iter_mut()).zip(bits.iter_mut()) {
         let x = *r + *g;
         if x > threshold {

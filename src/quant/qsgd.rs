@@ -10,7 +10,7 @@
 //! generator keyed by the caller's seed, so a worker's codes are reproducible
 //! and different workers (different seeds) round independently.
 
-use rayon::prelude::*;
+use crate::par;
 
 use crate::error::{Error, Result};
 use crate::hash;
@@ -81,27 +81,15 @@ fn factor(s: u32, scale: f32) -> f32 {
     }
 }
 
-/// Elements per parallel task (noise is indexed by the global element, so
-/// results do not depend on the split).
-const CHUNK: usize = 1 << 16;
-
 /// `max |x|`, or `None` when an element is not finite (f32::max would skip NaN).
 pub fn max_abs(x: &[f32]) -> Option<f32> {
-    let part = |c: &[f32]| c.iter().try_fold(0f32, |m, v| v.is_finite().then(|| m.max(v.abs())));
-    if x.len() > CHUNK {
-        x.par_chunks(CHUNK).map(part).reduce(|| Some(0.0), |a, b| Some(a?.max(b?)))
-    } else {
-        part(x)
-    }
+    par::map_reduce(x, |_, c| c.iter().try_fold(0f32, |m, v| v.is_finite().then(|| m.max(v.abs()))), |a, b| Some(a?.max(b?)))
 }
 
-/// Runs `work(offset, range of a, range of b)` over aligned chunks, in parallel when large.
+/// Runs `work(offset, piece of a, piece of b)` over aligned pieces (`par`;
+/// noise is indexed by the global element, so results do not depend on the split).
 fn chunked<A: Sync, B: Send>(a: &[A], b: &mut [B], work: impl Fn(usize, &[A], &mut [B]) + Sync) {
-    if a.len() > CHUNK {
-        a.par_chunks(CHUNK).zip(b.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (a, b))| work(i * CHUNK, a, b));
-    } else {
-        work(0, a, b);
-    }
+    par::chunks(b, |start, b| work(start, &a[start..start + b.len()], b));
 }
 
 /// `ceil(x)` for `0 <= x < 2^31` by truncation (ceilf is a call without SSE4.1).

@@ -120,7 +120,13 @@ static void test_updater_and_optimizer() {
 }
 
 static void test_errors() {
+  // Every store type opens through one table: a parameter-server worker
+  // outside a job says which variable it lacks; an unknown name lists them.
+  CHECK(error_of([] { KVStore w("dist_sync"); }).find("DMLC_") != std::string::npos);
+  CHECK(error_of([] { KVStore w("nccl"); }).find("dist_sync") != std::string::npos);
   KVStore kv("device");
+  CHECK(kv.rank() == 0 && kv.num_workers() == 1 && kv.type() == "device");
+  kv.Barrier();
   Buf x(1);
   std::string err = error_of([&] { kv.Push(5, {x.t()}); });
   CHECK(err == "key 5: not initialized (call init first)");
