@@ -124,9 +124,10 @@ pub fn check_state(c: &Compression, shape: &[usize], state: &State) -> std::resu
 }
 
 /// Checks what `encode` will be given, before anything changes: one state
-/// per gradient, equal lengths, and (every scheme but 2-bit, whose codec
-/// checks residual + gradient) finite values, so that no NaN or inf enters
-/// a residual or a shared scale. The error names the member and element.
+/// per gradient, equal lengths, QSGD's worker bound, and finite values for
+/// the schemes with a residual (1bit, PowerSGD; 2-bit's codec checks
+/// residual + gradient itself), so that no NaN or inf enters a residual.
+/// The error names the member and element.
 pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: usize) -> Result<()> {
     let n = grads.first().map_or(0, |g| g.len());
     if grads.is_empty() || states != grads.len() || grads.iter().any(|g| g.len() != n) {
@@ -137,7 +138,9 @@ pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: us
             return Err(bad("bits", format!("{workers} workers could overflow the code sum at {} bits", q.bits()[0])));
         }
     }
-    if matches!(c, Compression::None | Compression::TwoBit(_)) {
+    // QSGD changes no state before its shared scale, which is not finite
+    // when any member's value is not (`encode_qsgd` names it): no scan here.
+    if matches!(c, Compression::None | Compression::TwoBit(_) | Compression::Qsgd(_)) {
         return Ok(());
     }
     for (m, g) in grads.iter().enumerate() {
@@ -282,7 +285,14 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     // A non-finite gradient anywhere poisons the shared scale, so every
     // worker fails this push together instead of waiting on the others.
     let mut scale = [xs.iter().map(|x| qsgd::max_abs(x).unwrap_or(f32::INFINITY)).fold(0f32, f32::max)];
+    let mine_finite = scale[0].is_finite();
     coll.max_f32(&mut scale)?;
+    if !mine_finite {
+        // A member here: say which value and element (of the whole gradient).
+        let (m, j) = xs.iter().enumerate().find_map(|(m, x)| x.iter().position(|v| !v.is_finite()).map(|j| (m, j))).unwrap_or((0, 0));
+        let i = idx.as_ref().map_or(j, |idx| idx[j]);
+        return Err(Error::Store(format!("pushed value {m} holds {} at element {i}, a non-finite value; nothing was applied", grads[m][i])));
+    }
     if !scale[0].is_finite() {
         return Err(bad("gradient", "a worker pushed a non-finite value (inf or NaN); nothing was applied".into()));
     }
