@@ -19,7 +19,7 @@ use gradpack::dist::protocol::Flag;
 use gradpack::dist::server::Server;
 use gradpack::dist::{serve, Config, DistWorker, Role};
 use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
-use gradpack::quant::scheme::{from_wire, to_wire, value_from_wire, value_to_wire, Part};
+use gradpack::quant::scheme::{from_wire, to_wire, value_from_wire, value_to_wire, LaneSum, Part};
 
 /// Counts, per thread, the bytes allocated and not freed and their peak since
 /// the last `reset_peak` (tests run on several threads at once; each checks
@@ -170,6 +170,10 @@ fn decode_everything(header: &[u8], payload: &[u8]) {
     let _ = value_from_wire(payload);
     let _ = f32_view(payload);
     let _ = counts::validate(payload, 40);
+    if let Ok(mut sum) = LaneSum::first(payload, 2) {
+        let _ = sum.add(payload);
+        let _ = sum.into_part();
+    }
     if let Ok(th) = codec::check_compressed(&f32_view(payload).map(|c| c.into_owned()).unwrap_or_default(), 40) {
         let _ = th;
     }

@@ -25,7 +25,7 @@ struct SchemeRound {
     /// This round's completed reductions, in order.
     exchanged: Vec<Part>,
     /// The reduction being gathered: its op and partial result.
-    acc: Option<(Exchange, Part)>,
+    acc: Option<(Exchange, Gathered)>,
     /// Workers that contributed to it: (node id, request id).
     waiting: Vec<(i32, u64)>,
     /// A worker's part failed on the worker (`Flag::Abort`): the round fails
@@ -34,6 +34,13 @@ struct SchemeRound {
     /// Some worker contributed to a round of this key. Until then the first
     /// push sets `step`: workers resumed from a checkpoint go on from theirs.
     started: bool,
+}
+
+/// A reduction being gathered: parts reduced as they come, or final codes
+/// summed in the packed lanes they arrive in (`scheme::LaneSum`).
+enum Gathered {
+    Part(Part),
+    Lanes(scheme::LaneSum),
 }
 
 /// `acc = op(acc, part)` elementwise; both from workers of one round.
@@ -462,7 +469,13 @@ impl Server {
             None if abort => Exchange::Sum, // an abort carries no part to reduce
             None => return Err(Error::Transport(format!("malformed message: unknown exchange '{}'", name.escape_debug()))),
         };
-        let part = if abort { None } else { Some(scheme::from_wire(&msg.data)?) };
+        // Final codes are summed in packed lanes as they come (`LaneSum`);
+        // everything else is parsed (and checked) whole.
+        let part = match (abort, is_final && scheme::is_codes_wire(&msg.data)) {
+            (true, _) => None,
+            (false, true) => Some(Err(&msg.data[..])),
+            (false, false) => Some(Ok(scheme::from_wire(&msg.data)?)),
+        };
         let cause: String = get("cause").unwrap_or("").chars().take(1000).collect();
         let num_workers = self.num_workers;
         let slot = self.slots.get_mut(&key).unwrap();
@@ -491,8 +504,11 @@ impl Server {
             (_, None) => {
                 round.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
             }
-            (None, Some(part)) => round.acc = Some((op, part)),
-            (Some((o, acc)), Some(part)) if *o == op => combine(op, acc, part)?,
+            (None, Some(Ok(part))) => round.acc = Some((op, Gathered::Part(part))),
+            (None, Some(Err(lanes))) => round.acc = Some((op, Gathered::Lanes(scheme::LaneSum::first(lanes, num_workers)?))),
+            (Some((o, Gathered::Part(acc))), Some(Ok(part))) if *o == op => combine(op, acc, part)?,
+            (Some((o, Gathered::Lanes(sum))), Some(Err(lanes))) if *o == op => sum.add(lanes)?,
+            (Some((o, _)), Some(_)) if *o == op => return Err(Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()))),
             (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' while the workers' '{}' is being gathered", op.name(), o.name()) }),
         }
         round.waiting.push((meta.sender, meta.request_id));
@@ -505,7 +521,11 @@ impl Server {
             let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
             return Ok(answer_all(&meta, self.my_id, waiting, Err(Error::JobFailed(why))));
         }
-        let (_, reduced) = round.acc.take().unwrap();
+        let reduced = match round.acc.take() {
+            Some((_, Gathered::Part(p))) => p,
+            Some((_, Gathered::Lanes(sum))) => sum.into_part()?,
+            None => return Err(Error::Internal("a completed round without a reduction".into())),
+        };
         let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
         let (result, payload) = if !is_final {
             let reply = scheme::sum_to_wire(&reduced, num_workers);

@@ -103,6 +103,67 @@ pub fn unpack_bytes_into<T: Send>(bytes: &[u8], width: u32, out: &mut [T], f: im
     unpack_core(bytes.len() / 8, |i| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().unwrap()), width, out, f)
 }
 
+/// Adds `n` values sent in lanes of `from` bits (`src`, the wire's bytes)
+/// to `acc`, whose lanes are `width` bits wide (wide enough for the sum):
+/// each value is moved into its wide lane, so the sum stays packed and the
+/// wire keeps the narrow lanes. Every value must be at most `max`; the
+/// caller bounds the number of sums. On an error `acc` is as it was (each
+/// piece is checked whole before it is added).
+pub fn add_widened(acc: &mut [u64], width: u32, src: &[u8], from: u32, n: usize, max: u64) -> Result<()> {
+    if !(1..=64).contains(&from) || !(from..=64).contains(&width) {
+        return Err(Error::Internal(format!("cannot widen {from}-bit lanes to {width} bits")));
+    }
+    let (words, narrow) = (words_for(n, width), words_for(n, from));
+    if acc.len() != words || src.len() as u128 != 8 * narrow as u128 {
+        return Err(Error::Transport(format!("malformed message: {n} values of {from} bits need {} bytes, the frame carries {}", 8 * narrow, src.len())));
+    }
+    let (per, per_from) = ((64 / width) as usize, (64 / from) as usize);
+    let fmask = if from == 64 { u64::MAX } else { (1u64 << from) - 1 };
+    let word_at = |i: usize| u64::from_le_bytes(src[8 * i..8 * i + 8].try_into().unwrap());
+    // The wide words of `acc[start..start + len]`, or None when a value is above `max`.
+    let widen = |start: usize, len: usize| -> Option<Vec<u64>> {
+        let first = start * per;
+        let (mut f, mut lane) = (first / per_from, first % per_from);
+        let mut cur = word_at(f) >> (lane as u32 * from);
+        let mut out = Vec::with_capacity(len);
+        for i in 0..len {
+            let mut wide = 0u64;
+            for k in 0..per.min(n - (start + i) * per) {
+                let x = cur & fmask;
+                if x > max {
+                    return None;
+                }
+                wide |= x << (k as u32 * width);
+                lane += 1;
+                if lane == per_from {
+                    (f, lane) = (f + 1, 0);
+                    cur = if f < narrow { word_at(f) } else { 0 };
+                } else if from < 64 {
+                    cur >>= from;
+                }
+            }
+            out.push(wide);
+        }
+        Some(out)
+    };
+    let refused = std::sync::Mutex::new(Vec::new());
+    crate::par::chunks(acc, |start, a| match widen(start, a.len()) {
+        Some(wide) => a.iter_mut().zip(wide).for_each(|(w, x)| *w = w.wrapping_add(x)),
+        None => refused.lock().unwrap().push(start),
+    });
+    let refused = refused.into_inner().unwrap();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    crate::par::chunks(acc, |start, a| {
+        if !refused.contains(&start) {
+            let wide = widen(start, a.len()).expect("a piece that was added widens again");
+            a.iter_mut().zip(wide).for_each(|(w, x)| *w = w.wrapping_sub(x));
+        }
+    });
+    Err(Error::Transport(format!("malformed message: a packed code is above {max}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,5 +204,33 @@ mod tests {
         unpack_into(&total, width, &mut sums, |v| v as i32 - 5 * 3).unwrap();
         let direct: Vec<i32> = (0..77).map(|i| workers.iter().map(|c| c[i]).sum()).collect();
         assert_eq!(sums, direct);
+    }
+
+    #[test]
+    fn widened_sums_match_unpacked_sums_and_refuse_out_of_range_values() {
+        for (n, from, width, max) in [(1000usize, 2u32, 3u32, 2u64), (77, 1, 2, 1), (3 * crate::par::CHUNK * 21 + 5, 2, 3, 2), (500, 4, 6, 14), (64, 8, 9, 254)] {
+            let workers: Vec<Vec<u64>> = (0..2u64).map(|w| (0..n as u64).map(|i| (i * 7 + w) % (max + 1)).collect()).collect();
+            let mut acc = vec![0u64; words_for(n, width)];
+            for vals in &workers {
+                let mut b = vec![0u8; 8 * words_for(n, from)];
+                pack_into_bytes(n, from, |i| vals[i], &mut b);
+                add_widened(&mut acc, width, &b, from, n, max).unwrap();
+            }
+            let mut sums = vec![0u64; n];
+            unpack_into(&acc, width, &mut sums, |v| v).unwrap();
+            assert!(sums.iter().enumerate().all(|(i, &s)| s == workers[0][i] + workers[1][i]), "n={n} from={from}");
+            if max + 1 < 1 << from {
+                let before = acc.clone();
+                let mut bad = workers[0].clone();
+                bad[n - 1] = max + 1;
+                let mut b = vec![0u8; 8 * words_for(n, from)];
+                pack_into_bytes(n, from, |i| bad[i], &mut b);
+                assert!(add_widened(&mut acc, width, &b, from, n, max).is_err());
+                assert_eq!(acc, before, "n={n}");
+            }
+        }
+        assert!(add_widened(&mut [0u64; 2], 3, &[0u8; 16], 2, 40, 2).is_ok()); // 40 values: 2 words either way
+        assert!(add_widened(&mut [0u64; 2], 3, &[0u8; 8], 2, 40, 2).is_err());
+        assert!(add_widened(&mut [0u64; 1], 3, &[0u8; 16], 2, 40, 2).is_err());
     }
 }

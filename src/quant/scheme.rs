@@ -491,6 +491,86 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
     }
 }
 
+/// Whether `bytes` is a part of codes (kind 2): what a server sums packed (`LaneSum`).
+pub fn is_codes_wire(bytes: &[u8]) -> bool {
+    bytes.first() == Some(&2)
+}
+
+/// Workers' codes summed in packed lanes wide enough for the sum, never
+/// unpacked until the round is complete. Each worker's codes arrive in
+/// lanes just wide enough for its own range (kind 2, the fewest bytes);
+/// each value is checked against the range and moved into its wide lane
+/// (`lanes::add_widened`) before anything is added.
+#[derive(Debug)]
+pub struct LaneSum {
+    n: usize,
+    lo: i32,
+    hi: i32,
+    workers: u32,
+    /// The sum's lane width: `workers * (hi - lo)` fits.
+    width: u32,
+    /// Contributions added so far (at most `workers`).
+    count: u32,
+    words: Vec<u64>,
+}
+
+/// A codes part's header `(n, lo, hi)` and its payload.
+fn codes_header(bytes: &[u8]) -> Result<((usize, i32, i32), &[u8])> {
+    let mut r = Reader::new(bytes, |p| Error::Transport(format!("malformed message: codes: {p}")));
+    let kind = r.u8()?;
+    if kind != 2 {
+        return Err(r.error(&format!("kind {kind} is not codes")));
+    }
+    let n = r.u64()? as usize;
+    let (lo, hi) = (r.u32()? as i32, r.u32()? as i32);
+    if hi < lo {
+        return Err(r.error(&format!("code range {lo}..={hi}")));
+    }
+    let payload = r.take(r.left())?;
+    Ok(((n, lo, hi), payload))
+}
+
+impl LaneSum {
+    /// The first worker's part of a round of `workers` workers.
+    pub fn first(bytes: &[u8], workers: usize) -> Result<LaneSum> {
+        let ((n, lo, hi), payload) = codes_header(bytes)?;
+        let bad = |what: String| Error::Transport(format!("malformed message: codes: {what}"));
+        let span = (hi as i64 - lo as i64) as u64;
+        let total = span.checked_mul(workers as u64).filter(|&t| t <= i32::MAX as u64).ok_or_else(|| bad(format!("{workers} workers of codes in {lo}..={hi} overflow a sum")))?;
+        // The payload must be what n values take, before n's words are allocated.
+        if (payload.len() as u128) < 8 * lanes::words_for(n, lanes::width_for(span)) as u128 {
+            return Err(bad(format!("{n} values in {} bytes", payload.len())));
+        }
+        let width = lanes::width_for(total);
+        let mut sum = LaneSum { n, lo, hi, workers: workers as u32, width, count: 0, words: vec![0u64; lanes::words_for(n, width)] };
+        sum.add(bytes)?;
+        Ok(sum)
+    }
+
+    /// Adds another worker's part; it must match the first one's values and range.
+    pub fn add(&mut self, bytes: &[u8]) -> Result<()> {
+        let ((n, lo, hi), payload) = codes_header(bytes)?;
+        if (n, lo, hi) != (self.n, self.lo, self.hi) {
+            return Err(Error::Transport("malformed exchange: workers sent different kinds or lengths for 'final'".into()));
+        }
+        if self.count == self.workers {
+            return Err(Error::Transport(format!("malformed exchange: more than {} workers' codes", self.workers)));
+        }
+        let span = (hi as i64 - lo as i64) as u64;
+        lanes::add_widened(&mut self.words, self.width, payload, lanes::width_for(span), n, span)?;
+        self.count += 1;
+        Ok(())
+    }
+
+    /// The sum as `Part::Codes` (each worker's range, as `Part` keeps it).
+    pub fn into_part(self) -> Result<Part> {
+        let mut codes = vec![0i32; self.n];
+        let base = self.lo as i64 * self.count as i64;
+        lanes::unpack_into(&self.words, self.width, &mut codes, |v| (v as i64 + base) as i32)?;
+        Ok(Part::Codes { codes, lo: self.lo, hi: self.hi })
+    }
+}
+
 /// A decoded sum sent losslessly: its step, the round's exchanged values and
 /// the summed final contribution (codes in lanes wide enough for `workers`
 /// workers' sum), from which `decode` rebuilds the same float32 bits.

@@ -326,3 +326,40 @@ fn scheme_values_travel_losslessly_with_their_sums_widened() {
     extra.push(0);
     assert!(value_from_wire(&extra).unwrap_err().to_string().contains("trailing"));
 }
+
+#[test]
+fn a_server_sums_codes_in_packed_lanes_from_the_narrow_wire() {
+    let (n, workers) = (1001usize, 3usize);
+    let parts: Vec<Part> = (0..workers as i32).map(|w| Part::Codes { codes: (0..n as i32).map(|i| (i * 5 + w) % 15 - 7).collect(), lo: -7, hi: 7 }).collect();
+    let wires: Vec<Vec<u8>> = parts.iter().map(to_wire).collect();
+    assert!(wires.iter().all(|w| is_codes_wire(w)) && !is_codes_wire(&to_wire(&Part::F32(vec![1.0]))));
+    let mut sum = LaneSum::first(&wires[0], workers).unwrap();
+    for w in &wires[1..] {
+        sum.add(w).unwrap();
+    }
+    let want: Vec<i32> = (0..n).map(|i| parts.iter().map(|p| if let Part::Codes { codes, .. } = p { codes[i] } else { 0 }).sum()).collect();
+    let got = sum.into_part().unwrap();
+    assert_eq!(got, Part::Codes { codes: want, lo: -7, hi: 7 });
+    // The reply is the sum's usual wire form (lanes widened for 3 workers).
+    assert_eq!(from_wire(&sum_to_wire(&got, workers)).unwrap(), Part::Codes { codes: if let Part::Codes { codes, .. } = &got { codes.clone() } else { vec![] }, lo: -21, hi: 21 });
+    // Refused, each leaving the sum as it was: a part with another range or
+    // length, a code out of range, a truncated part, a fourth worker.
+    let mut sum = LaneSum::first(&wires[0], workers).unwrap();
+    assert!(sum.add(&to_wire(&Part::Codes { codes: vec![0; n], lo: -3, hi: 3 })).is_err());
+    assert!(sum.add(&to_wire(&Part::Codes { codes: vec![0; n - 1], lo: -7, hi: 7 })).is_err());
+    let mut high = parts[1].clone();
+    if let Part::Codes { codes, .. } = &mut high {
+        codes[1000] = 8; // packed as 15 in 4 bits, above the span 14
+    }
+    assert!(sum.add(&to_wire(&high)).unwrap_err().to_string().contains("above 14"));
+    assert!(LaneSum::first(&to_wire(&high), workers).unwrap_err().to_string().contains("above 14"));
+    assert!(sum.add(&wires[1][..40]).is_err());
+    assert!(sum.add(&to_wire(&Part::F32(vec![1.0]))).is_err());
+    sum.add(&wires[1]).unwrap();
+    sum.add(&wires[2]).unwrap();
+    assert!(sum.add(&wires[2]).unwrap_err().to_string().contains("more than 3 workers"));
+    // A claim of 2^62 values in a short frame: an error before any allocation.
+    let mut huge = wires[0].clone();
+    huge[1..9].copy_from_slice(&(1u64 << 62).to_le_bytes());
+    assert!(LaneSum::first(&huge, workers).is_err());
+}
