@@ -5,14 +5,17 @@
 
 use crate::dist::{Config, DistWorker};
 use crate::error::Result;
-use crate::kvstore::{self, KVStore, Kind, Store};
+use crate::kvstore::{self, AllreduceStore, KVStore, Kind, Store, StoreType};
 
-/// A new store of `type_name`: a local, device or MPI store, or a worker of
-/// a parameter-server job that the DMLC_* variables describe (this blocks
-/// until every node registered).
+/// A new store of `type_name`: a local or device store, a member of the MPI
+/// job this process was started in, or a worker of a parameter-server job
+/// that the DMLC_* variables describe (this blocks until every node
+/// registered). The two distributed stores sit side by side: each holds
+/// its transport (`allreduce::World`, `dist::Postoffice`) below it.
 pub fn open(type_name: &str) -> Result<Box<dyn Store>> {
     Ok(match kvstore::store_type(type_name) {
         Some((_, Kind::Dist { .. })) => Box::new(DistWorker::start(type_name, Config::from_env()?)?),
+        Some((_, Kind::Local(StoreType::Allreduce))) => Box::new(AllreduceStore::join()?),
         _ => Box::new(KVStore::new(type_name)?), // an unknown name: KVStore::new says which exist
     })
 }

@@ -7,7 +7,7 @@
 use std::process::Command;
 
 use gradpack::compression::Compression;
-use gradpack::kvstore::{Array, ArrayMut, Grad, KVStore, Key};
+use gradpack::kvstore::{AllreduceStore, Array, ArrayMut, Grad, KVStore, Key, Store};
 
 const WORKERS: usize = 3;
 
@@ -42,7 +42,7 @@ fn f32s<'a>(shape: &'a [usize], v: &'a [f32]) -> Array<'a> {
     Array { shape, data: Grad::F32(v) }
 }
 
-fn pull(kv: &KVStore, key: &Key, shape: &[usize]) -> Vec<f32> {
+fn pull(kv: &dyn Store, key: &Key, shape: &[usize]) -> Vec<f32> {
     let mut out = vec![0f32; shape.iter().product()];
     kv.pull(key, &mut [ArrayMut { shape, data: &mut out }]).unwrap();
     out
@@ -53,7 +53,7 @@ fn every_scheme_matches_the_device_store_bit_for_bit() {
     if !under_mpi() {
         return mpirun("every_scheme_matches_the_device_store_bit_for_bit");
     }
-    let kv = KVStore::new("dist_sync_allreduce").unwrap();
+    let kv = AllreduceStore::join().unwrap();
     let (rank, workers) = (kv.rank(), kv.num_workers());
     assert_eq!(workers, WORKERS);
     let shape = [6usize, 10];
@@ -81,13 +81,13 @@ fn every_scheme_matches_the_device_store_bit_for_bit() {
     for (s, c) in schemes.iter().enumerate() {
         let key = Key::Int(10 + s as i64);
         // Compression comes before init: a store per scheme (one MPI world).
-        let kv = KVStore::new("dist_sync_allreduce").unwrap();
-        kv.set_compress(*c).unwrap();
+        let kv = AllreduceStore::join().unwrap();
+        kv.local().set_compress(*c).unwrap();
         kv.init(&key, f32s(&shape, &vec![0.0; n])).unwrap();
         let device = KVStore::new("device").unwrap();
         device.set_compress(*c).unwrap();
         device.init(&key, f32s(&shape, &vec![0.0; n])).unwrap();
-        let raw = kv.stats();
+        let raw = kv.local().stats();
         for step in 0..4 {
             let g = grad(rank, step, n);
             kv.push(&key, &[f32s(&shape, &g)]).unwrap();
@@ -104,7 +104,7 @@ fn every_scheme_matches_the_device_store_bit_for_bit() {
                 assert_eq!(got, want, "{} step {step}", c.name());
             }
         }
-        let stats = kv.stats();
+        let stats = kv.local().stats();
         let (raw_b, wire_b) = (stats.raw_bytes - raw.raw_bytes, stats.wire_bytes - raw.wire_bytes);
         // Counted alike: through a scheme, the device store's devices hand
         // their group what each rank hands MPI. (2-bit differs by design: the
@@ -127,14 +127,14 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     if !under_mpi() {
         return mpirun("mismatched_pushes_fail_on_every_worker_and_the_store_recovers");
     }
-    let kv = KVStore::new("dist_sync_allreduce").unwrap();
+    let kv = AllreduceStore::join().unwrap();
     let rank = kv.rank();
     let shape = [8usize];
-    kv.set_compress(params(&[("compress", "qsgd_mn"), ("bits", "4")])).unwrap();
+    kv.local().set_compress(params(&[("compress", "qsgd_mn"), ("bits", "4")])).unwrap();
     for k in 0..2 {
         kv.init(&Key::Int(k), f32s(&shape, &[1.0; 8])).unwrap();
     }
-    let err = kv.set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap_err().to_string();
+    let err = kv.local().set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap_err().to_string();
     assert_eq!(err, "set the gradient compression before initializing any key (2 already initialized)");
     // rank 1 pushes another key: nobody hangs, everyone gets the error
     let key = Key::Int(if rank == 1 { 1 } else { 0 });
@@ -159,8 +159,8 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
 
     // 2-bit: rank 1's inf at element 3 fails every worker's push (rank 1 names
     // the element), before any residual or value changes; the next push is exact.
-    let two = KVStore::new("dist_sync_allreduce").unwrap();
-    two.set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap();
+    let two = AllreduceStore::join().unwrap();
+    two.local().set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap();
     two.init(&Key::from("w"), f32s(&shape, &[0.0; 8])).unwrap();
     two.push(&Key::from("w"), &[f32s(&shape, &[0.25; 8])]).unwrap(); // below the threshold: residual 0.25
     assert_eq!(pull(&two, &Key::from("w"), &shape), vec![0.0; 8]);
@@ -180,7 +180,7 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     assert_eq!(pull(&two, &Key::from("w"), &shape), vec![0.0; 8]);
     two.push(&Key::from("w"), &[f32s(&shape, &[0.25; 8])]).unwrap(); // 0.5 per worker: 3 * 0.5
     assert_eq!(pull(&two, &Key::from("w"), &shape), vec![1.5; 8]);
-    kv.barrier();
+    kv.barrier().unwrap();
     println!("rank done");
 }
 
@@ -194,8 +194,8 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     use gradpack::optimizer::Optimizer;
     let shape = [8usize];
     let store = |compress: Compression| {
-        let kv = KVStore::new("dist_sync_allreduce").unwrap();
-        kv.set_compress(compress).unwrap();
+        let kv = AllreduceStore::join().unwrap();
+        kv.local().set_compress(compress).unwrap();
         kv.init(&Key::Int(0), f32s(&shape, &[1.0; 8])).unwrap();
         kv
     };
@@ -216,7 +216,7 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     assert!(err.contains("another worker is in another operation"), "rank {rank}: {err}");
     // An optimizer on rank 2 only.
     if rank == 2 {
-        kv.set_optimizer(Optimizer::from_params("sgd", [("learning_rate", "0.1")]).unwrap());
+        kv.local().set_optimizer(Optimizer::from_params("sgd", [("learning_rate", "0.1")]).unwrap());
     }
     let err = kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string();
     assert!(err.contains("the workers' optimizer differ"), "rank {rank}: {err}");
@@ -225,8 +225,8 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     // Different compression (2-bit thresholds on rank 0, or another scheme): refused at init.
     for other in [Compression::from_params([("compress", "2bit"), ("threshold", "0.25")]).unwrap(), Compression::from_params([("compress", "qsgd_mn"), ("bits", "4")]).unwrap()] {
         let mine = if rank == 0 { other } else { Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap() };
-        let s = KVStore::new("dist_sync_allreduce").unwrap();
-        s.set_compress(mine).unwrap();
+        let s = AllreduceStore::join().unwrap();
+        s.local().set_compress(mine).unwrap();
         let err = s.init(&Key::Int(0), f32s(&shape, &g)).unwrap_err().to_string();
         assert!(err.contains("the workers' compression differ"), "rank {rank}: {err}");
         s.close().unwrap();
@@ -269,8 +269,8 @@ fn a_checkpoint_resumes_every_scheme_bit_for_bit() {
     let key = Key::Int(1);
     for c in schemes {
         let make = |value: &[f32]| {
-            let kv = KVStore::new("dist_sync_allreduce").unwrap();
-            kv.set_compress(c).unwrap();
+            let kv = AllreduceStore::join().unwrap();
+            kv.local().set_compress(c).unwrap();
             kv.init(&key, f32s(&shape, value)).unwrap();
             kv
         };

@@ -1,6 +1,9 @@
 //! The `local` and `device` KVStores (SPEC §3): init / push / pull / pushpull /
-//! broadcast with MXNet's semantics, optional 2-bit compression on `device`,
-//! and an updater (a Rust optimizer or a caller's function).
+//! broadcast with MXNet's semantics, compression on `device`, and an updater
+//! (a Rust optimizer or a caller's function). `store` is the trait every
+//! store implements; `mpi` the MPI all-reduce store, which keeps its keys in
+//! a `KVStore` and agrees and reduces each init and push through its job;
+//! `checkpoint` the compression states' format.
 //!
 //! Thread safety: a `KVStore` is `Send + Sync`. Each key has its own lock, held
 //! for the whole of a push (reduce, then update) or pull of that key, so pushes
@@ -12,8 +15,10 @@
 //! running finish with the setting they started with.
 
 pub(crate) mod checkpoint;
+mod mpi;
 mod store;
 
+pub use mpi::AllreduceStore;
 pub use store::Store;
 
 use std::collections::HashMap;
@@ -23,9 +28,9 @@ use std::sync::{Arc, Mutex, RwLock};
 pub use crate::key::Key;
 
 pub use crate::codec::Grad;
+use crate::allreduce;
 use crate::codec;
 use crate::par;
-use crate::allreduce::{self, World};
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 use crate::optimizer::Optimizer;
@@ -171,38 +176,9 @@ pub struct KVStore {
     updater: RwLock<Option<Arc<Updater>>>,
     raw_bytes: AtomicU64,
     wire_bytes: AtomicU64,
-    /// The MPI job of an `Allreduce` store.
-    world: Option<World>,
-    /// Held for a whole init or push on an `Allreduce` store: one process
-    /// issues its collectives one key at a time.
-    collective_order: Mutex<()>,
-    /// An `Allreduce` store closed (`close`): it takes part in no more collectives.
-    closed: std::sync::atomic::AtomicBool,
-}
-
-/// Sums a worker's devices into `e.merge_buf` (scratch, not state) and checks
-/// it (under 2-bit, that the sum plus the residual is finite): all before an
-/// all-reduce push agrees with the other workers or changes anything.
-fn merge_for_allreduce(key: &Key, e: &mut Entry, values: &[Array], compression: Compression) -> Result<()> {
-    let n = e.value.len();
-    let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
-    e.merge_buf.resize(n, 0.0);
-    sum_into(&mut e.merge_buf, &grads, false);
-    if let Compression::TwoBit(_) = compression {
-        let zeros;
-        let residual = match e.states.first() {
-            Some(s) if s.residual.len() == n => &s.residual[..],
-            _ => {
-                zeros = vec![0f32; n]; // a first push starts from a zero residual
-                &zeros[..]
-            }
-        };
-        codec::check_finite("merged gradient", &e.merge_buf, residual).map_err(|err| key_error(key, err.to_string()))?;
-    } else if !matches!(compression, Compression::Qsgd(_)) {
-        // (QSGD's shared scale fails every worker together by itself.)
-        scheme::check_input(&compression, 1, &[&e.merge_buf], 1).map_err(|err| key_error(key, err.to_string()))?;
-    }
-    Ok(())
+    /// This process's rank and the number of workers: (0, 1), or the MPI
+    /// job's when an `AllreduceStore` holds this store.
+    member: (usize, usize),
 }
 
 /// The rule of every store, as MXNet's: compression is chosen before the
@@ -298,15 +274,14 @@ impl Store for KVStore {
         KVStore::num_workers(self)
     }
     fn barrier(&self) -> Result<()> {
-        KVStore::barrier(self);
-        Ok(())
+        Ok(()) // one process
     }
     fn stats(&self) -> (u64, u64) {
         let s = KVStore::stats(self);
         (s.raw_bytes, s.wire_bytes)
     }
     fn close(&self) -> Result<()> {
-        KVStore::close(self)
+        Ok(()) // nothing to leave
     }
     fn set_compress(&self, compression: Compression, _params: &[(String, String)]) -> Result<()> {
         KVStore::set_compress(self, compression)
@@ -404,19 +379,25 @@ pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad], half: bool) {
 }
 
 impl KVStore {
+    /// A `local` or `device` store (`dist_sync_allreduce` is an MPI job's:
+    /// `AllreduceStore::join`, or `stores::open` for any name).
     pub fn new(type_name: &str) -> Result<KVStore> {
-        let kind = StoreType::parse(type_name)?;
-        Ok(KVStore {
-            world: if kind == StoreType::Allreduce { Some(World::join()?) } else { None },
-            collective_order: Mutex::new(()),
-            closed: std::sync::atomic::AtomicBool::new(false),
+        match StoreType::parse(type_name)? {
+            StoreType::Allreduce => Err(Error::Store(format!("'{type_name}' joins an MPI job: open it with gradpack::stores::open or AllreduceStore::join"))),
+            kind => Ok(KVStore::with_member(kind, 0, 1)),
+        }
+    }
+
+    fn with_member(kind: StoreType, rank: usize, workers: usize) -> KVStore {
+        KVStore {
             kind,
             keys: RwLock::default(),
             compression: RwLock::default(),
             updater: RwLock::default(),
             raw_bytes: AtomicU64::new(0),
             wire_bytes: AtomicU64::new(0),
-        })
+            member: (rank, workers),
+        }
     }
 
     pub fn store_type(&self) -> StoreType {
@@ -424,18 +405,11 @@ impl KVStore {
     }
 
     pub fn rank(&self) -> usize {
-        self.world.as_ref().map_or(0, |w| w.rank())
+        self.member.0
     }
 
     pub fn num_workers(&self) -> usize {
-        self.world.as_ref().map_or(1, |w| w.size())
-    }
-
-    /// Waits for every worker of an MPI job; a no-op for one process.
-    pub fn barrier(&self) {
-        if let Some(w) = &self.world {
-            w.barrier();
-        }
+        self.member.1
     }
 
     pub fn stats(&self) -> Stats {
@@ -584,24 +558,14 @@ impl KVStore {
         })
     }
 
-    /// Stores `value` under a new key; init is never lossy. On an `Allreduce`
-    /// store every worker takes rank 0's value (as a dist store does).
+    /// Stores `value` under a new key; init is never lossy.
     pub fn init(&self, key: &Key, value: Array) -> Result<()> {
-        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap_or_else(|p| p.into_inner()));
-        let checked = self.check_init(key, value);
-        let mut data = match (&self.world, checked) {
-            (None, checked) => checked?,
-            (Some(world), checked) => {
-                let n = value.data.len() as u64;
-                self.check_open()?;
-                let mine = self.agreement(allreduce::Op::Init, key, n, 0, checked.is_ok());
-                let agreed = self.agree(world, &format!("the init of key {key}"), &mine);
-                let mut data = checked?; // a worker's own error first, then the others'
-                agreed?;
-                world.broadcast_f32(&mut data);
-                data
-            }
-        };
+        let data = self.check_init(key, value)?;
+        self.insert(key, value, data)
+    }
+
+    /// Adds a checked key with `data` as its value (float32, of `value`'s shape).
+    fn insert(&self, key: &Key, value: Array, mut data: Vec<f32>) -> Result<()> {
         let mut keys = self.keys.write().unwrap();
         // Checked again under the write lock: another thread may have inserted meanwhile.
         if keys.map.contains_key(key) {
@@ -622,9 +586,9 @@ impl KVStore {
         key.check()?;
         let data = match value.data {
             Grad::F32(d) => d.to_vec(),
-            Grad::F16(d) if self.world.is_none() => d.iter().map(|x| x.to_f32()).collect(),
+            Grad::F16(d) if self.kind != StoreType::Allreduce => d.iter().map(|x| x.to_f32()).collect(),
             other => {
-                let want = if self.world.is_none() { "float32 or float16" } else { "float32 (the all-reduce store holds float32 values)" };
+                let want = if self.kind != StoreType::Allreduce { "float32 or float16" } else { "float32 (the all-reduce store holds float32 values)" };
                 return Err(key_error(key, format!("init value has dtype {}, expected {want}", other.dtype())));
             }
         };
@@ -643,53 +607,39 @@ impl KVStore {
 
     /// Sums `values` (one per device) and applies the updater, or stores the sum.
     pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
-        let entry = match (self.entry(key), &self.world) {
-            (Ok(e), _) => e,
-            (Err(err), None) => return Err(err),
-            (Err(err), Some(world)) => {
-                // Every worker takes part in the agreement, even one that failed here.
-                let _order = self.collective_order.lock().unwrap_or_else(|p| p.into_inner());
-                self.check_open()?;
-                let _ = self.agree(world, &format!("the push of key {key}"), &self.agreement(allreduce::Op::Push, key, 0, 0, false));
-                return Err(err);
-            }
-        };
-        let compression = self.compression();
-        let updater = self.updater.read().unwrap().clone();
-        let _order = self.world.as_ref().map(|_| self.collective_order.lock().unwrap_or_else(|p| p.into_inner()));
+        let entry = self.entry(key)?;
+        let (compression, updater) = (self.compression(), self.updater.read().unwrap().clone());
         let mut guard = lock(key, &entry)?;
         let e = &mut *guard;
-        let n = e.value.len();
-        let checked = check_push(key, values, &e.shape, compression, e.half).and_then(|()| match updater.as_deref() {
-            Some(Updater::Optimizer(o)) => o.check(key, n),
+        let checked = self.check_push(key, e, values, compression, updater.as_deref());
+        self.undoable(e, updater.as_deref(), |e| {
+            checked?; // every check before anything is written
+            self.push_local(key, e, values, compression, updater.as_deref())
+        })
+    }
+
+    /// Every check of a push against the key's entry and the store's updater.
+    fn check_push(&self, key: &Key, e: &Entry, values: &[Array], compression: Compression, updater: Option<&Updater>) -> Result<()> {
+        check_push(key, values, &e.shape, compression, e.half).and_then(|()| match updater {
+            Some(Updater::Optimizer(o)) => o.check(key, e.value.len()),
             _ => Ok(()),
-        });
-        // A caller's updater may fail after the residuals moved on: keep what
-        // it could undo, and put it back if it does.
-        let undo = matches!(updater.as_deref(), Some(Updater::Custom(_))).then(|| Undo::save(e));
-        let pushed = self.push_checked(key, e, values, compression, updater.as_deref(), checked);
+        })
+    }
+
+    /// Runs a push: a caller's updater may fail after the residuals moved
+    /// on, so what it could undo is kept, and put back if the push fails.
+    fn undoable(&self, e: &mut Entry, updater: Option<&Updater>, push: impl FnOnce(&mut Entry) -> Result<()>) -> Result<()> {
+        let undo = matches!(updater, Some(Updater::Custom(_))).then(|| Undo::save(e));
+        let pushed = push(e);
         if let (Err(_), Some(undo)) = (&pushed, undo) {
             undo.restore(e);
         }
         pushed
     }
 
-    /// The push after its checks (`checked`): on an `Allreduce` store the
-    /// agreement first, then every write.
-    fn push_checked(&self, key: &Key, e: &mut Entry, values: &[Array], compression: Compression, updater: Option<&Updater>, checked: Result<()>) -> Result<()> {
+    /// A push of this process's devices, checked: sum or compress, then update.
+    fn push_local(&self, key: &Key, e: &mut Entry, values: &[Array], compression: Compression, updater: Option<&Updater>) -> Result<()> {
         let n = e.value.len();
-        if let Some(world) = &self.world {
-            // The merge and its 2-bit finiteness check come before the agreement,
-            // so that a worker's non-finite gradient fails every worker's push.
-            let checked = checked.and_then(|()| merge_for_allreduce(key, e, values, compression));
-            self.check_open()?;
-            let mine = self.agreement(allreduce::Op::Push, key, n as u64, e.pushes, checked.is_ok());
-            let agreed = self.agree(world, &format!("the push of key {key}"), &mine);
-            checked?; // a worker's own error first, then the others'
-            agreed?;
-            return self.push_allreduce(world, key, e, compression, updater);
-        }
-        checked?; // every check before anything is written
         e.merge_buf.resize(n, 0.0);
         // Bytes the devices hand over for the merge: their arrays, their
         // compressed buffers, or what each gave the scheme's group.
@@ -760,77 +710,6 @@ impl KVStore {
         }
         self.raw_bytes.fetch_add(values.len() as u64 * 4 * n as u64, Ordering::Relaxed);
         self.wire_bytes.fetch_add(sent, Ordering::Relaxed);
-        apply_update(key, e, updater)
-    }
-
-    /// This worker's side of an all-reduce agreement: the operation and key,
-    /// and fingerprints of its compression and optimizer.
-    fn agreement(&self, op: allreduce::Op, key: &Key, size: u64, step: u64, ok: bool) -> allreduce::Agreement {
-        let optimizer = match self.updater.read().unwrap().as_deref() {
-            None => 0,
-            Some(Updater::Optimizer(o)) => allreduce::fingerprint(&format!("{:?}", o.rule())),
-            Some(Updater::Custom(_)) => 1,
-        };
-        let compression = allreduce::fingerprint(&format!("{:?}", self.compression()));
-        allreduce::Agreement { op, key_hash: key.stable_hash(), size, step, ok, compression, optimizer }
-    }
-
-    /// Closes an `Allreduce` store together with every other worker: a
-    /// worker still waiting in an init or push of its own gets an error
-    /// saying that another worker closed (instead of waiting forever). A
-    /// no-op on other stores, and after the first call.
-    pub fn close(&self) -> Result<()> {
-        let Some(world) = &self.world else { return Ok(()) };
-        let _order = self.collective_order.lock().unwrap_or_else(|p| p.into_inner());
-        if self.closed.swap(true, Ordering::SeqCst) {
-            return Ok(());
-        }
-        let mine = allreduce::Agreement { op: allreduce::Op::Close, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
-        allreduce::check_agree(world, "closing the store", &mine)
-    }
-
-    /// An all-reduce agreement; when another worker was closing, this store
-    /// is closed too (it could only wait for workers that will not come).
-    fn agree(&self, world: &World, what: &str, mine: &allreduce::Agreement) -> Result<()> {
-        allreduce::check_agree_or_closed(world, what, mine).map_err(|(err, closed)| {
-            if closed {
-                self.closed.store(true, Ordering::SeqCst);
-            }
-            err
-        })
-    }
-
-    fn check_open(&self) -> Result<()> {
-        if self.closed.load(Ordering::SeqCst) {
-            return Err(Error::Store(format!("this '{}' store is closed (by close(), or because another worker closed its store)", self.kind.name())));
-        }
-        Ok(())
-    }
-
-    /// A push on an `Allreduce` store (checks done, agreed by every worker):
-    /// merge the devices, reduce with every worker through MPI, update.
-    /// The all-reduce push of the local sum that `merge_for_allreduce` left in `e.merge_buf`.
-    fn push_allreduce(&self, world: &World, key: &Key, e: &mut Entry, compression: Compression, updater: Option<&Updater>) -> Result<()> {
-        let n = e.value.len();
-        let sent = world.bytes_sent();
-        let mut member = world;
-        if compression.is_none() {
-            collective::Collective::sum_f32(&mut member, &mut e.merge_buf)?;
-        } else {
-            if e.states.is_empty() {
-                e.states.push(scheme::State::default());
-            }
-            let ctx = scheme::Ctx { shape: &e.shape, step: e.pushes, key_hash: key.stable_hash(), member: world.rank() as u64, workers: world.size() };
-            // The decoded sum goes to a second buffer, kept between pushes.
-            let mut out = std::mem::take(&mut e.scheme_out);
-            out.resize(n, 0.0);
-            let result = scheme::allreduce(&compression, &mut e.states[..1], &[&e.merge_buf], &ctx, &mut member, &mut out);
-            e.scheme_out = std::mem::replace(&mut e.merge_buf, out);
-            result?;
-        }
-        e.pushes += 1;
-        self.raw_bytes.fetch_add(4 * n as u64, Ordering::Relaxed);
-        self.wire_bytes.fetch_add(world.bytes_sent() - sent, Ordering::Relaxed);
         apply_update(key, e, updater)
     }
 
