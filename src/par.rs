@@ -14,8 +14,15 @@ pub const CHUNK: usize = 1 << 16;
 
 /// `work(start, piece)` over `out` in pieces.
 pub fn chunks<T: Send>(out: &mut [T], work: impl Fn(usize, &mut [T]) + Sync) {
-    if out.len() > CHUNK {
-        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, piece)| work(i * CHUNK, piece));
+    chunks_of(out, CHUNK, work)
+}
+
+/// `chunks` with pieces of `piece` elements, for work whose pieces must
+/// align to something else (whole 64-bit words of packed lanes).
+pub fn chunks_of<T: Send>(out: &mut [T], piece: usize, work: impl Fn(usize, &mut [T]) + Sync) {
+    let piece = piece.max(1);
+    if out.len() > piece {
+        out.par_chunks_mut(piece).enumerate().for_each(|(i, p)| work(i * piece, p));
     } else {
         work(0, out);
     }
@@ -58,6 +65,11 @@ mod tests {
             }));
             assert!(out.iter().all(|&x| x == 1) && b.iter().all(|&y| y == 1));
             assert_eq!(map_reduce(&out, |_, p| p.len(), |a, b| a + b), n);
+            let starts = std::sync::Mutex::new(Vec::new());
+            chunks_of(&mut b, 21 * 1000, |start, p| starts.lock().unwrap().push((start, p.len())));
+            let mut starts = starts.into_inner().unwrap();
+            starts.sort();
+            assert!(starts.iter().all(|&(s, _)| s % 21_000 == 0) && starts.iter().map(|&(_, l)| l).sum::<usize>() == n);
         }
     }
 }

@@ -7,11 +7,9 @@
 //! codes of every worker exactly, with codes sent as `code - lo` in lanes
 //! wide enough for `workers * (hi - lo)`.
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 
-/// Words per parallel task.
+/// Words per parallel piece (`par::chunks_of`).
 const TASK_WORDS: usize = 1 << 13;
 
 /// Bits that hold every value in `0..=max` (at least 1).
@@ -41,11 +39,7 @@ fn pack_core<W: Send>(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync,
             put(slot, acc);
         }
     };
-    if out.len() > TASK_WORDS {
-        out.par_chunks_mut(TASK_WORDS).enumerate().for_each(|(t, w)| fill(t * TASK_WORDS, w));
-    } else {
-        fill(0, out);
-    }
+    crate::par::chunks_of(out, TASK_WORDS, fill);
 }
 
 /// Packs `value(i)` for `i` in `0..n` (each `< 2^width`) into words.
@@ -81,11 +75,8 @@ fn unpack_core<T: Send>(words: usize, word_at: impl Fn(usize) -> u64 + Sync, wid
             }
         }
     };
-    if words > TASK_WORDS {
-        out.par_chunks_mut(TASK_WORDS * per).enumerate().for_each(|(t, o)| work(t * TASK_WORDS, o));
-    } else {
-        work(0, out);
-    }
+    // Pieces of whole words: the first value of each starts a word.
+    crate::par::chunks_of(out, TASK_WORDS * per, |start, o| work(start / per, o));
     Ok(())
 }
 

@@ -144,12 +144,18 @@ pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: us
         return Ok(());
     }
     for (m, g) in grads.iter().enumerate() {
-        if qsgd::max_abs(g).is_none() {
+        if !all_finite(g) {
             let i = g.iter().position(|x| !x.is_finite()).unwrap_or(0);
             return Err(Error::Store(format!("pushed value {m} holds {} at element {i}, a non-finite value; nothing was applied", g[i])));
         }
     }
     Ok(())
+}
+
+/// Whether no element is NaN or infinite: a fold without early exit, so
+/// it runs at memory speed (the exponent bits of a non-finite float are all set).
+fn all_finite(x: &[f32]) -> bool {
+    crate::par::map_reduce(x, |_, c| c.iter().fold(true, |ok, v| ok & (v.to_bits() & 0x7f80_0000 != 0x7f80_0000)), |a, b| a & b)
 }
 
 /// Runs the exchanges of one push and returns (exchanged values, the sum of
@@ -223,10 +229,14 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
                 codec::quantize_2bit_finite(g, &mut s.residual, &mut compr, *th)?;
                 let blocks = codec::blocks(&compr);
                 let (pos, neg) = codes.split_at_mut(n);
-                for (i, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
-                    let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
-                    (*p, *q) = ((code == 0b01) as i32, (code == 0b10) as i32);
-                }
+                // Pieces start at multiples of 16: whole blocks.
+                crate::par::chunks2(pos, neg, |start, pos, neg| {
+                    for (j, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
+                        let i = start + j;
+                        let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
+                        (*p, *q) = ((code == 0b01) as i32, (code == 0b10) as i32);
+                    }
+                });
                 Ok(())
             }, grads)?;
             Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
