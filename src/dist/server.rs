@@ -44,13 +44,13 @@ enum Gathered {
 }
 
 /// `acc = op(acc, part)` elementwise; both from workers of one round.
+/// (Codes come only as a final contribution, summed packed by `LaneSum`.)
 fn combine(op: Exchange, acc: &mut Part, part: Part) -> Result<()> {
     let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()));
     match (op, acc, part) {
         (Exchange::Max, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::max_into(a, &b),
         (Exchange::Sum | Exchange::Final, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::sum_into(a, &b),
         (Exchange::Min, Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => collective::min_into(a, &b),
-        (Exchange::Sum | Exchange::Final, Part::Codes { codes: a, lo, hi }, Part::Codes { codes: b, lo: l, hi: h }) if a.len() == b.len() && (*lo, *hi) == (l, h) => collective::add_codes(a, &b),
         _ => Err(mismatch()),
     }
 }

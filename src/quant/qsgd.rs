@@ -144,13 +144,15 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
             return Err(bad("levels", format!("element {i} names level {} of {}", l[i], levels.len())));
         }
     }
-    quantize_levels(grad, scale, levels, level_of, seed, codes);
+    quantize_levels::<false>(grad, scale, levels, level_of, seed, codes);
     Ok(())
 }
 
 /// `quantize_at` for arguments the caller has checked: lengths equal, scale
 /// finite and at least `max|g|`, every level index in range.
-pub(crate) fn quantize_levels(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) {
+/// With `ADD`, each code is added to `codes` (a sum over members that the
+/// caller bounds) instead of written.
+pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) {
     let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
     let (f0, s0) = (factors[0], levels[0] as f32);
     // Chunks start at even offsets, so pairs of elements share one hash.
@@ -170,7 +172,12 @@ pub(crate) fn quantize_levels(grad: &[f32], scale: f32, levels: &[u32], level_of
                 // l >= 0: truncation is floor (a call to floorf without SSE4.1)
                 let floor = l as i32;
                 let level = floor + (u[t] < l - floor as f32) as i32;
-                *c = if g < 0.0 { -level } else { level };
+                let code = if g < 0.0 { -level } else { level };
+                if ADD {
+                    *c += code;
+                } else {
+                    *c = code;
+                }
             }
         }
     });

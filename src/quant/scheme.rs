@@ -212,9 +212,13 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
         Compression::OneBit { threshold } => {
-            let codes = sum_codes(states, n, |s, g, bits| {
+            let codes = sum_codes(states, n, |s, g, bits, add| {
                 s.residual.resize(n, 0.0);
-                onebit::quantize(g, &mut s.residual, *threshold, bits);
+                if add {
+                    onebit::quantize::<true>(g, &mut s.residual, *threshold, bits);
+                } else {
+                    onebit::quantize::<false>(g, &mut s.residual, *threshold, bits);
+                }
                 Ok(())
             }, grads)?;
             Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
@@ -224,7 +228,7 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             // The codec's fast kernels quantize; the store has checked that
             // every residual + gradient is finite before any worker agreed.
             let mut compr = codec::create_2bit(n);
-            let codes = sum_codes(states, 2 * n, |s, g, codes| {
+            let codes = sum_codes(states, 2 * n, |s, g, codes, add| {
                 s.residual.resize(n, 0.0);
                 codec::quantize_2bit_finite(g, &mut s.residual, &mut compr, *th)?;
                 let blocks = codec::blocks(&compr);
@@ -234,7 +238,8 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
                     for (j, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
                         let i = start + j;
                         let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
-                        (*p, *q) = ((code == 0b01) as i32, (code == 0b10) as i32);
+                        let (dp, dq) = ((code == 0b01) as i32, (code == 0b10) as i32);
+                        (*p, *q) = if add { (*p + dp, *q + dq) } else { (dp, dq) };
                     }
                 });
                 Ok(())
@@ -254,25 +259,16 @@ fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
     Ok(sum)
 }
 
-/// Each member's codes (`len` of them, written by `quantize(state, grad,
-/// codes)`) summed into the first state's spare code buffer (kept by
-/// `finish` for the next push, as the second state's is kept here).
-fn sum_codes(states: &mut [State], len: usize, mut quantize: impl FnMut(&mut State, &[f32], &mut [i32]) -> Result<()>, grads: &[&[f32]]) -> Result<Vec<i32>> {
+/// The members' codes (`len` of them) summed into the first state's spare
+/// code buffer (kept by `finish` for the next push): `quantize(state, grad,
+/// codes, add)` writes the first member's codes, then adds each other's in
+/// the same pass, so a sum costs no buffer and no pass of its own. The sum
+/// cannot overflow: `check_input` bounds the members by the code range.
+fn sum_codes(states: &mut [State], len: usize, mut quantize: impl FnMut(&mut State, &[f32], &mut [i32], bool) -> Result<()>, grads: &[&[f32]]) -> Result<Vec<i32>> {
     let mut codes = std::mem::take(&mut states[0].spare_codes);
     codes.resize(len, 0);
-    // The other members' codes pass through the second state's spare buffer.
-    let mut mine = states.get_mut(1).map(|s| std::mem::take(&mut s.spare_codes)).unwrap_or_default();
     for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
-        if i == 0 {
-            quantize(s, g, &mut codes)?;
-        } else {
-            mine.resize(len, 0);
-            quantize(s, g, &mut mine)?;
-            collective::add_codes(&mut codes, &mine)?;
-        }
-    }
-    if let Some(s) = states.get_mut(1) {
-        s.spare_codes = mine;
+        quantize(s, g, &mut codes, i > 0)?;
     }
     Ok(codes)
 }
@@ -325,10 +321,14 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     };
     // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
     let mut member = ctx.member;
-    let codes = sum_codes(states, len, |_, x, codes| {
+    let codes = sum_codes(states, len, |_, x, codes, add| {
         let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, member);
         member += 1;
-        qsgd::quantize_levels(x, scale[0], &levels, level_of.as_deref(), seed, codes);
+        if add {
+            qsgd::quantize_levels::<true>(x, scale[0], &levels, level_of.as_deref(), seed, codes);
+        } else {
+            qsgd::quantize_levels::<false>(x, scale[0], &levels, level_of.as_deref(), seed, codes);
+        }
         Ok(())
     }, &xs.iter().map(|x| &x[..]).collect::<Vec<_>>())?;
     if let Some(l) = level_of {

@@ -208,6 +208,24 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
 }
 
 #[test]
+fn two_bit_through_the_scheme_path_counts_indicators_alike_in_one_thread_and_many() {
+    let c = params(&[("compress", "2bit"), ("threshold", "0.5")]);
+    let grads: Vec<Vec<f32>> = (0..3).map(|w| grad(70, 20 + w, 0.9)).collect();
+    let out = run(&c, &[70], &grads, 3); // `run` also checks one thread against three
+    let Compression::TwoBit(th) = c else { unreachable!() };
+    let mut residuals = vec![vec![0f32; 70]; 3];
+    for step in 0..3 {
+        let mut want = vec![0f32; 70];
+        for (g, r) in grads.iter().zip(residuals.iter_mut()) {
+            let mut compr = codec::create_2bit(70);
+            codec::quantize_2bit(g, r, &mut compr, th).unwrap();
+            codec::dequantize_2bit_add(&compr, &mut want).unwrap();
+        }
+        assert_eq!(out[0][step], want, "step {step}");
+    }
+}
+
+#[test]
 fn one_bit_sums_plus_minus_one() {
     let c = params(&[("compress", "1bit"), ("threshold", "0")]);
     let grads = vec![vec![0.5f32, -0.5, 0.1], vec![0.5, 0.5, -0.1], vec![-0.5, -0.5, 0.2]];
