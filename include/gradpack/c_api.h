@@ -138,10 +138,13 @@ typedef int (*gp_updater_fn)(gp_key_t key, const float* merged, float* stored,
  * e.g. "local:local,device:local,...". The one table of names. */
 const char* gp_kvstore_types(void);
 
-/* type: "local", "device", or a worker of "dist_sync", "dist_async",
- * "dist_sync_device", "dist_device_sync" (joins the job the DMLC_* variables
- * describe; blocks until every node registered). *out receives a handle owned
- * by the caller; gp_kvstore_free releases it (a worker then leaves the job). */
+/* type: "local", "device", "dist_sync_allreduce" (joins the MPI job the
+ * process was started in, with mpirun), or a worker of "dist_sync",
+ * "dist_async", "dist_sync_device", "dist_device_sync" (joins the job the
+ * DMLC_* variables describe; blocks until every node registered); any name
+ * of gp_kvstore_types(). Every later call on the handle is one call of the
+ * store's one interface. *out receives a handle owned by the caller;
+ * gp_kvstore_free releases it (a worker then leaves the job). */
 int gp_kvstore_new(const char* type, gp_kvstore_t** out);
 /* Closes the store, keeping the handle: a "dist_sync_allreduce" store closes
  * together with every other worker (one still waiting in an init or push of
