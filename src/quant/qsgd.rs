@@ -155,6 +155,17 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
 pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) {
     let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
     let (f0, s0) = (factors[0], levels[0] as f32);
+    let avx2 = simd::avx2();
+    match level_of {
+        None => return chunked(grad, codes, |offset, g, c| simd::single::<ADD>(avx2, g, c, offset, seed, f0, s0)),
+        Some(l) if levels.len() <= simd::TABLE => {
+            let (mut ft, mut st) = ([0f32; simd::TABLE], [0f32; simd::TABLE]);
+            ft[..levels.len()].copy_from_slice(&factors);
+            levels.iter().zip(st.iter_mut()).for_each(|(&s, t)| *t = s as f32);
+            return chunked(grad, codes, |offset, g, c| simd::levels::<ADD>(avx2, g, &l[offset..offset + g.len()], c, offset, seed, &ft, &st));
+        }
+        Some(_) => {}
+    }
     // Chunks start at even offsets, so pairs of elements share one hash.
     chunked(grad, codes, |offset, g, c| {
         for (p, (cp, gp)) in c.chunks_mut(2).zip(g.chunks(2)).enumerate() {
@@ -181,6 +192,187 @@ pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels:
             }
         }
     });
+}
+
+/// The single-scale quantizer written so that the compiler vectorizes it,
+/// compiled twice: for the baseline target and with AVX2 (chosen at run
+/// time). The same IEEE operations in the same order: identical codes on
+/// every machine and kernel.
+mod simd {
+    use super::{mix, TWO_POW_MINUS_24};
+
+    pub fn avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    #[inline(always)]
+    fn body<const ADD: bool>(g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
+        let code = |g: f32, u: f32| {
+            let l = (g.abs() * f0).min(s0);
+            let floor = l as i32; // l >= 0: truncation is floor
+            let level = floor + (u < l - floor as f32) as i32;
+            if g < 0.0 { -level } else { level }
+        };
+        let put = |c: &mut i32, v: i32| if ADD { *c += v } else { *c = v };
+        let pairs = g.len() / 2;
+        let first = (offset / 2) as u64;
+        for p in 0..pairs {
+            let h = mix(seed, first + p as u64);
+            let u0 = ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24;
+            let u1 = (((h >> 8) & 0xFF_FFFF) as i32) as f32 * TWO_POW_MINUS_24;
+            put(&mut c[2 * p], code(g[2 * p], u0));
+            put(&mut c[2 * p + 1], code(g[2 * p + 1], u1));
+        }
+        if g.len() % 2 == 1 {
+            let h = mix(seed, first + pairs as u64);
+            let last = g.len() - 1;
+            put(&mut c[last], code(g[last], ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24));
+        }
+    }
+
+    /// Scales a table holds; callers with more take the general loop.
+    pub const TABLE: usize = 16;
+
+    #[inline(always)]
+    fn body_levels<const ADD: bool>(g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
+        let code = |g: f32, j: u8, u: f32| {
+            let j = (j as usize) % TABLE; // in range by the caller's check; the mask keeps the lookup branch-free
+            let l = (g.abs() * ft[j]).min(st[j]);
+            let floor = l as i32;
+            let level = floor + (u < l - floor as f32) as i32;
+            if g < 0.0 { -level } else { level }
+        };
+        let put = |c: &mut i32, v: i32| if ADD { *c += v } else { *c = v };
+        let pairs = g.len() / 2;
+        let first = (offset / 2) as u64;
+        for p in 0..pairs {
+            let h = mix(seed, first + p as u64);
+            let u0 = ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24;
+            let u1 = (((h >> 8) & 0xFF_FFFF) as i32) as f32 * TWO_POW_MINUS_24;
+            put(&mut c[2 * p], code(g[2 * p], l[2 * p], u0));
+            put(&mut c[2 * p + 1], code(g[2 * p + 1], l[2 * p + 1], u1));
+        }
+        if g.len() % 2 == 1 {
+            let h = mix(seed, first + pairs as u64);
+            let last = g.len() - 1;
+            put(&mut c[last], code(g[last], l[last], ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24));
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn body_levels_avx2<const ADD: bool>(g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
+        body_levels::<ADD>(g, l, c, offset, seed, ft, st)
+    }
+
+    /// Codes of `g` at the scales `l` names (each below the table's
+    /// used length) into `c`; all of one length, `offset` even.
+    #[allow(clippy::too_many_arguments)]
+    pub fn levels<const ADD: bool>(avx2: bool, g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
+        assert!(g.len() == c.len() && g.len() == l.len() && offset % 2 == 0, "qsgd kernel: {} values, {} scales, {} codes", g.len(), l.len(), c.len());
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: AVX2 was detected on this CPU (`avx2()`); the body is
+            // safe Rust, so its only precondition is the instruction set.
+            return unsafe { body_levels_avx2::<ADD>(g, l, c, offset, seed, ft, st) };
+        }
+        let _ = avx2;
+        body_levels::<ADD>(g, l, c, offset, seed, ft, st)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn body_avx2<const ADD: bool>(g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
+        body::<ADD>(g, c, offset, seed, f0, s0)
+    }
+
+    /// Codes of `g` (elements `offset..`, `offset` even) into `c` (same length).
+    pub fn single<const ADD: bool>(avx2: bool, g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
+        assert!(g.len() == c.len() && offset % 2 == 0, "qsgd kernel: {} values, {} codes, offset {offset}", g.len(), c.len());
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: AVX2 was detected on this CPU (`avx2()`); the body is
+            // safe Rust, so its only precondition is the instruction set.
+            return unsafe { body_avx2::<ADD>(g, c, offset, seed, f0, s0) };
+        }
+        let _ = avx2;
+        body::<ADD>(g, c, offset, seed, f0, s0)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_single_scale_kernel_matches_the_per_element_path() {
+            // level_of = all zeros with one level runs the general loop.
+            for n in [1usize, 2, 7, 64, 1001, 3 * crate::par::CHUNK + 3] {
+                let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0).collect();
+                let (mut fast, mut general) = (vec![0i32; n], vec![0i32; n]);
+                super::super::quantize_levels::<false>(&g, 1.0, &[7], None, 99, &mut fast);
+                super::super::quantize_levels::<false>(&g, 1.0, &[7], Some(&vec![0u8; n]), 99, &mut general);
+                assert_eq!(fast, general, "n={n}");
+            }
+        }
+
+        #[test]
+        fn the_table_kernel_matches_the_per_element_path_at_every_scale() {
+            let n = 3 * crate::par::CHUNK + 5;
+            let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0).collect();
+            let levels = [3u32, 15, 255];
+            let mut l = vec![0u8; n];
+            super::super::fit_levels(&g, 1.0, &levels, &mut l);
+            assert!(l.contains(&0) && l.contains(&2));
+            for add in [false, true] {
+                let (mut table, mut general) = (vec![2i32; n], vec![2i32; n]);
+                // 17 scales (more than the table) takes the general loop; the first three are the same.
+                let many: Vec<u32> = levels.iter().copied().chain((0..14).map(|k| 1023 + k)).collect();
+                if add {
+                    super::super::quantize_levels::<true>(&g, 1.0, &levels, Some(&l), 5, &mut table);
+                    super::super::quantize_levels::<true>(&g, 1.0, &many, Some(&l), 5, &mut general);
+                } else {
+                    super::super::quantize_levels::<false>(&g, 1.0, &levels, Some(&l), 5, &mut table);
+                    super::super::quantize_levels::<false>(&g, 1.0, &many, Some(&l), 5, &mut general);
+                }
+                assert_eq!(table, general);
+                let mut plain = vec![2i32; n];
+                let (mut ft, mut st) = ([0f32; super::TABLE], [0f32; super::TABLE]);
+                for (j, &s) in levels.iter().enumerate() {
+                    (ft[j], st[j]) = (super::super::factor(s, 1.0), s as f32);
+                }
+                if add {
+                    super::levels::<true>(false, &g, &l, &mut plain, 0, 5, &ft, &st);
+                } else {
+                    super::levels::<false>(false, &g, &l, &mut plain, 0, 5, &ft, &st);
+                }
+                assert_eq!(plain, table);
+            }
+        }
+
+        #[test]
+        fn both_kernels_give_the_same_codes() {
+            let n = 1001;
+            let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 997.0).collect();
+            for (f0, s0) in [(3.0f32, 3.0f32), (127.0 / 1.0031, 127.0), (0.0, 1.0)] {
+                for add in [false, true] {
+                    let (mut a, mut b) = (vec![1i32; n], vec![1i32; n]);
+                    if add {
+                        super::single::<true>(false, &g, &mut a, 10, 77, f0, s0);
+                        super::single::<true>(super::avx2(), &g, &mut b, 10, 77, f0, s0);
+                    } else {
+                        super::single::<false>(false, &g, &mut a, 10, 77, f0, s0);
+                        super::single::<false>(super::avx2(), &g, &mut b, 10, 77, f0, s0);
+                    }
+                    assert_eq!(a, b);
+                }
+            }
+        }
+    }
 }
 
 /// Decodes summed codes at their levels: `out[i] = sum[i] * M / s_j`.
