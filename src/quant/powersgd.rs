@@ -21,12 +21,23 @@ pub fn factors(shape: &[usize], rank: usize) -> Option<(usize, usize, usize)> {
 /// Work below this many matrix elements stays on one thread.
 const PARALLEL: usize = 1 << 16;
 
-/// `p = m q`: (rows x cols) times (cols x r); rows in parallel.
+/// `p = m q`: (rows x cols) times (cols x r); rows in parallel. Each dot
+/// product sums in `LANES` running sums (column `c` into sum `c % LANES`),
+/// combined in a fixed order: an order the compiler vectorizes, the same
+/// on every kernel and machine.
 pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
+    // Q transposed (r x cols): each dot product reads two contiguous rows.
+    let mut qt = vec![0f32; r * cols];
+    for (c, q_row) in q.chunks_exact(r).enumerate() {
+        for (j, &v) in q_row.iter().enumerate() {
+            qt[j * cols + c] = v;
+        }
+    }
+    let avx2 = crate::quant::qsgd::avx2();
     let row = |i: usize, p_row: &mut [f32]| {
         let m_row = &m[i * cols..(i + 1) * cols];
         for (j, pj) in p_row.iter_mut().enumerate() {
-            *pj = m_row.iter().enumerate().map(|(c, &x)| x * q[c * r + j]).sum();
+            *pj = dot(avx2, m_row, &qt[j * cols..(j + 1) * cols]);
         }
     };
     if rows * cols > PARALLEL {
@@ -34,6 +45,52 @@ pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &m
     } else {
         p.chunks_mut(r).enumerate().for_each(|(i, p_row)| row(i, p_row));
     }
+}
+
+/// Running sums of a dot product (`m_times_q`).
+const LANES: usize = 16;
+
+#[inline(always)]
+fn dot_body(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..LANES {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[k] += x * y;
+    }
+    // Pairwise, in a fixed order.
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for k in 0..width {
+            acc[k] += acc[k + width];
+        }
+    }
+    acc[0]
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_body(a, b)
+}
+
+/// `sum a[c] b[c]` in `LANES` running sums (see `m_times_q`); `a` and `b`
+/// of one length.
+fn dot(avx2: bool, a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot product of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: AVX2 was detected on this CPU (`qsgd::avx2`); the body is safe Rust.
+        return unsafe { dot_avx2(a, b) };
+    }
+    let _ = avx2;
+    dot_body(a, b)
 }
 
 /// `q = m^T p`: (cols x rows) times (rows x r); blocks of columns in
@@ -103,6 +160,28 @@ pub fn initial_q(cols: usize, r: usize, seed: u64) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_products_agree_on_every_kernel_and_sum_in_lanes() {
+        for n in [0usize, 1, 15, 16, 17, 100, 4096] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
+            let (plain, fast) = (dot(false, &a, &b), dot(crate::quant::qsgd::avx2(), &a, &b));
+            assert_eq!(plain.to_bits(), fast.to_bits(), "n={n}");
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((plain as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "n={n}: {plain} vs {exact}");
+        }
+        // r = 2: each column of Q against each row of M.
+        let (rows, cols, r) = (3, 20, 2);
+        let m: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.5).collect();
+        let q: Vec<f32> = (0..cols * r).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect();
+        let mut p = vec![0f32; rows * r];
+        m_times_q(&m, &q, rows, cols, r, &mut p);
+        for i in 0..rows {
+            let s: f32 = m[i * cols..(i + 1) * cols].iter().sum();
+            assert_eq!((p[i * r], p[i * r + 1]), (s, -s));
+        }
+    }
 
     #[test]
     fn shapes_that_gain_are_compressed() {

@@ -83,7 +83,9 @@ fn factor(s: u32, scale: f32) -> f32 {
 
 /// `max |x|`, or `None` when an element is not finite (f32::max would skip NaN).
 pub fn max_abs(x: &[f32]) -> Option<f32> {
-    par::map_reduce(x, |_, c| c.iter().try_fold(0f32, |m, v| v.is_finite().then(|| m.max(v.abs()))), |a, b| Some(a?.max(b?)))
+    let avx2 = simd::avx2();
+    let (m, finite) = par::map_reduce(x, |_, c| simd::max_abs(avx2, c), |a, b| (a.0.max(b.0), a.1 && b.1));
+    finite.then_some(m)
 }
 
 /// Runs `work(offset, piece of a, piece of b)` over aligned pieces (`par`;
@@ -194,6 +196,11 @@ pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels:
     });
 }
 
+/// Whether this CPU has AVX2 (checked once), for the kernels compiled twice.
+pub(crate) fn avx2() -> bool {
+    simd::avx2()
+}
+
 /// The single-scale quantizer written so that the compiler vectorizes it,
 /// compiled twice: for the baseline target and with AVX2 (chosen at run
 /// time). The same IEEE operations in the same order: identical codes on
@@ -234,6 +241,42 @@ mod simd {
             let last = g.len() - 1;
             put(&mut c[last], code(g[last], ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24));
         }
+    }
+
+    /// (max |x|, every element finite), in 8 independent lanes the compiler
+    /// vectorizes. Max is exact whatever the order, so every kernel agrees.
+    #[inline(always)]
+    fn max_abs_body(x: &[f32]) -> (f32, bool) {
+        let (mut m, mut bad) = ([0f32; 8], [0u32; 8]);
+        let mut chunks = x.chunks_exact(8);
+        for c in &mut chunks {
+            for k in 0..8 {
+                let a = c[k].abs();
+                m[k] = if a > m[k] { a } else { m[k] };
+                bad[k] |= ((c[k].to_bits() & 0x7f80_0000) == 0x7f80_0000) as u32;
+            }
+        }
+        for &v in chunks.remainder() {
+            m[0] = if v.abs() > m[0] { v.abs() } else { m[0] };
+            bad[0] |= ((v.to_bits() & 0x7f80_0000) == 0x7f80_0000) as u32;
+        }
+        (m.iter().fold(0f32, |a, &b| a.max(b)), bad.iter().all(|&b| b == 0))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn max_abs_avx2(x: &[f32]) -> (f32, bool) {
+        max_abs_body(x)
+    }
+
+    pub fn max_abs(avx2: bool, x: &[f32]) -> (f32, bool) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: AVX2 was detected on this CPU (`avx2()`); the body is safe Rust.
+            return unsafe { max_abs_avx2(x) };
+        }
+        let _ = avx2;
+        max_abs_body(x)
     }
 
     /// Scales a table holds; callers with more take the general loop.
@@ -352,6 +395,27 @@ mod simd {
                 }
                 assert_eq!(plain, table);
             }
+        }
+
+        #[test]
+        fn max_abs_finds_the_largest_magnitude_and_any_non_finite_value() {
+            for n in [0usize, 1, 7, 8, 9, 100, 3 * crate::par::CHUNK + 5] {
+                let mut x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 997.0).collect();
+                let want = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert_eq!(super::super::max_abs(&x), Some(want), "n={n}");
+                assert_eq!(super::max_abs(false, &x), super::max_abs(super::avx2(), &x));
+                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                    for at in [0, n / 2, n.saturating_sub(1)] {
+                        if n > 0 {
+                            let keep = x[at];
+                            x[at] = bad;
+                            assert_eq!(super::super::max_abs(&x), None, "n={n} at={at}");
+                            x[at] = keep;
+                        }
+                    }
+                }
+            }
+            assert_eq!(super::super::max_abs(&[-0.0, -3.5, 2.0]), Some(3.5));
         }
 
         #[test]
