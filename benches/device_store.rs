@@ -43,24 +43,11 @@ fn main() {
     drop(residual);
     println!("gradpack device store push: {mi} Mi float32 elements per device, {threads} threads (PowerSGD: {side} x {side})");
     println!("{:<22} {:>8} {:>11} {:>9} {:>10} {:>10} {:>10}", "compression", "devices", "push ms", "vs none", "vs r+=g", "codec ms", "vs codec");
-    let cases: &[(&str, &[(&str, &str)])] = &[
-        ("none", &[]),
-        ("2bit", &[("compress", "2bit"), ("threshold", "0.5")]),
-        ("qsgd_mn 2", &[("compress", "qsgd_mn"), ("bits", "2")]),
-        ("qsgd_mn 8", &[("compress", "qsgd_mn"), ("bits", "8")]),
-        ("qsgd_mn_ts [2,6]", &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")]),
-        ("qsgd_mn_ms [2,4,8]", &[("compress", "qsgd_mn_ms"), ("bits", "[2, 4, 8]")]),
-        ("grandk_mn k=n/16 b=8", &[("compress", "grandk_mn"), ("bits", "8"), ("k", "")]),
-        ("powersgd r=1", &[("compress", "powersgd"), ("rank", "1")]),
-        ("powersgd r=4", &[("compress", "powersgd"), ("rank", "4")]),
-        ("1bit", &[("compress", "1bit")]),
-    ];
-    let k = (n / 16).to_string();
+    let cases: Vec<(&str, &[(&str, &str)])> = [("none", &[][..]), ("2bit", &[("compress", "2bit"), ("threshold", "0.5")][..])].into_iter().chain(common::SCHEMES.iter().copied()).collect();
     for devices in [2usize, 4] {
         let mut none = 0.0;
         for (name, params) in cases.iter().filter(|(name, _)| *name == "none" || name.contains(only.as_str())) {
-            let params: Vec<(&str, &str)> = params.iter().map(|&(a, b)| (a, if a == "k" { k.as_str() } else { b })).collect();
-            let c = if params.is_empty() { Compression::None } else { Compression::from_params(params.iter().copied()).unwrap() };
+            let c = common::compression(params, n);
             let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
             let len: usize = shape.iter().product();
             let kv = KVStore::new("device").unwrap();

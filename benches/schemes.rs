@@ -37,21 +37,9 @@ fn main() {
     };
     row("r += g loop (floor)", stream, None, 4.0);
     row("2bit (codec kernel)", codec, None, 0.25);
-    let schemes: &[(&str, &[(&str, &str)])] = &[
-        ("qsgd_mn 2", &[("compress", "qsgd_mn"), ("bits", "2")]),
-        ("qsgd_mn 8", &[("compress", "qsgd_mn"), ("bits", "8")]),
-        ("qsgd_mn_ts [2,6]", &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")]),
-        ("qsgd_mn_ms [2,4,8]", &[("compress", "qsgd_mn_ms"), ("bits", "[2, 4, 8]")]),
-        ("grandk_mn k=n/16 b=8", &[("compress", "grandk_mn"), ("bits", "8"), ("k", "")]),
-        ("powersgd r=1", &[("compress", "powersgd"), ("rank", "1")]),
-        ("powersgd r=4", &[("compress", "powersgd"), ("rank", "4")]),
-        ("1bit", &[("compress", "1bit")]),
-    ];
-    let k = (n / 16).to_string();
     let only = std::env::var("GRADPACK_BENCH_ONLY").unwrap_or_default();
-    for (name, params) in schemes.iter().filter(|(name, _)| name.contains(only.as_str())) {
-        let params: Vec<(&str, &str)> = params.iter().map(|&(a, b)| (a, if a == "k" { k.as_str() } else { b })).collect();
-        let c = Compression::from_params(params.iter().copied()).unwrap();
+    for (name, params) in common::SCHEMES.iter().filter(|(name, _)| name.contains(only.as_str())) {
+        let c = common::compression(params, n);
         let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
         let reps = if matches!(c, Compression::PowerSgd { .. }) { 3 } else { reps };
         let mut member = InProcess::new(1);

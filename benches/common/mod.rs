@@ -30,3 +30,29 @@ pub fn residual_add(residual: &mut [f32], grad: &[f32]) {
         }
     })
 }
+
+/// Every scheme the benchmarks measure: a name, and its compress_params
+/// (random-K's "k" is filled in by `compression`).
+#[allow(dead_code)] // not every benchmark measures schemes
+pub const SCHEMES: &[(&str, &[(&str, &str)])] = &[
+    ("qsgd_mn 2", &[("compress", "qsgd_mn"), ("bits", "2")]),
+    ("qsgd_mn 8", &[("compress", "qsgd_mn"), ("bits", "8")]),
+    ("qsgd_mn_ts [2,6]", &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")]),
+    ("qsgd_mn_ms [2,4,8]", &[("compress", "qsgd_mn_ms"), ("bits", "[2, 4, 8]")]),
+    ("grandk_mn k=n/16 b=8", &[("compress", "grandk_mn"), ("bits", "8"), ("k", "")]),
+    ("powersgd r=1", &[("compress", "powersgd"), ("rank", "1")]),
+    ("powersgd r=4", &[("compress", "powersgd"), ("rank", "4")]),
+    ("1bit", &[("compress", "1bit")]),
+];
+
+/// `params` for arrays of `n` elements (random-K sends k = n / 16); no
+/// params: no compression.
+#[allow(dead_code)]
+pub fn compression(params: &[(&str, &str)], n: usize) -> gradpack::compression::Compression {
+    if params.is_empty() {
+        return gradpack::compression::Compression::None;
+    }
+    let k = (n / 16).to_string();
+    let params = params.iter().map(|&(a, b)| (a, if a == "k" { k.as_str() } else { b }));
+    gradpack::compression::Compression::from_params(params).unwrap()
+}
