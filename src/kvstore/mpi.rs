@@ -156,10 +156,6 @@ impl AllreduceStore {
         let mine = allreduce::Agreement { op: allreduce::Op::Close, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
         allreduce::check_agree(&self.world, "closing the store", &mine)
     }
-
-    pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
-        self.local.pull(key, outs)
-    }
 }
 
 /// Sums a worker's devices into `e.merge_buf` (scratch, not state) and checks
