@@ -131,7 +131,7 @@ mod imp {
 
         fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
             let width = lanes::width_for(count.saturating_sub(1) as u64);
-            let mut words = lanes::pack_with(x.len(), width, |i| x[i] as u64);
+            let mut words = lanes::pack_slice(x, width, |v| v as u64);
             let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
             let per = 64 / width;
             let lane_min = UserOperation::commutative(move |a, b| {
@@ -157,7 +157,7 @@ mod imp {
                 Error::InvalidParam { key: "workers".into(), problem: format!("{} workers overflow a sum of codes in {lo}..={hi}", self.size) }
             })?;
             let width = lanes::width_for(total);
-            let mut words = lanes::pack_with(x.len(), width, |i| (x[i] as i64 - lo as i64) as u64);
+            let mut words = lanes::pack_slice(x, width, |v| (v as i64 - lo as i64) as u64);
             self.reduce(&mut words, SystemOperation::sum(), collective::codes_bytes(x.len(), lo, hi, self.size));
             let base = lo as i64 * self.size as i64;
             lanes::unpack_into(&words, width, x, |v| (v as i64 + base) as i32)?;

@@ -8,6 +8,7 @@
 //! wide enough for `workers * (hi - lo)`.
 
 use crate::error::{Error, Result};
+use crate::isa::Isa;
 
 /// Words per parallel piece (`par::chunks_of`).
 const TASK_WORDS: usize = 1 << 13;
@@ -56,6 +57,69 @@ pub fn pack_into_bytes(n: usize, width: u32, value: impl Fn(usize) -> u64 + Sync
     // SAFETY: [u8; 8] has alignment 1 and the length is a multiple of 8.
     let words = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[u8; 8]>(), out.len() / 8) };
     pack_core(n, width, value, words, |w, v| *w = v.to_le_bytes());
+}
+
+/// Packs `f(vals[i])` (each `< 2^width`) into `out`, one slot per word,
+/// words in parallel; `put` stores a finished word. The fast path for
+/// values in a slice: widths 1 to 32 are compiled each with its shifts
+/// fixed (`pack_kernel`), for every instruction set.
+fn pack_slice_core<T: Copy + Sync, O: Send>(vals: &[T], width: u32, f: impl Fn(T) -> u64 + Sync + Copy, out: &mut [O], put: impl Fn(&mut O, u64) + Sync + Copy) {
+    assert!((1..=64).contains(&width) && out.len() == words_for(vals.len(), width), "{} values of {width} bits into {} words", vals.len(), out.len());
+    let per = (64 / width) as usize;
+    let isa = Isa::detect();
+    crate::par::chunks_of(out, TASK_WORDS, |first_word, slots| {
+        let vals = &vals[first_word * per..((first_word + slots.len()) * per).min(vals.len())];
+        macro_rules! fixed {
+            ($($w:literal)*) => {
+                match width {
+                    $($w => pack_kernel::<$w, T, O, _, _>(isa, vals, f, slots, put),)*
+                    _ => pack_words(width, vals, f, slots, put),
+                }
+            };
+        }
+        fixed!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32)
+    });
+}
+
+/// `vals` into words of `per` lanes of `width` bits (`out` holds exactly
+/// the words they take).
+#[inline(always)]
+fn pack_words<T: Copy, O>(width: u32, vals: &[T], f: impl Fn(T) -> u64, out: &mut [O], put: impl Fn(&mut O, u64)) {
+    let per = (64 / width) as usize;
+    for (o, c) in out.iter_mut().zip(vals.chunks(per)) {
+        let mut acc = 0u64;
+        for (k, &v) in c.iter().enumerate() {
+            let v = f(v);
+            debug_assert!(width == 64 || v >> width == 0, "value {v} does not fit {width} bits");
+            acc |= v << (k as u32 * width);
+        }
+        put(o, acc);
+    }
+}
+
+#[inline(always)]
+fn pack_fixed<const WIDTH: u32, T: Copy, O, F: Fn(T) -> u64, P: Fn(&mut O, u64)>(vals: &[T], f: F, out: &mut [O], put: P) {
+    pack_words(WIDTH, vals, f, out, put)
+}
+
+crate::isa::multiversion! {
+    fn pack_kernel[const WIDTH: u32, T: Copy, O, F: Fn(T) -> u64, P: Fn(&mut O, u64)][WIDTH, T, O, F, P](vals: &[T], f: F, out: &mut [O], put: P) -> () = pack_fixed;
+}
+
+/// Packs `f(vals[i])` (each `< 2^width`) into words.
+pub fn pack_slice<T: Copy + Sync>(vals: &[T], width: u32, f: impl Fn(T) -> u64 + Sync + Copy) -> Vec<u64> {
+    let mut words = vec![0u64; words_for(vals.len(), width)];
+    pack_slice_core(vals, width, f, &mut words, |w, v| *w = v);
+    words
+}
+
+/// As `pack_slice`, writing the words' little-endian bytes straight into
+/// `out` (`8 * words_for(vals.len(), width)` bytes): the wire form without a copy.
+pub fn pack_slice_into_bytes<T: Copy + Sync>(vals: &[T], width: u32, f: impl Fn(T) -> u64 + Sync + Copy, out: &mut [u8]) {
+    assert_eq!(out.len(), 8 * words_for(vals.len(), width), "packed lanes need whole words");
+    // SAFETY: [u8; 8] has alignment 1 and the length is a multiple of 8.
+    let words = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<[u8; 8]>(), out.len() / 8) };
+    pack_slice_core(vals, width, f, words, |w, v| *w = v.to_le_bytes());
 }
 
 /// Unpacks `out.len()` values from `words` words (`word_at(i)`) into `out`
@@ -166,6 +230,7 @@ mod tests {
             let vals: Vec<u64> = (0..101u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) & max).collect();
             let words = pack_with(101, width, |i| vals[i]);
             assert_eq!(words.len(), words_for(101, width));
+            assert_eq!(pack_slice(&vals, width, |v| v), words, "width {width}");
             let mut back = vec![0u64; 101];
             unpack_into(&words, width, &mut back, |v| v).unwrap();
             assert_eq!(back, vals);

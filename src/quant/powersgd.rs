@@ -5,6 +5,8 @@
 
 use rayon::prelude::*;
 
+use crate::isa::Isa;
+
 /// `(rows, cols, r)` when a rank-`rank` approximation of `shape` saves bytes
 /// (`r (rows + cols) < rows cols`, r = rank capped at min(rows, cols)); `None`
 /// for vectors and for matrices too small to gain, which go uncompressed.
@@ -33,11 +35,11 @@ pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &m
             qt[j * cols + c] = v;
         }
     }
-    let avx2 = crate::quant::qsgd::avx2();
+    let isa = Isa::detect();
     let row = |i: usize, p_row: &mut [f32]| {
         let m_row = &m[i * cols..(i + 1) * cols];
         for (j, pj) in p_row.iter_mut().enumerate() {
-            *pj = dot(avx2, m_row, &qt[j * cols..(j + 1) * cols]);
+            *pj = dot(isa, m_row, &qt[j * cols..(j + 1) * cols]);
         }
     };
     if rows * cols > PARALLEL {
@@ -74,23 +76,15 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     acc[0]
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_body(a, b)
+crate::isa::multiversion! {
+    /// `sum a[c] b[c]` in `LANES` running sums (see `m_times_q`); `a` and
+    /// `b` of one length (the caller's assert).
+    fn dot_kernel[][](a: &[f32], b: &[f32]) -> f32 = dot_body;
 }
 
-/// `sum a[c] b[c]` in `LANES` running sums (see `m_times_q`); `a` and `b`
-/// of one length.
-fn dot(avx2: bool, a: &[f32], b: &[f32]) -> f32 {
+fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot product of different lengths");
-    #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: AVX2 was detected on this CPU (`qsgd::avx2`); the body is safe Rust.
-        return unsafe { dot_avx2(a, b) };
-    }
-    let _ = avx2;
-    dot_body(a, b)
+    dot_kernel(isa, a, b)
 }
 
 /// `q = m^T p`: (cols x rows) times (rows x r); blocks of columns in
@@ -166,8 +160,10 @@ mod tests {
         for n in [0usize, 1, 15, 16, 17, 100, 4096] {
             let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
-            let (plain, fast) = (dot(false, &a, &b), dot(crate::quant::qsgd::avx2(), &a, &b));
-            assert_eq!(plain.to_bits(), fast.to_bits(), "n={n}");
+            let plain = dot(Isa::Baseline, &a, &b);
+            for isa in Isa::available() {
+                assert_eq!(plain.to_bits(), dot(isa, &a, &b).to_bits(), "{isa:?} n={n}");
+            }
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((plain as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "n={n}: {plain} vs {exact}");
         }

@@ -10,6 +10,8 @@
 //! generator keyed by the caller's seed, so a worker's codes are reproducible
 //! and different workers (different seeds) round independently.
 
+use super::noise;
+use crate::isa::Isa;
 use crate::par;
 
 use crate::error::{Error, Result};
@@ -35,26 +37,9 @@ pub fn max_workers(bits: u32) -> Result<u64> {
     Ok(i32::MAX as u64 / levels(bits)? as u64)
 }
 
-/// splitmix64 of (seed, i).
-#[inline(always)]
-fn mix(seed: u64, i: u64) -> u64 {
-    hash::finalize(seed ^ i.wrapping_mul(hash::GAMMA))
-}
-
-const TWO_POW_MINUS_24: f32 = 1.0 / (1u32 << 24) as f32;
-
-/// A uniform float in [0, 1) for element `i` under `seed`.
-#[inline(always)]
+/// A uniform float in [0, 1) for element `i` under `seed` (`noise`).
 pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
-    (mix(seed, i) >> 40) as f32 * TWO_POW_MINUS_24
-}
-
-/// The rounding noise of elements `2p` and `2p + 1`: two 24-bit uniforms from
-/// one 64-bit hash (the hash is most of a code's cost).
-#[inline(always)]
-fn noise_pair(seed: u64, p: u64) -> [f32; 2] {
-    let h = mix(seed, p);
-    [(h >> 40) as f32 * TWO_POW_MINUS_24, ((h >> 8) & 0xFF_FFFF) as f32 * TWO_POW_MINUS_24]
+    noise::uniform(seed, i)
 }
 
 /// The noise seed of one quantization: the configured `seed`, the key's push
@@ -83,8 +68,8 @@ fn factor(s: u32, scale: f32) -> f32 {
 
 /// `max |x|`, or `None` when an element is not finite (f32::max would skip NaN).
 pub fn max_abs(x: &[f32]) -> Option<f32> {
-    let avx2 = simd::avx2();
-    let (m, finite) = par::map_reduce(x, |_, c| simd::max_abs(avx2, c), |a, b| (a.0.max(b.0), a.1 && b.1));
+    let isa = Isa::detect();
+    let (m, finite) = par::map_reduce(x, |_, c| kernels::max_abs(isa, c), |a, b| (a.0.max(b.0), a.1 && b.1));
     finite.then_some(m)
 }
 
@@ -94,39 +79,33 @@ fn chunked<A: Sync, B: Send>(a: &[A], b: &mut [B], work: impl Fn(usize, &[A], &m
     par::chunks(b, |start, b| work(start, &a[start..start + b.len()], b));
 }
 
-/// `ceil(x)` for `0 <= x < 2^31` by truncation (ceilf is a call without SSE4.1).
-#[inline(always)]
-fn ceil_nonneg(x: f32) -> f32 {
-    let t = x as u32;
-    (t + ((t as f32) < x) as u32) as f32
-}
+/// The most scales one quantization takes (a compression has at most
+/// `compression::MAX_SCALES`): the kernels look them up in a table this long.
+pub const MAX_LEVELS: usize = kernels::TABLE;
 
 /// Multi-scale QSGD: for every element, the index of the finest level `j`
-/// (`levels` ascending) whose largest possible code `ceil(|g| s_j / M)` still
-/// fits the coarsest range `s_0`. The choice depends on `g` only, never on
-/// rounding noise, so each element's estimate stays unbiased.
+/// (`levels` ascending, at most `MAX_LEVELS`) whose largest possible code
+/// `ceil(|g| s_j / M)` still fits the coarsest range `s_0`. The choice
+/// depends on `g` only, never on rounding noise, so each element's estimate
+/// stays unbiased.
 pub fn fit_levels(grad: &[f32], scale: f32, levels: &[u32], out: &mut [u8]) {
-    let s0 = levels[0] as f32;
-    let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
-    chunked(grad, out, |_, g, o| {
-        for (o, &g) in o.iter_mut().zip(g) {
-            let a = g.abs();
-            // finest first: most elements fit there at once
-            let mut j = factors.len() - 1;
-            while j > 0 && ceil_nonneg(a * factors[j]) > s0 {
-                j -= 1;
-            }
-            *o = j as u8;
-        }
-    });
+    assert!(!levels.is_empty() && levels.len() <= MAX_LEVELS, "{} scales (1 to {MAX_LEVELS})", levels.len());
+    let mut ft = [0f32; kernels::TABLE];
+    levels.iter().zip(ft.iter_mut()).for_each(|(&s, f)| *f = factor(s, scale));
+    let (isa, s0, count) = (Isa::detect(), levels[0] as f32, levels.len());
+    chunked(grad, out, |_, g, o| kernels::fit(isa, g, o, &ft, count, s0));
 }
 
 /// Quantizes every element at its level (`level_of[i]`, or level 0 for all
 /// when `None`): codes in `[-s_j, s_j]`, and within `[-s_0, s_0]` whenever the
 /// levels came from `fit_levels` (or a MIN of several workers' choices).
+/// At most `MAX_LEVELS` scales.
 pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) -> Result<()> {
     if codes.len() != grad.len() {
         return Err(Error::SizeMismatch { what: "codes", expected: grad.len(), got: codes.len() });
+    }
+    if levels.is_empty() || levels.len() > MAX_LEVELS {
+        return Err(bad("levels", format!("give 1 to {MAX_LEVELS} scales, got {}", levels.len())));
     }
     if !scale.is_finite() || scale < 0.0 {
         return Err(bad("scale", format!("must be finite and >= 0, got {scale}")));
@@ -150,107 +129,127 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
     Ok(())
 }
 
-/// `quantize_at` for arguments the caller has checked: lengths equal, scale
-/// finite and at least `max|g|`, every level index in range.
+/// `quantize_at` for arguments the caller has checked: lengths equal, 1 to
+/// `MAX_LEVELS` scales, scale finite and at least `max|g|`, every level
+/// index in range (the kernels stay memory-safe without these; the codes
+/// would be wrong).
 /// With `ADD`, each code is added to `codes` (a sum over members that the
 /// caller bounds) instead of written.
 pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) {
-    let factors: Vec<f32> = levels.iter().map(|&s| factor(s, scale)).collect();
-    let (f0, s0) = (factors[0], levels[0] as f32);
-    let avx2 = simd::avx2();
+    assert!(!levels.is_empty() && levels.len() <= MAX_LEVELS, "{} scales (1 to {MAX_LEVELS})", levels.len());
+    let isa = Isa::detect();
     match level_of {
-        None => return chunked(grad, codes, |offset, g, c| simd::single::<ADD>(avx2, g, c, offset, seed, f0, s0)),
-        Some(l) if levels.len() <= simd::TABLE => {
-            let (mut ft, mut st) = ([0f32; simd::TABLE], [0f32; simd::TABLE]);
-            ft[..levels.len()].copy_from_slice(&factors);
-            levels.iter().zip(st.iter_mut()).for_each(|(&s, t)| *t = s as f32);
-            return chunked(grad, codes, |offset, g, c| simd::levels::<ADD>(avx2, g, &l[offset..offset + g.len()], c, offset, seed, &ft, &st));
+        None => {
+            let (f0, s0) = (factor(levels[0], scale), levels[0] as f32);
+            chunked(grad, codes, |offset, g, c| kernels::single::<ADD>(isa, g, c, offset, seed, f0, s0))
         }
-        Some(_) => {}
-    }
-    // Chunks start at even offsets, so pairs of elements share one hash.
-    chunked(grad, codes, |offset, g, c| {
-        for (p, (cp, gp)) in c.chunks_mut(2).zip(g.chunks(2)).enumerate() {
-            let i = offset + 2 * p;
-            let u = noise_pair(seed, (i / 2) as u64);
-            for (t, (c, &g)) in cp.iter_mut().zip(gp).enumerate() {
-                let (f, s) = match level_of {
-                    None => (f0, s0),
-                    Some(l) => {
-                        let lv = l[i + t] as usize;
-                        (factors[lv], levels[lv] as f32)
-                    }
-                };
-                let l = (g.abs() * f).min(s);
-                // l >= 0: truncation is floor (a call to floorf without SSE4.1)
-                let floor = l as i32;
-                let level = floor + (u[t] < l - floor as f32) as i32;
-                let code = if g < 0.0 { -level } else { level };
-                if ADD {
-                    *c += code;
-                } else {
-                    *c = code;
-                }
+        Some(l) => {
+            let (mut ft, mut st) = ([0f32; kernels::TABLE], [0f32; kernels::TABLE]);
+            for (j, &s) in levels.iter().enumerate() {
+                (ft[j], st[j]) = (factor(s, scale), s as f32);
             }
+            chunked(grad, codes, |offset, g, c| kernels::levels::<ADD>(isa, g, &l[offset..offset + g.len()], c, offset, seed, &ft, &st))
         }
-    });
+    }
 }
 
-/// Whether this CPU has AVX2 (checked once), for the kernels compiled twice.
-pub(crate) fn avx2() -> bool {
-    simd::avx2()
-}
+/// QSGD's kernels, each one body compiled for every instruction set
+/// (`isa::multiversion`) and tested against `reference`. Noise is drawn per
+/// element from `noise`, inline, so whole vectors of codes come at once.
+mod kernels {
+    use super::noise::{self, Keys};
+    use crate::isa::{multiversion, Isa};
 
-/// The single-scale quantizer written so that the compiler vectorizes it,
-/// compiled twice: for the baseline target and with AVX2 (chosen at run
-/// time). The same IEEE operations in the same order: identical codes on
-/// every machine and kernel.
-mod simd {
-    use super::{mix, TWO_POW_MINUS_24};
+    /// Scales a kernel's table holds.
+    pub const TABLE: usize = 16;
 
-    pub fn avx2() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+    /// The largest level count a kernel takes (`MAX_BITS` needs 2^15 - 1).
+    const MAX_S: f32 = (1u32 << 30) as f32;
+
+    /// `(f, s)` made safe for `code`: `f >= 0` and `s` in `[0, MAX_S]`
+    /// (anything else, NaN included, becomes 0). Callers pass values that
+    /// already are; this makes the kernels sound for any input.
+    #[inline(always)]
+    fn sane(f: f32, s: f32) -> (f32, f32) {
+        (if f >= 0.0 { f } else { 0.0 }, if (0.0..=MAX_S).contains(&s) { s } else { 0.0 })
+    }
+
+    /// The code of `g` at factor `f = s / M` and `s` levels (both `sane`),
+    /// with noise `u`.
+    #[inline(always)]
+    pub(super) fn code(g: f32, u: f32, f: f32, s: f32) -> i32 {
+        // |g| f is >= 0 or NaN (0 times an infinite factor), and min takes s
+        // over a NaN: l is in [0, s].
+        let l = (g.abs() * f).min(s);
+        // SAFETY: l is finite and in [0, 2^30] (above), so truncation fits
+        // an i32; truncation of l >= 0 is floor. (A plain `as` saturates,
+        // which the compiler cannot vectorize.)
+        let floor: i32 = unsafe { l.to_int_unchecked() };
+        let level = floor + (u < l - floor as f32) as i32;
+        if g < 0.0 {
+            -level
+        } else {
+            level
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
     }
 
     #[inline(always)]
-    fn body<const ADD: bool>(g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
-        let code = |g: f32, u: f32| {
-            let l = (g.abs() * f0).min(s0);
-            let floor = l as i32; // l >= 0: truncation is floor
-            let level = floor + (u < l - floor as f32) as i32;
-            if g < 0.0 { -level } else { level }
-        };
-        let put = |c: &mut i32, v: i32| if ADD { *c += v } else { *c = v };
-        let pairs = g.len() / 2;
-        let first = (offset / 2) as u64;
-        for p in 0..pairs {
-            let h = mix(seed, first + p as u64);
-            let u0 = ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24;
-            let u1 = (((h >> 8) & 0xFF_FFFF) as i32) as f32 * TWO_POW_MINUS_24;
-            put(&mut c[2 * p], code(g[2 * p], u0));
-            put(&mut c[2 * p + 1], code(g[2 * p + 1], u1));
+    fn put<const ADD: bool>(c: &mut i32, v: i32) {
+        if ADD {
+            *c += v
+        } else {
+            *c = v
         }
-        if g.len() % 2 == 1 {
-            let h = mix(seed, first + pairs as u64);
-            let last = g.len() - 1;
-            put(&mut c[last], code(g[last], ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24));
+    }
+
+    #[inline(always)]
+    fn single_body<const ADD: bool>(g: &[f32], c: &mut [i32], k: Keys, first: u32, f0: f32, s0: f32) {
+        let (f0, s0) = sane(f0, s0);
+        for (j, (c, &g)) in c.iter_mut().zip(g).enumerate() {
+            put::<ADD>(c, code(g, noise::unit(k, first.wrapping_add(j as u32)), f0, s0));
         }
+    }
+
+    #[inline(always)]
+    fn levels_body<const ADD: bool>(g: &[f32], l: &[u8], c: &mut [i32], k: Keys, first: u32, ft: &[f32; TABLE], st: &[f32; TABLE]) {
+        let (mut ft, mut st) = (*ft, *st);
+        for (f, s) in ft.iter_mut().zip(st.iter_mut()) {
+            (*f, *s) = sane(*f, *s);
+        }
+        for (j, ((c, &g), &lv)) in c.iter_mut().zip(g).zip(l).enumerate() {
+            let lv = lv as usize % TABLE; // in range by the caller's check; the mask keeps the lookup branch-free
+            put::<ADD>(c, code(g, noise::unit(k, first.wrapping_add(j as u32)), ft[lv], st[lv]));
+        }
+    }
+
+    multiversion! {
+        fn single_kernel[const ADD: bool][ADD](g: &[f32], c: &mut [i32], k: Keys, first: u32, f0: f32, s0: f32) -> () = single_body;
+    }
+    multiversion! {
+        fn levels_kernel[const ADD: bool][ADD](g: &[f32], l: &[u8], c: &mut [i32], k: Keys, first: u32, ft: &[f32; TABLE], st: &[f32; TABLE]) -> () = levels_body;
+    }
+
+    /// Codes of `g` (elements `offset..` of the stream `seed`) into `c`.
+    pub fn single<const ADD: bool>(isa: Isa, g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
+        assert!(g.len() == c.len(), "qsgd kernel: {} values, {} codes", g.len(), c.len());
+        noise::spans(seed, offset, g.len(), |k, first, r| single_kernel::<ADD>(isa, &g[r.clone()], &mut c[r], k, first, f0, s0));
+    }
+
+    /// Codes of `g` at the scales `l` names (table entries) into `c`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn levels<const ADD: bool>(isa: Isa, g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
+        assert!(g.len() == c.len() && g.len() == l.len(), "qsgd kernel: {} values, {} scales, {} codes", g.len(), l.len(), c.len());
+        noise::spans(seed, offset, g.len(), |k, first, r| levels_kernel::<ADD>(isa, &g[r.clone()], &l[r.clone()], &mut c[r], k, first, ft, st));
     }
 
     /// (max |x|, every element finite), in 8 independent lanes the compiler
     /// vectorizes. Max is exact whatever the order, so every kernel agrees.
     #[inline(always)]
     fn max_abs_body(x: &[f32]) -> (f32, bool) {
-        let (mut m, mut bad) = ([0f32; 8], [0u32; 8]);
-        let mut chunks = x.chunks_exact(8);
+        let (mut m, mut bad) = ([0f32; 16], [0u32; 16]);
+        let mut chunks = x.chunks_exact(16);
         for c in &mut chunks {
-            for k in 0..8 {
+            for k in 0..16 {
                 let a = c[k].abs();
                 m[k] = if a > m[k] { a } else { m[k] };
                 bad[k] |= ((c[k].to_bits() & 0x7f80_0000) == 0x7f80_0000) as u32;
@@ -263,179 +262,142 @@ mod simd {
         (m.iter().fold(0f32, |a, &b| a.max(b)), bad.iter().all(|&b| b == 0))
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn max_abs_avx2(x: &[f32]) -> (f32, bool) {
-        max_abs_body(x)
+    multiversion! {
+        pub fn max_abs[][](x: &[f32]) -> (f32, bool) = max_abs_body;
     }
 
-    pub fn max_abs(avx2: bool, x: &[f32]) -> (f32, bool) {
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: AVX2 was detected on this CPU (`avx2()`); the body is safe Rust.
-            return unsafe { max_abs_avx2(x) };
-        }
-        let _ = avx2;
-        max_abs_body(x)
-    }
+    /// Fit in blocks this long: each scale's pass over a block stays in L1.
+    const FIT_BLOCK: usize = 512;
 
-    /// Scales a table holds; callers with more take the general loop.
-    pub const TABLE: usize = 16;
-
+    /// `o[i]`: how many of scales `1..count` give `|g| f_k <= s0`. Factors
+    /// ascend with the scales, so that count is the finest scale that fits
+    /// (`ceil(x) <= s0` exactly when `x <= s0`, `s0` a whole number). A NaN
+    /// product (0 times an infinite factor) fits, as the code it makes does.
     #[inline(always)]
-    fn body_levels<const ADD: bool>(g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
-        let code = |g: f32, j: u8, u: f32| {
-            let j = (j as usize) % TABLE; // in range by the caller's check; the mask keeps the lookup branch-free
-            let l = (g.abs() * ft[j]).min(st[j]);
-            let floor = l as i32;
-            let level = floor + (u < l - floor as f32) as i32;
-            if g < 0.0 { -level } else { level }
-        };
-        let put = |c: &mut i32, v: i32| if ADD { *c += v } else { *c = v };
-        let pairs = g.len() / 2;
-        let first = (offset / 2) as u64;
-        for p in 0..pairs {
-            let h = mix(seed, first + p as u64);
-            let u0 = ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24;
-            let u1 = (((h >> 8) & 0xFF_FFFF) as i32) as f32 * TWO_POW_MINUS_24;
-            put(&mut c[2 * p], code(g[2 * p], l[2 * p], u0));
-            put(&mut c[2 * p + 1], code(g[2 * p + 1], l[2 * p + 1], u1));
-        }
-        if g.len() % 2 == 1 {
-            let h = mix(seed, first + pairs as u64);
-            let last = g.len() - 1;
-            put(&mut c[last], code(g[last], l[last], ((h >> 40) as i32) as f32 * TWO_POW_MINUS_24));
+    fn fit_body(g: &[f32], o: &mut [u8], ft: &[f32; TABLE], count: usize, s0: f32) {
+        for (g, o) in g.chunks(FIT_BLOCK).zip(o.chunks_mut(FIT_BLOCK)) {
+            o.fill(0);
+            for &f in &ft[1..count.clamp(1, TABLE)] {
+                for (o, &g) in o.iter_mut().zip(g) {
+                    *o += !(g.abs() * f > s0) as u8;
+                }
+            }
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn body_levels_avx2<const ADD: bool>(g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
-        body_levels::<ADD>(g, l, c, offset, seed, ft, st)
-    }
-
-    /// Codes of `g` at the scales `l` names (each below the table's
-    /// used length) into `c`; all of one length, `offset` even.
-    #[allow(clippy::too_many_arguments)]
-    pub fn levels<const ADD: bool>(avx2: bool, g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
-        assert!(g.len() == c.len() && g.len() == l.len() && offset % 2 == 0, "qsgd kernel: {} values, {} scales, {} codes", g.len(), l.len(), c.len());
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: AVX2 was detected on this CPU (`avx2()`); the body is
-            // safe Rust, so its only precondition is the instruction set.
-            return unsafe { body_levels_avx2::<ADD>(g, l, c, offset, seed, ft, st) };
-        }
-        let _ = avx2;
-        body_levels::<ADD>(g, l, c, offset, seed, ft, st)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn body_avx2<const ADD: bool>(g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
-        body::<ADD>(g, c, offset, seed, f0, s0)
-    }
-
-    /// Codes of `g` (elements `offset..`, `offset` even) into `c` (same length).
-    pub fn single<const ADD: bool>(avx2: bool, g: &[f32], c: &mut [i32], offset: usize, seed: u64, f0: f32, s0: f32) {
-        assert!(g.len() == c.len() && offset % 2 == 0, "qsgd kernel: {} values, {} codes, offset {offset}", g.len(), c.len());
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: AVX2 was detected on this CPU (`avx2()`); the body is
-            // safe Rust, so its only precondition is the instruction set.
-            return unsafe { body_avx2::<ADD>(g, c, offset, seed, f0, s0) };
-        }
-        let _ = avx2;
-        body::<ADD>(g, c, offset, seed, f0, s0)
+    multiversion! {
+        pub fn fit[][](g: &[f32], o: &mut [u8], ft: &[f32; TABLE], count: usize, s0: f32) -> () = fit_body;
     }
 
     #[cfg(test)]
     mod tests {
-        #[test]
-        fn the_single_scale_kernel_matches_the_per_element_path() {
-            // level_of = all zeros with one level runs the general loop.
-            for n in [1usize, 2, 7, 64, 1001, 3 * crate::par::CHUNK + 3] {
-                let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0).collect();
-                let (mut fast, mut general) = (vec![0i32; n], vec![0i32; n]);
-                super::super::quantize_levels::<false>(&g, 1.0, &[7], None, 99, &mut fast);
-                super::super::quantize_levels::<false>(&g, 1.0, &[7], Some(&vec![0u8; n]), 99, &mut general);
-                assert_eq!(fast, general, "n={n}");
-            }
+        use super::super::{factor, reference};
+        use super::*;
+
+        fn grad(n: usize) -> Vec<f32> {
+            (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 997.0).collect()
         }
 
-        #[test]
-        fn the_table_kernel_matches_the_per_element_path_at_every_scale() {
-            let n = 3 * crate::par::CHUNK + 5;
-            let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0).collect();
-            let levels = [3u32, 15, 255];
-            let mut l = vec![0u8; n];
-            super::super::fit_levels(&g, 1.0, &levels, &mut l);
-            assert!(l.contains(&0) && l.contains(&2));
-            for add in [false, true] {
-                let (mut table, mut general) = (vec![2i32; n], vec![2i32; n]);
-                // 17 scales (more than the table) takes the general loop; the first three are the same.
-                let many: Vec<u32> = levels.iter().copied().chain((0..14).map(|k| 1023 + k)).collect();
-                if add {
-                    super::super::quantize_levels::<true>(&g, 1.0, &levels, Some(&l), 5, &mut table);
-                    super::super::quantize_levels::<true>(&g, 1.0, &many, Some(&l), 5, &mut general);
-                } else {
-                    super::super::quantize_levels::<false>(&g, 1.0, &levels, Some(&l), 5, &mut table);
-                    super::super::quantize_levels::<false>(&g, 1.0, &many, Some(&l), 5, &mut general);
-                }
-                assert_eq!(table, general);
-                let mut plain = vec![2i32; n];
-                let (mut ft, mut st) = ([0f32; super::TABLE], [0f32; super::TABLE]);
-                for (j, &s) in levels.iter().enumerate() {
-                    (ft[j], st[j]) = (super::super::factor(s, 1.0), s as f32);
-                }
-                if add {
-                    super::levels::<true>(false, &g, &l, &mut plain, 0, 5, &ft, &st);
-                } else {
-                    super::levels::<false>(false, &g, &l, &mut plain, 0, 5, &ft, &st);
-                }
-                assert_eq!(plain, table);
-            }
-        }
+        const SIZES: [usize; 12] = [0, 1, 7, 8, 9, 15, 16, 17, 33, 511, 513, 1001];
 
         #[test]
-        fn max_abs_finds_the_largest_magnitude_and_any_non_finite_value() {
-            for n in [0usize, 1, 7, 8, 9, 100, 3 * crate::par::CHUNK + 5] {
-                let mut x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 997.0).collect();
-                let want = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                assert_eq!(super::super::max_abs(&x), Some(want), "n={n}");
-                assert_eq!(super::max_abs(false, &x), super::max_abs(super::avx2(), &x));
-                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-                    for at in [0, n / 2, n.saturating_sub(1)] {
-                        if n > 0 {
-                            let keep = x[at];
-                            x[at] = bad;
-                            assert_eq!(super::super::max_abs(&x), None, "n={n} at={at}");
-                            x[at] = keep;
+        fn every_kernel_matches_the_reference() {
+            let scales = [3u32, 15, 255];
+            let (mut ft, mut st) = ([0f32; TABLE], [0f32; TABLE]);
+            for (j, &s) in scales.iter().enumerate() {
+                (ft[j], st[j]) = (factor(s, 1.0031), s as f32);
+            }
+            for n in SIZES {
+                let g = grad(n);
+                let mut want_l = vec![0u8; n];
+                reference::fit_levels(&g, 1.0031, &scales, &mut want_l);
+                assert!(n < 1000 || (want_l.contains(&0) && want_l.contains(&2)));
+                let want_single = reference::quantize(&g, 1.0031, &scales[..1], None, 10, 77);
+                let want_levels = reference::quantize(&g, 1.0031, &scales, Some(&want_l), 10, 5);
+                for isa in Isa::available() {
+                    let mut l = vec![9u8; n];
+                    fit(isa, &g, &mut l, &ft, scales.len(), 3.0);
+                    assert_eq!(l, want_l, "{isa:?} n={n}");
+                    for add in [false, true] {
+                        let (mut a, mut b) = (vec![2i32; n], vec![2i32; n]);
+                        if add {
+                            single::<true>(isa, &g, &mut a, 10, 77, ft[0], st[0]);
+                            levels::<true>(isa, &g, &l, &mut b, 10, 5, &ft, &st);
+                        } else {
+                            single::<false>(isa, &g, &mut a, 10, 77, ft[0], st[0]);
+                            levels::<false>(isa, &g, &l, &mut b, 10, 5, &ft, &st);
                         }
+                        let base = if add { 2 } else { 0 };
+                        assert!(a.iter().zip(&want_single).all(|(x, w)| *x == w + base), "{isa:?} single n={n} add={add}");
+                        assert!(b.iter().zip(&want_levels).all(|(x, w)| *x == w + base), "{isa:?} levels n={n} add={add}");
+                    }
+                    let mut x = g.clone();
+                    assert_eq!(max_abs(isa, &x), (x.iter().fold(0f32, |m, v| m.max(v.abs())), true), "{isa:?} n={n}");
+                    if n > 0 {
+                        x[n - 1] = f32::NAN;
+                        assert!(!max_abs(isa, &x).1);
                     }
                 }
             }
-            assert_eq!(super::super::max_abs(&[-0.0, -3.5, 2.0]), Some(3.5));
         }
 
         #[test]
-        fn both_kernels_give_the_same_codes() {
-            let n = 1001;
-            let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 997.0).collect();
-            for (f0, s0) in [(3.0f32, 3.0f32), (127.0 / 1.0031, 127.0), (0.0, 1.0)] {
-                for add in [false, true] {
-                    let (mut a, mut b) = (vec![1i32; n], vec![1i32; n]);
-                    if add {
-                        super::single::<true>(false, &g, &mut a, 10, 77, f0, s0);
-                        super::single::<true>(super::avx2(), &g, &mut b, 10, 77, f0, s0);
-                    } else {
-                        super::single::<false>(false, &g, &mut a, 10, 77, f0, s0);
-                        super::single::<false>(super::avx2(), &g, &mut b, 10, 77, f0, s0);
-                    }
-                    assert_eq!(a, b);
+        fn an_all_zero_scale_and_infinite_factors_agree_with_the_reference() {
+            // scale 0 gives factors 0; a tiny scale gives infinite factors.
+            for scale in [0.0f32, 1e-45] {
+                let g = vec![0.0f32, -0.0, 1e-45, -1e-45, 0.0];
+                let scales = [1u32, 7];
+                let (mut ft, mut st) = ([0f32; TABLE], [0f32; TABLE]);
+                for (j, &s) in scales.iter().enumerate() {
+                    (ft[j], st[j]) = (factor(s, scale), s as f32);
+                }
+                let mut want_l = vec![0u8; 5];
+                reference::fit_levels(&g, scale, &scales, &mut want_l);
+                let want = reference::quantize(&g, scale, &scales, Some(&want_l), 0, 3);
+                for isa in Isa::available() {
+                    let (mut l, mut c) = (vec![0u8; 5], vec![0i32; 5]);
+                    fit(isa, &g, &mut l, &ft, 2, 1.0);
+                    levels::<false>(isa, &g, &l, &mut c, 0, 3, &ft, &st);
+                    assert_eq!((&l, &c), (&want_l, &want), "{isa:?} scale={scale}");
                 }
             }
         }
+    }
+}
+
+/// The scalar oracle the kernels are tested against (STYLE: never called
+/// in production): one element at a time, as the module docs define it.
+#[cfg(test)]
+mod reference {
+    use super::{factor, noise};
+
+    pub fn fit_levels(grad: &[f32], scale: f32, levels: &[u32], out: &mut [u8]) {
+        let s0 = levels[0] as f32;
+        for (o, &g) in out.iter_mut().zip(grad) {
+            // finest first; `ceil` of a NaN (0 times an infinite factor) is NaN, which fits
+            let mut j = levels.len() - 1;
+            while j > 0 && (g.abs() * factor(levels[j], scale)).ceil() > s0 {
+                j -= 1;
+            }
+            *o = j as u8;
+        }
+    }
+
+    pub fn quantize(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, offset: usize, seed: u64) -> Vec<i32> {
+        grad.iter()
+            .enumerate()
+            .map(|(i, &g)| {
+                let j = level_of.map_or(0, |l| l[i] as usize);
+                let (f, s) = (factor(levels[j], scale), levels[j] as f32);
+                let l = (g.abs() * f).min(s);
+                let level = l.floor() as i32 + (noise::uniform(seed, (offset + i) as u64) < l - l.floor()) as i32;
+                if g < 0.0 {
+                    -level
+                } else {
+                    level
+                }
+            })
+            .collect()
     }
 }
 

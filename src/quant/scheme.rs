@@ -478,7 +478,7 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
             let width = lanes::width_for(*count as u64 - 1);
             let start = out.len();
             out.resize(start + 8 * lanes::words_for(levels.len(), width), 0);
-            lanes::pack_into_bytes(levels.len(), width, |i| levels[i] as u64, &mut out[start..]);
+            lanes::pack_slice_into_bytes(levels, width, |l| l as u64, &mut out[start..]);
         }
         Part::Codes { codes, lo, hi } => {
             let (lo, hi) = (&(lo * workers), &(hi * workers));
@@ -490,7 +490,7 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
             let lo = *lo as i64;
             let start = out.len();
             out.resize(start + 8 * lanes::words_for(codes.len(), width), 0);
-            lanes::pack_into_bytes(codes.len(), width, |i| (codes[i] as i64 - lo) as u64, &mut out[start..]);
+            lanes::pack_slice_into_bytes(codes, width, |c| (c as i64 - lo) as u64, &mut out[start..]);
         }
     }
 }

@@ -1,0 +1,112 @@
+//! Which instruction set the scheme kernels are compiled for: detected
+//! once, cached in one enum, and a macro that compiles one kernel body for
+//! each. Every version performs the same integer and IEEE operations in the
+//! same order (no FMA, no reassociation), so every machine and kernel gives
+//! the same bits; the tests compare each version this CPU can run.
+//!
+//! The 2-bit codec keeps its own hand-written AVX2 kernels (`codec::platform`).
+
+use std::sync::OnceLock;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// The build's baseline target: runs everywhere.
+    Baseline,
+    /// x86-64 with AVX2 (8 float lanes).
+    Avx2,
+    /// x86-64 with AVX-512 F, BW, VL and DQ (16 float lanes).
+    Avx512,
+}
+
+impl Isa {
+    /// The widest set this CPU supports; detected on first use, then cached.
+    /// `GRADPACK_KERNEL=portable` forces the baseline and `=avx2` caps it at
+    /// AVX2 (for benchmarks, and to run one machine as another).
+    pub fn detect() -> Isa {
+        static CHOICE: OnceLock<Isa> = OnceLock::new();
+        *CHOICE.get_or_init(|| {
+            let cap = match std::env::var("GRADPACK_KERNEL").as_deref() {
+                Ok("portable") => Isa::Baseline,
+                Ok("avx2") => Isa::Avx2,
+                _ => Isa::Avx512,
+            };
+            Isa::available().into_iter().rev().find(|&i| i as u8 <= cap as u8).unwrap_or(Isa::Baseline)
+        })
+    }
+
+    /// Every set this CPU can run, narrowest first (tests compare them all).
+    pub fn available() -> Vec<Isa> {
+        [Isa::Baseline, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_supported()).collect()
+    }
+
+    pub fn is_supported(self) -> bool {
+        static FOUND: OnceLock<(bool, bool)> = OnceLock::new();
+        let (avx2, avx512) = *FOUND.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let avx512 = is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512dq");
+                (is_x86_feature_detected!("avx2"), avx512 && is_x86_feature_detected!("avx2"))
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            (false, false)
+        });
+        match self {
+            Isa::Baseline => true,
+            Isa::Avx2 => avx2,
+            Isa::Avx512 => avx512,
+        }
+    }
+}
+
+/// `multiversion! { pub fn name[<generics>][<generic args>](args) -> R = body; }`
+/// defines `name(isa: Isa, args) -> R`, which runs `body` (an
+/// `#[inline(always)]` function of safe Rust) compiled for `isa`. It asserts
+/// that this CPU supports `isa`, the one precondition of the `unsafe` calls.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident [$($g:tt)*] [$($ga:tt)*] ($($a:ident: $t:ty),* $(,)?) -> $r:ty = $body:ident;) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name<$($g)*>(isa: $crate::isa::Isa, $($a: $t),*) -> $r {
+            assert!(isa.is_supported(), "{isa:?} kernel requested on a CPU without it");
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2<$($g)*>($($a: $t),*) -> $r {
+                    $body::<$($ga)*>($($a),*)
+                }
+                #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx512<$($g)*>($($a: $t),*) -> $r {
+                    $body::<$($ga)*>($($a),*)
+                }
+                match isa {
+                    // SAFETY: the assert above checked AVX2 on this CPU; the body is safe Rust.
+                    $crate::isa::Isa::Avx2 => return unsafe { avx2::<$($ga)*>($($a),*) },
+                    // SAFETY: the assert above checked AVX-512 F/BW/VL/DQ; the body is safe Rust.
+                    $crate::isa::Isa::Avx512 => return unsafe { avx512::<$($ga)*>($($a),*) },
+                    $crate::isa::Isa::Baseline => {}
+                }
+            }
+            $body::<$($ga)*>($($a),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
+#[cfg(test)]
+mod tests {
+    use super::Isa;
+
+    #[test]
+    fn the_detected_set_is_supported_and_the_baseline_always_is() {
+        assert!(Isa::detect().is_supported());
+        assert_eq!(Isa::available()[0], Isa::Baseline);
+        // Say which versions these tests compare: a machine without AVX-512
+        // compares two, and a reader of the log should know.
+        eprintln!("scheme kernels compared on this CPU: {:?}", Isa::available());
+    }
+}
