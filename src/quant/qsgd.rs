@@ -211,13 +211,16 @@ mod kernels {
     }
 
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn levels_body<const ADD: bool>(g: &[f32], l: &[u8], c: &mut [i32], k: Keys, first: u32, ft: &[f32; TABLE], st: &[f32; TABLE]) {
         let (mut ft, mut st) = (*ft, *st);
         for (f, s) in ft.iter_mut().zip(st.iter_mut()) {
             (*f, *s) = sane(*f, *s);
         }
+        // in range by the caller's check; the mask keeps the lookups branch-free
+        // (gathers: cheaper here than a select per scale, measured)
         for (j, ((c, &g), &lv)) in c.iter_mut().zip(g).zip(l).enumerate() {
-            let lv = lv as usize % TABLE; // in range by the caller's check; the mask keeps the lookup branch-free
+            let lv = lv as usize % TABLE;
             put::<ADD>(c, code(g, noise::unit(k, first.wrapping_add(j as u32)), ft[lv], st[lv]));
         }
     }
@@ -289,6 +292,27 @@ mod kernels {
         pub fn fit[][](g: &[f32], o: &mut [u8], ft: &[f32; TABLE], count: usize, s0: f32) -> () = fit_body;
     }
 
+    #[inline(always)]
+    fn decode_body(c: &[i32], o: &mut [f32], step: f64) {
+        o.iter_mut().zip(c).for_each(|(o, &c)| *o = (c as f64 * step) as f32);
+    }
+
+    #[inline(always)]
+    fn decode_levels_body(c: &[i32], l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) {
+        for ((o, &c), &j) in o.iter_mut().zip(c).zip(l) {
+            *o = (c as f64 * steps[j as usize % TABLE]) as f32;
+        }
+    }
+
+    multiversion! {
+        /// `o[i] = c[i] * step` (in double, rounded once).
+        pub fn decode[][](c: &[i32], o: &mut [f32], step: f64) -> () = decode_body;
+    }
+    multiversion! {
+        /// `o[i] = c[i] * steps[l[i]]` (in double, rounded once).
+        pub fn decode_levels[][](c: &[i32], l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) -> () = decode_levels_body;
+    }
+
     #[cfg(test)]
     mod tests {
         use super::super::{factor, reference};
@@ -331,6 +355,12 @@ mod kernels {
                         assert!(a.iter().zip(&want_single).all(|(x, w)| *x == w + base), "{isa:?} single n={n} add={add}");
                         assert!(b.iter().zip(&want_levels).all(|(x, w)| *x == w + base), "{isa:?} levels n={n} add={add}");
                     }
+                    let steps: [f64; TABLE] = std::array::from_fn(|j| 1.0031 / (j as f64 + 1.5));
+                    let (mut d, mut dl) = (vec![0f32; n], vec![0f32; n]);
+                    decode(isa, &want_single, &mut d, steps[0]);
+                    decode_levels(isa, &want_levels, &want_l, &mut dl, &steps);
+                    assert!(d.iter().zip(&want_single).all(|(d, &c)| *d == (c as f64 * steps[0]) as f32), "{isa:?} decode n={n}");
+                    assert!(dl.iter().zip(&want_levels).zip(&want_l).all(|((d, &c), &j)| *d == (c as f64 * steps[j as usize]) as f32), "{isa:?} decode n={n}");
                     let mut x = g.clone();
                     assert_eq!(max_abs(isa, &x), (x.iter().fold(0f32, |m, v| m.max(v.abs())), true), "{isa:?} n={n}");
                     if n > 0 {
@@ -414,11 +444,16 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
             return Err(bad("levels", format!("level {j} of {}", levels.len())));
         }
     }
+    if levels.is_empty() || levels.len() > MAX_LEVELS {
+        return Err(bad("levels", format!("give 1 to {MAX_LEVELS} scales, got {}", levels.len())));
+    }
     // Steps in double, so that e.g. 45 codes of 0.5 / 15 decode to exactly 1.5.
-    let steps: Vec<f64> = levels.iter().map(|&s| scale as f64 / s as f64).collect();
+    let mut steps = [0f64; kernels::TABLE];
+    levels.iter().zip(steps.iter_mut()).for_each(|(&s, t)| *t = scale as f64 / s as f64);
+    let isa = Isa::detect();
     chunked(sum, out, |offset, c, o| match level_of {
-        None => o.iter_mut().zip(c).for_each(|(o, &c)| *o = (c as f64 * steps[0]) as f32),
-        Some(l) => o.iter_mut().zip(c).zip(&l[offset..]).for_each(|((o, &c), &j)| *o = (c as f64 * steps[j as usize]) as f32),
+        None => kernels::decode(isa, c, o, steps[0]),
+        Some(l) => kernels::decode_levels(isa, c, &l[offset..offset + c.len()], o, &steps),
     });
     Ok(())
 }
