@@ -3,7 +3,9 @@
 When the target Python can import mxnet, the library also carries gradpack's
 MXNet operator library (Cargo feature `mxnet`). GRADPACK_MXNET=0/1 overrides
 the detection. GRADPACK_MPI=0/1 does the same for the MPI all-reduce store
-(Cargo feature `mpi`, needs Open MPI's headers)."""
+(Cargo feature `mpi`, needs Open MPI's headers). GRADPACK_CUDA=0 leaves out
+the CUDA kernels (Cargo feature `cuda`, on by default: it needs no CUDA
+toolkit to build, and loads the driver and NVRTC only when a GPU is used)."""
 import os
 import shutil
 import subprocess
@@ -43,6 +45,9 @@ if choice != "0":
 mpi_choice = os.environ.get("GRADPACK_MPI", "auto")
 if mpi_choice == "1" or (mpi_choice == "auto" and shutil.which("mpicc")):
     features.append("mpi")
+
+if os.environ.get("GRADPACK_CUDA", "1") != "0":
+    features.append("cuda")
 
 setup(
     rust_extensions=[

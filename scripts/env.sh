@@ -95,18 +95,22 @@ if [ ${#gp_missing[@]} -gt 0 ]; then
 fi
 
 venv="$root/.venv"
-stamp="$venv/.gradpack-deps-1"
+stamp="$venv/.gradpack-deps-2"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 if [ ! -f "$stamp" ]; then
   "$venv/bin/pip" install -q --upgrade pip
+  # nvidia-cuda-nvrtc-cu12: NVRTC, which compiles the CUDA kernels (no GPU needed).
   "$venv/bin/pip" install -q 'numpy<1.24' 'mxnet==1.9.1' ml_dtypes pytest 'setuptools>=64' \
-    'setuptools-rust>=1.7' wheel scikit-learn
+    'setuptools-rust>=1.7' wheel scikit-learn 'nvidia-cuda-nvrtc-cu12==12.9.86'
   touch "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
 export PYTHON="$venv/bin/python"
+# NVRTC from the wheel, for the Rust tests of the CUDA kernels (Python loads it itself).
+gp_nvrtc_dir=$("$PYTHON" -c 'import os, nvidia.cuda_nvrtc as m; print(os.path.join(list(m.__path__)[0], "lib"))')
+export LD_LIBRARY_PATH="$gp_nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # gradpack with its MXNet operator library (mxnet is importable in the venv)
 # and the MPI all-reduce store.
 PYTHONWARNINGS=ignore GRADPACK_MXNET=1 GRADPACK_MPI=1 "$venv/bin/pip" install -q --no-build-isolation --no-deps "$root"

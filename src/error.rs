@@ -82,6 +82,13 @@ pub enum Error {
     #[error("unknown dtype code {0} (0 = float32, 1 = float16, 2 = bfloat16)")]
     UnknownDtype(i32),
 
+    // --- GPU -------------------------------------------------------------------
+    #[error("CUDA not available: {0}")]
+    CudaUnavailable(String),
+
+    #[error("CUDA: {0}")]
+    Cuda(String),
+
     #[error("internal error (a bug in gradpack): {0}")]
     Internal(String),
 }

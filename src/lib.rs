@@ -8,6 +8,7 @@ pub mod allreduce;
 pub mod bytes;
 pub mod capi;
 pub mod codec;
+pub mod cuda;
 /// `compress_params` parsing and validation (SPEC §2); it lives in `quant`.
 pub mod compression {
     pub use crate::quant::compression::*;

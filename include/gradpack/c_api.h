@@ -21,6 +21,9 @@
  *  - gp_kvstore_pull / pushpull / broadcast: the outputs must be pairwise
  *    disjoint (refused with an error otherwise).
  *  - gp_kvstore_push: inputs may overlap each other (they are only read).
+ *  - gp_cuda_*: every device buffer must be disjoint from every other one
+ *    (refused with an error); in particular quantize_to's `next` may not be
+ *    `residual` (use gp_cuda_2bit_quantize for in place).
  *  - An updater's `merged` and `stored` are gradpack's own buffers, valid
  *    only during the call; `stored` is a scratch copy of the stored value
  *    that becomes the value only when the updater returns 0.
@@ -38,6 +41,9 @@
  *  - An updater must not push or pull the key it is updating (it runs with
  *    that key's lock held) and may be called from whichever thread pushes.
  *  - gp_error_last is per thread.
+ *  - gp_cuda_* calls enqueue on the caller's stream and synchronize it
+ *    before returning; calls on different streams may run at once. The
+ *    caller must not free or write a buffer while a call on it runs.
  *
  * Panics (what a caught panic leaves behind): a panic inside gradpack, a bug,
  * never unwinds into C. Every export catches it and returns -1 with
@@ -229,6 +235,54 @@ int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* a, uint64_t* b);
 /* Messages a distributed worker received and dropped: unauthenticated (see
  * GRADPACK_SECRET), replayed, malformed or unexpected. 0 for other stores. */
 int gp_kvstore_dropped(const gp_kvstore_t* store, uint64_t* out);
+
+/* ---------------------------------------------------------------- CUDA --
+ * gradpack's kernels on GPU memory (docs/cuda.md). `device` is a GPU ordinal
+ * and `stream` a CUstream of that GPU's primary context (the one CuPy,
+ * PyTorch and MXNet use), or NULL for the legacy default stream. Every
+ * device pointer is checked to lie, with its stated length, inside one
+ * allocation of `device` (cuMemGetAddressRange) before any kernel runs.
+ * Results are bit-identical to the CPU calls above. Without a driver, NVRTC,
+ * the GPU, or a library built with the `cuda` feature, every call returns -1
+ * with "CUDA not available: ..." in gp_error_last(). Float32 gradients only. */
+
+/* 0 when GPU `device` can run gradpack's kernels, else -1 and the reason. */
+int gp_cuda_available(int device);
+uint64_t gp_cuda_2bit_compressed_len(uint64_t n);
+/* gp_2bit_quantize on the GPU: checks residual + grad is finite first, so on
+ * error nothing is written. */
+int gp_cuda_2bit_quantize(int device, void* stream, const float* grad, uint64_t n,
+                          float* residual, float* compr, uint64_t compr_len,
+                          float neg_threshold, float pos_threshold);
+/* One pass at the memory floor: reads residual, writes the next residual to
+ * `next` and `compr`. On error residual is untouched, next/compr garbage. */
+int gp_cuda_2bit_quantize_to(int device, void* stream, const float* grad, uint64_t n,
+                             const float* residual, float* next, float* compr,
+                             uint64_t compr_len, float neg_threshold, float pos_threshold);
+/* out = decode(compr) (add == 0) or out += decode(compr), after checking the
+ * header and every code; on error nothing is written. */
+int gp_cuda_2bit_dequantize(int device, void* stream, const float* compr, uint64_t compr_len,
+                            float* out, uint64_t n, int add);
+/* max |x| into *max_abs (host) and whether every element is finite into *finite. */
+int gp_cuda_max_abs(int device, void* stream, const float* x, uint64_t n, float* max_abs, int* finite);
+/* Max-norm QSGD codes at `scale` (>= max |grad|), noise stream `seed` from
+ * element `offset`; added into `codes` when add != 0. */
+int gp_cuda_qsgd_quantize(int device, void* stream, const float* grad, uint64_t n, float scale,
+                          uint32_t bits, uint64_t seed, uint64_t offset, int32_t* codes, int add);
+/* out = codes * scale / (2^bits - 1). */
+int gp_cuda_qsgd_decode(int device, void* stream, const int32_t* codes, uint64_t n, float scale,
+                        uint32_t bits, float* out);
+/* 1-bit quantize with error feedback; bits (0/1) written, or added when add != 0. */
+int gp_cuda_1bit_quantize(int device, void* stream, const float* grad, uint64_t n,
+                          float* residual, float threshold, int32_t* bits, int add);
+/* out = 2 counts - workers. */
+int gp_cuda_1bit_decode(int device, void* stream, const int32_t* counts, uint64_t n,
+                        uint32_t workers, float* out);
+/* Random-K: out[j] = x[idx[j]]; and out = 0, out[idx[j]] = v[j]. Indices checked. */
+int gp_cuda_gather(int device, void* stream, const float* x, uint64_t n, const uint64_t* idx,
+                   uint64_t k, float* out);
+int gp_cuda_scatter(int device, void* stream, const float* v, const uint64_t* idx, uint64_t k,
+                    float* out, uint64_t n);
 
 #ifdef __cplusplus
 }

@@ -4,9 +4,11 @@
 //! every export runs inside `guard`. Each function's doc says who owns what.
 
 mod codec;
+mod cuda;
 mod kvstore;
 
 pub use codec::*;
+pub use cuda::*;
 pub use kvstore::*;
 
 use std::cell::RefCell;

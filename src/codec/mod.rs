@@ -195,15 +195,11 @@ pub fn quantize_2bit_reduce(grads: &[Grad], residuals: &[&[f32]], nexts: &mut [&
 /// Returns the thresholds it carries.
 pub fn check_compressed(compr: &[f32], n: usize) -> Result<Thresholds> {
     check_len("compressed array", compressed_len(n), compr.len())?;
-    if compr[2] != n as f32 {
-        return Err(Error::HeaderSizeMismatch { header: compr[2], expected: n });
-    }
-    let th = Thresholds::new(compr[0], compr[1])?;
+    let th = check_header(&compr[..HEADER_LEN], n)?;
     let bl = blocks(compr);
     if join::any_code_11(bl) {
-        let (block, w) = bl.iter().enumerate().find(|(_, w)| *w & (*w >> 1) & 0x5555_5555 != 0).expect("scan found one");
-        let first = 31 - (w & (w >> 1) & 0x5555_5555).leading_zeros() as usize; // bit 30-2j
-        return Err(Error::CorruptCode { block, element: block * 16 + (30 - first) / 2 });
+        let (block, &w) = bl.iter().enumerate().find(|(_, w)| *w & (*w >> 1) & 0x5555_5555 != 0).expect("scan found one");
+        return Err(corrupt_code(block, w));
     }
     let rem = n % 16;
     if rem != 0 {
@@ -213,6 +209,23 @@ pub fn check_compressed(compr: &[f32], n: usize) -> Result<Thresholds> {
         }
     }
     Ok(th)
+}
+
+/// Checks a compressed array's header against an output of `n` elements:
+/// the size it names, then its thresholds.
+pub fn check_header(header: &[f32], n: usize) -> Result<Thresholds> {
+    check_len("compressed header", HEADER_LEN, header.len())?;
+    if header[2] != n as f32 {
+        return Err(Error::HeaderSizeMismatch { header: header[2], expected: n });
+    }
+    Thresholds::new(header[0], header[1])
+}
+
+/// The error for block `block`, word `w`, which holds code 0b11: it names
+/// the first such element.
+pub fn corrupt_code(block: usize, w: u32) -> Error {
+    let first = 31 - (w & (w >> 1) & 0x5555_5555).leading_zeros() as usize; // bit 30-2j
+    Error::CorruptCode { block, element: block * 16 + (30 - first) / 2 }
 }
 
 /// Decodes `compr` into `out` (its size gives `n`). On error nothing is written.

@@ -25,6 +25,11 @@ impl Keys {
         let h = hash::finalize(seed ^ block.wrapping_add(1).wrapping_mul(hash::GAMMA));
         Keys { k0: h as u32, k1: (h >> 32) as u32 }
     }
+
+    /// The two 32-bit keys (for kernels outside Rust: the CUDA ones).
+    pub fn parts(self) -> (u32, u32) {
+        (self.k0, self.k1)
+    }
 }
 
 /// 32 random bits for the element whose index has low half `i`: for fixed

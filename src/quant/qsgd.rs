@@ -58,7 +58,7 @@ pub fn quantize(grad: &[f32], scale: f32, bits: u32, seed: u64, codes: &mut [i32
 
 /// The per-element factor `s_j / M` of level `j` (0 for an all-zero scale).
 #[inline(always)]
-fn factor(s: u32, scale: f32) -> f32 {
+pub(crate) fn factor(s: u32, scale: f32) -> f32 {
     if scale == 0.0 {
         0.0
     } else {

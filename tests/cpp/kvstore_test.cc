@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gradpack/c_api.h"
 #include "gradpack/kvstore.h"
 
 using gradpack::KVStore;
@@ -224,7 +225,18 @@ static void test_states_carry_residuals() {
   CHECK(error_of([&] { other.LoadStates(blob); }).find("compression states were saved with") != std::string::npos);
 }
 
+// This program links the library built without the `cuda` feature: the CUDA
+// entry points answer with the stand-in's error and touch nothing.
+static void test_cuda_stand_in() {
+  const std::string want = "CUDA not available: gradpack was built without its `cuda` feature";
+  CHECK(gp_cuda_available(0) == -1 && gp_error_last() == want);
+  float residual[4] = {1, 2, 3, 4};
+  CHECK(gp_cuda_2bit_quantize(0, nullptr, residual, 4, residual, residual, 4, -1, 1) == -1);
+  CHECK(gp_error_last() == want && residual[0] == 1 && residual[3] == 4);
+}
+
 int main() {
+  test_cuda_stand_in();
   test_sum_and_pull();
   test_states_carry_residuals();
   test_two_bit_device_store();
