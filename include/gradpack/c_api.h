@@ -263,6 +263,18 @@ int gp_cuda_2bit_quantize_to(int device, void* stream, const float* grad, uint64
  * header and every code; on error nothing is written. */
 int gp_cuda_2bit_dequantize(int device, void* stream, const float* compr, uint64_t compr_len,
                             float* out, uint64_t n, int add);
+/* The device store's compressed Reduce across GPUs: member i (grads[i] and
+ * residuals[i], n floats each, on GPU devices[i], stream streams[i])
+ * quantizes with error feedback; GPU merge_device decodes and sums every
+ * member, in order, into `sum` on merge_stream. Bit-identical to the CPU
+ * device store; on error (a non-finite value in any member included) nothing
+ * is written. Members on one GPU may not share a residual. */
+int gp_cuda_2bit_reduce(uint32_t num, const int* devices, void* const* streams,
+                        const float* const* grads, float* const* residuals, uint64_t n,
+                        int merge_device, void* merge_stream, float* sum,
+                        float neg_threshold, float pos_threshold);
+/* The GPU that device pointer `ptr` belongs to, into *device. */
+int gp_cuda_pointer_device(const void* ptr, int* device);
 /* max |x| into *max_abs (host) and whether every element is finite into *finite. */
 int gp_cuda_max_abs(int device, void* stream, const float* x, uint64_t n, float* max_abs, int* finite);
 /* Max-norm QSGD codes at `scale` (>= max |grad|), noise stream `seed` from

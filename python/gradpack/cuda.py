@@ -18,7 +18,7 @@ import os
 
 from .base import LIB, Error, check_call
 
-__all__ = ["available", "unavailable_reason", "create_2bit", "quantize_2bit", "quantize_2bit_to",
+__all__ = ["available", "unavailable_reason", "create_2bit", "quantize_2bit", "quantize_2bit_to", "reduce_2bit",
            "dequantize_2bit", "dequantize_2bit_add", "max_abs", "qsgd_quantize", "qsgd_decode",
            "onebit_quantize", "onebit_decode"]
 
@@ -33,6 +33,9 @@ _SIGNATURES = {
     "gp_cuda_qsgd_decode": [_i32, _vp, _vp, _u64, _f32, _u32, _vp],
     "gp_cuda_1bit_quantize": [_i32, _vp, _vp, _u64, _vp, _f32, _vp, _i32],
     "gp_cuda_1bit_decode": [_i32, _vp, _vp, _u64, _u32, _vp],
+    "gp_cuda_pointer_device": [_vp, ctypes.POINTER(_i32)],
+    "gp_cuda_2bit_reduce": [_u32, ctypes.POINTER(_i32), ctypes.POINTER(_vp), ctypes.POINTER(_vp),
+                            ctypes.POINTER(_vp), _u64, _i32, _vp, _vp, _f32, _f32],
 }
 for _name, _args in _SIGNATURES.items():
     getattr(LIB, _name).argtypes = _args
@@ -158,10 +161,20 @@ def _c_strides(shape, itemsize):
     return tuple(reversed(out))
 
 
+def _pointer_device(v):
+    """The GPU of a view: DLPack names it; for the CUDA array interface the
+    driver is asked about the pointer (None when it cannot say: the call
+    then reports why)."""
+    if v.device is None and v.ptr and v.n:
+        d = _i32()
+        if LIB.gp_cuda_pointer_device(v.ptr, ctypes.byref(d)) == 0:
+            v.device = d.value
+    return v.device
+
+
 def _device_of(views, device):
-    """The GPU every DLPack view names (CUDA-array-interface views leave it
-    to the ``device`` argument; the library checks each pointer lives there)."""
-    named = {v.device for v in views if v.device is not None}
+    """The one GPU every view lives on (the library checks each pointer)."""
+    named = {_pointer_device(v) for v in views} - {None}
     if len(named) > 1:
         raise Error("arrays on different GPUs: %s" % sorted(named))
     if named:
@@ -212,6 +225,32 @@ def quantize_2bit_to(grad, residual, next_residual, compr, neg_threshold, pos_th
             raise Error("%s has %d elements, expected %d" % (what, v.n, g.n))
     _run(LIB.gp_cuda_2bit_quantize_to, [g, r, x, c], device, stream, g.ptr, g.n, r.ptr, x.ptr, c.ptr, c.n,
          neg_threshold, pos_threshold)
+
+
+def reduce_2bit(grads, residuals, out, neg_threshold, pos_threshold, streams=None, stream=None):
+    """The device store's compressed Reduce across GPUs: member ``i`` quantizes
+    ``grads[i]`` with error feedback into ``residuals[i]`` on its own GPU and
+    stream, and the GPU of ``out`` decodes and sums every member, in order,
+    into ``out``: bit-identical to the CPU device store. On error (a
+    non-finite value in any member included) nothing is written."""
+    _load_nvrtc()
+    if len(grads) != len(residuals) or not grads:
+        raise Error("give one residual per gradient (got %d gradients, %d residuals)" % (len(grads), len(residuals)))
+    gs = [_View(g, "grads[%d]" % i, "f4", False) for i, g in enumerate(grads)]
+    rs = [_View(r, "residuals[%d]" % i, "f4", True) for i, r in enumerate(residuals)]
+    o = _View(out, "out", "f4", True)
+    for i, (g, r) in enumerate(zip(gs, rs)):
+        if g.n != o.n or r.n != o.n:
+            raise Error("member %d has %d and %d elements, out %d" % (i, g.n, r.n, o.n))
+    devices = [_device_of([g, r], None) for g, r in zip(gs, rs)]
+    ss = list(streams) if streams is not None else [_stream_of([g, r], None) for g, r in zip(gs, rs)]
+    if len(ss) != len(gs):
+        raise Error("give one stream per member (got %d for %d)" % (len(ss), len(gs)))
+    num = len(gs)
+    check_call(LIB.gp_cuda_2bit_reduce(
+        num, (_i32 * num)(*devices), (_vp * num)(*[int(s) for s in ss]),
+        (_vp * num)(*[g.ptr for g in gs]), (_vp * num)(*[r.ptr for r in rs]), o.n,
+        _device_of([o], None), _stream_of([o], stream), o.ptr, neg_threshold, pos_threshold))
 
 
 def dequantize_2bit(compr, decompr, stream=None, device=None):

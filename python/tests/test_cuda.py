@@ -138,3 +138,36 @@ def test_gpu_bad_input_changes_nothing_and_streams_are_honoured():
         res = cp.zeros(1 << 22, cp.float32)
         cuda.quantize_2bit(big, res, out, -1.0, 1.0)  # the arrays name stream s
     assert float(cp.asnumpy(res)[0]) == 1.5
+
+
+def test_gpu_reduce_over_two_streams_matches_the_cpu_store():
+    cp = _cupy()
+    n = 100_003
+    rng = np.random.default_rng(5)
+    gs = [rng.uniform(-1, 1, n).astype(np.float32) for _ in range(2)]
+    rs = [rng.uniform(-0.2, 0.2, n).astype(np.float32) for _ in range(2)]
+    want, res, comprs = np.zeros(n, np.float32), [r.copy() for r in rs], []
+    for g, r in zip(gs, res):
+        c = contrib.create_2bit(g)
+        contrib.quantize_2bit(g, r, c, -0.3, 0.3)
+        comprs.append(c)
+    contrib.dequantize_2bit(comprs[0], want)
+    contrib.dequantize_2bit_add(comprs[1], want)
+    s1 = cp.cuda.Stream(non_blocking=True)
+    gd = [cp.asarray(g) for g in gs]
+    rd = [cp.asarray(r) for r in rs]
+    out = cp.zeros(n, cp.float32)
+    cp.cuda.Device().synchronize()
+    cuda.reduce_2bit(gd, rd, out, -0.3, 0.3, streams=[0, s1.ptr])
+    assert (cp.asnumpy(out).view(np.uint32) == want.view(np.uint32)).all()
+    for r, x in zip(rd, res):
+        assert (cp.asnumpy(r).view(np.uint32) == x.view(np.uint32)).all()
+    # A bad member: the CPU's error, and no residual moves.
+    gd[1][12345] = cp.inf
+    before = [cp.asnumpy(r) for r in rd]
+    with pytest.raises(gradpack.Error, match="pushed value 1: .* at element 12345"):
+        cuda.reduce_2bit(gd, rd, out, -0.3, 0.3)
+    for r, b in zip(rd, before):
+        assert (cp.asnumpy(r) == b).all()
+    with pytest.raises(gradpack.Error, match="overlap"):
+        cuda.reduce_2bit([gd[0], gd[0]], [rd[0], rd[0]], out, -0.3, 0.3)

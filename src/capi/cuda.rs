@@ -8,7 +8,7 @@
 //! Without the `cuda` feature, a driver or such a GPU, every call fails
 //! with "CUDA not available: ...".
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 
 use super::guard;
 use crate::codec::{self, Thresholds};
@@ -48,6 +48,85 @@ pub extern "C" fn gp_cuda_available(device: c_int) -> c_int {
             return Err(Error::CudaUnavailable(format!("GPU {d} was asked for; this machine has {count}")));
         }
         Ok(())
+    })
+}
+
+/// The GPU that device pointer `ptr` belongs to, into `*device`.
+///
+/// # Safety
+/// `device` is a host pointer to an int.
+#[no_mangle]
+pub unsafe extern "C" fn gp_cuda_pointer_device(ptr: *const c_void, device: *mut c_int) -> c_int {
+    guard(|| {
+        if device.is_null() {
+            return Err(Error::NullPointer { what: "device" });
+        }
+        let d = cuda::pointer_device(ptr as u64)?;
+        // SAFETY: checked non-null; the caller's precondition.
+        unsafe { *device = d as c_int };
+        Ok(())
+    })
+}
+
+/// The device store's compressed Reduce across GPUs: member `i` (gradient
+/// `grads[i]` and residual `residuals[i]`, `n` floats each, on GPU
+/// `devices[i]`, stream `streams[i]`) quantizes with error feedback; GPU
+/// `merge_device` decodes and sums the compressed arrays, in member order,
+/// into `sum` on `merge_stream`. Bit-identical to the CPU device store. On
+/// error (a non-finite residual + gradient of any member included) nothing
+/// is written.
+///
+/// # Safety
+/// The arrays hold `num` entries; each stream is null or a live stream of
+/// its device's primary context; every buffer is device memory that stays
+/// allocated until the call returns.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+// Without the feature `Ops` has no values, so the code after `ops()` is dead.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables, unreachable_code))]
+pub unsafe extern "C" fn gp_cuda_2bit_reduce(
+    num: u32,
+    devices: *const c_int,
+    streams: *const RawStream,
+    grads: *const *const f32,
+    residuals: *const *mut f32,
+    n: u64,
+    merge_device: c_int,
+    merge_stream: RawStream,
+    sum: *mut f32,
+    neg_threshold: f32,
+    pos_threshold: f32,
+) -> c_int {
+    guard(|| {
+        let th = Thresholds::new(neg_threshold, pos_threshold)?;
+        for (p, what) in [(devices as *const c_void, "devices"), (streams.cast(), "streams"), (grads.cast(), "grads"), (residuals.cast(), "residuals")] {
+            if p.is_null() && num > 0 {
+                return Err(Error::NullPointer { what });
+            }
+        }
+        let num = num as usize;
+        // SAFETY: non-null (checked) arrays of num entries (the caller's precondition).
+        let (devices, streams, grads, residuals) = unsafe {
+            (
+                std::slice::from_raw_parts(devices, num),
+                std::slice::from_raw_parts(streams, num),
+                std::slice::from_raw_parts(grads, num),
+                std::slice::from_raw_parts(residuals, num),
+            )
+        };
+        let mut borrowed = Vec::with_capacity(num);
+        for (&d, &s) in devices.iter().zip(streams) {
+            // SAFETY: the caller's precondition on each stream.
+            borrowed.push(unsafe { cuda::Borrowed::new(ordinal(d)?, s)? });
+        }
+        // SAFETY: as above.
+        let merge = unsafe { cuda::Borrowed::new(ordinal(merge_device)?, merge_stream)? };
+        let mut members = Vec::with_capacity(num);
+        for (b, (&g, &r)) in borrowed.iter().zip(grads.iter().zip(residuals)) {
+            members.push((b.ops(), buf("grad", g, n)?, buf("residual", r, n)?));
+        }
+        // SAFETY: the caller's precondition; the core checks every buffer.
+        unsafe { cuda::reduce_2bit_raw(&members, &merge.ops(), buf("sum", sum, n)?, th) }
     })
 }
 

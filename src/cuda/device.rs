@@ -413,9 +413,9 @@ impl Ops<'_> {
         self.check(&[x])?;
         let (m, flag) = (self.s.alloc_zeros::<u32>(1).map_err(|e| cuda_err("allocating", e))?, self.flag(1)?);
         // Enough blocks to fill the GPU; each thread strides over the rest.
-        let threads = (x.len as u64).min(1 << 20);
+        let threads = quads(x.len).min(1 << 20);
         // SAFETY: checked above; the kernel reads x.len elements.
-        unsafe { self.launch("gp_max_abs", threads, &[Arg::P(x.ptr), Arg::U64(x.len as u64), Arg::P(self.ptr(&m)), Arg::P(self.ptr(&flag))])? };
+        unsafe { self.launch("gp_max_abs", threads, &[Arg::P(x.ptr), Arg::U64(x.len as u64), Arg::P(self.ptr(&m)), Arg::P(self.ptr(&flag)), aligned(&[x])])? };
         let bits = self.s.clone_dtoh(&m).map_err(|e| cuda_err("reading max", e))?[0];
         Ok((self.read(&flag)?[0] == 0).then_some(f32::from_bits(bits)))
     }
@@ -455,7 +455,8 @@ impl Ops<'_> {
                 let (g, c) = (grad.ptr + 4 * r.start as u64, codes.ptr + 4 * r.start as u64);
                 // SAFETY: r lies within both buffers (checked above).
                 result = unsafe {
-                    self.launch("gp_qsgd_quantize", r.len() as u64, &[Arg::P(g), Arg::P(c), Arg::U64(r.len() as u64), Arg::U32(k0), Arg::U32(k1), Arg::U32(first), Arg::F32(f), Arg::F32(s as f32), Arg::I32(add as i32)])
+                    let vec = Arg::I32((g % 16 == 0 && c % 16 == 0) as i32);
+                    self.launch("gp_qsgd_quantize", quads(r.len()), &[Arg::P(g), Arg::P(c), Arg::U64(r.len() as u64), Arg::U32(k0), Arg::U32(k1), Arg::U32(first), Arg::F32(f), Arg::F32(s as f32), Arg::I32(add as i32), vec])
                 };
             }
         });
@@ -490,7 +491,7 @@ impl Ops<'_> {
         // SAFETY: checked above.
         unsafe {
             self.check_finite("gradient", grad, Some(residual))?;
-            self.launch("gp_1bit_quantize", grad.len as u64, &[Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(bits.ptr), Arg::U64(grad.len as u64), Arg::F32(threshold), Arg::I32(add as i32)])
+            self.launch("gp_1bit_quantize", quads(grad.len), &[Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(bits.ptr), Arg::U64(grad.len as u64), Arg::F32(threshold), Arg::I32(add as i32), aligned(&[grad, residual, bits])])
         }
     }
 
@@ -571,21 +572,54 @@ impl Ops<'_> {
     }
 }
 
-/// Runs `f` with the `Ops` of device `ordinal` on a stream owned by someone
-/// else (a C caller, CuPy, MXNet), then synchronizes that stream.
+/// A stream owned by someone else (a C caller, CuPy, MXNet) on one device.
+pub struct Borrowed {
+    ctx: Arc<CudaContext>,
+    k: Arc<Kernels>,
+    s: Arc<CudaStream>,
+}
+
+impl Borrowed {
+    /// # Safety
+    /// `stream` must be null (the legacy default stream) or a live stream
+    /// of device `ordinal`'s primary context, for as long as this lives.
+    pub unsafe fn new(ordinal: usize, stream: super::RawStream) -> Result<Borrowed> {
+        let (ctx, k) = device(ordinal)?;
+        ctx.bind_to_thread().map_err(|e| cuda_err("binding the context", e))?;
+        // SAFETY: the caller's precondition; the wrapper does not destroy it.
+        let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
+        Ok(Borrowed { ctx, k, s })
+    }
+
+    pub fn ops(&self) -> Ops<'_> {
+        Ops { ctx: &self.ctx, k: &self.k, s: &self.s }
+    }
+}
+
+/// Runs `f` with the `Ops` of device `ordinal` on a borrowed stream, then
+/// synchronizes that stream.
 ///
 /// # Safety
-/// `stream` must be null (the legacy default stream) or a live stream of
-/// device `ordinal`'s primary context.
+/// As `Borrowed::new`.
 pub unsafe fn with_borrowed_stream<T>(ordinal: usize, stream: super::RawStream, f: impl FnOnce(&Ops) -> Result<T>) -> Result<T> {
-    let (ctx, k) = device(ordinal)?;
-    ctx.bind_to_thread().map_err(|e| cuda_err("binding the context", e))?;
-    // SAFETY: the caller's precondition; the wrapper does not destroy it.
-    let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
-    let ops = Ops { ctx: &ctx, k: &k, s: &s };
+    // SAFETY: the caller's precondition.
+    let b = unsafe { Borrowed::new(ordinal, stream)? };
+    let ops = b.ops();
     let out = f(&ops)?;
     ops.sync()?;
     Ok(out)
+}
+
+/// The GPU that device pointer `ptr` belongs to.
+pub fn pointer_device(ptr: u64) -> Result<usize> {
+    driver_available()?;
+    let mut ordinal = -1i32;
+    // SAFETY: the attribute is an int, written to a local; the driver only looks the address up.
+    let ok = unsafe { sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) };
+    if ok != sys::CUresult::CUDA_SUCCESS || ordinal < 0 {
+        return Err(Error::InvalidParam { key: "pointer".into(), problem: format!("{ptr:#x} is not device memory ({ok:?})") });
+    }
+    Ok(ordinal as usize)
 }
 
 /// One GPU with a stream of its own: the safe API over cudarc's `CudaSlice`.
@@ -767,59 +801,81 @@ pub struct Member<'a> {
 /// design): each member quantizes with its own residual on its own stream,
 /// the compressed arrays go to `merge`, which decodes and sums them in
 /// member order into `sum`. Bit-identical to `codec::quantize_2bit_reduce`.
-/// On error, a non-finite `residual + grad` of any member included, no
-/// residual changes and `sum` holds garbage.
+/// On error, a non-finite `residual + grad` of any member included, nothing
+/// is written.
 pub fn reduce_2bit(members: &mut [Member], merge: &Gpu, sum: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
-    let n = sum.len();
+    let mut raw = Vec::with_capacity(members.len());
+    for m in members.iter_mut() {
+        raw.push((m.gpu.ops(), m.gpu.buf("gradient", m.grad)?, m.gpu.buf_mut("residual", m.residual)?));
+    }
+    let out = merge.buf_mut("sum", sum)?;
+    // SAFETY: borrowed CudaSlices of their GPUs, live for this call.
+    unsafe { reduce_2bit_raw(&raw, &merge.ops(), out, th) }
+}
+
+/// `reduce_2bit` on raw buffers: member `d` is `(its stream's Ops, gradient,
+/// residual)`. Every member is checked, then validated (residual + gradient
+/// finite), before any residual is quantized in place; then the merge
+/// stream decodes and sums, in member order. Returns once `sum` is written.
+///
+/// # Safety
+/// Every buffer lives, with its stated length, on its Ops' device until
+/// the call returns (`check` verifies everything else).
+pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], merge: &Ops, sum: Buf, th: Thresholds) -> Result<()> {
+    let n = sum.len;
     if members.is_empty() {
         return Err(Error::SizeMismatch { what: "list of device gradients", expected: 1, got: 0 });
     }
-    let mut staged = Vec::with_capacity(members.len());
-    // Quantize on every member's stream (they run concurrently), out of place.
-    for m in members.iter() {
-        check_len("gradient", n, m.grad.len())?;
-        check_len("residual", n, m.residual.len())?;
-        let mut next = m.gpu.zeros::<f32>(n)?;
-        let mut compr = m.gpu.zeros::<f32>(codec::compressed_len(n))?;
-        let (g, r) = (m.gpu.buf("gradient", m.grad)?, m.gpu.buf("residual", m.residual)?);
-        let (x, c) = (m.gpu.buf_mut("next residual", &mut next)?, m.gpu.buf_mut("compressed array", &mut compr)?);
-        let ops = m.gpu.ops();
-        ops.check(&[g, r, x, c])?;
-        let flag = ops.flag(1)?;
-        // SAFETY: CudaSlices of this member's GPU (checked), live for this call.
-        unsafe { ops.launch_2bit_to(g, r, x, c, th, &flag)? };
-        staged.push((next, compr, flag));
-    }
-    // Every member's verdict before anything is kept.
-    for (d, (m, (_, _, flag))) in members.iter().zip(&staged).enumerate() {
-        let ops = m.gpu.ops();
-        let bad = ops.read(flag)?[0];
-        let (g, r) = (m.gpu.buf("gradient", m.grad)?, m.gpu.buf("residual", m.residual)?);
-        // SAFETY: as above.
-        unsafe { ops.first_non_finite(&format!("pushed value {d}"), g, Some(r), bad)? };
-    }
-    // Decode and sum on the merge GPU, in member order.
-    let out = merge.buf_mut("sum", sum)?;
-    let ops = merge.ops();
-    let mut copies = Vec::new(); // live until the merge stream has run
-    for (d, (m, (_, compr, _))) in members.iter().zip(&staged).enumerate() {
-        m.gpu.synchronize()?;
-        let c = if m.gpu.ctx.cu_ctx() == merge.ctx.cu_ctx() {
-            merge.buf("compressed array", compr)?
+    merge.check(&[sum])?;
+    for (ops, g, r) in members {
+        check_len("gradient", n, g.len)?;
+        check_len("residual", n, r.len)?;
+        if ops.ctx.cu_ctx() == merge.ctx.cu_ctx() {
+            ops.check(&[*g, *r, sum])?;
         } else {
-            let mut copy = merge.zeros::<f32>(compr.len())?;
-            let (src, dst) = (m.gpu.buf("compressed array", compr)?, merge.buf_mut("compressed array", &mut copy)?);
-            // SAFETY: both are live allocations of compr.len() floats in their contexts.
-            unsafe { drv::memcpy_peer_async(merge.ctx.cu_ctx(), dst.ptr, m.gpu.ctx.cu_ctx(), src.ptr, 4 * compr.len(), merge.stream.cu_stream()) }.map_err(|e| cuda_err("copying between GPUs", e))?;
+            ops.check(&[*g, *r])?;
+        }
+    }
+    // Two members may not share a residual or write each other's gradient.
+    for (i, (a, ga, ra)) in members.iter().enumerate() {
+        for (b, gb, rb) in &members[i + 1..] {
+            if a.ctx.cu_ctx() == b.ctx.cu_ctx() {
+                a.check(&[*ra, *rb])?;
+                a.check(&[*ra, *gb])?;
+                a.check(&[*ga, *rb])?;
+            }
+        }
+    }
+    // Every member's verdict before anything changes.
+    for (d, (ops, g, r)) in members.iter().enumerate() {
+        // SAFETY: checked above.
+        unsafe { ops.check_finite(&format!("pushed value {d}"), *g, Some(*r))? };
+    }
+    // Quantize on every member's stream (they run concurrently).
+    let mut comprs = Vec::with_capacity(members.len());
+    for (ops, g, r) in members {
+        let compr = ops.s.alloc_zeros::<f32>(codec::compressed_len(n)).map_err(|e| cuda_err("allocating a compressed array", e))?;
+        let c = Buf { what: "compressed array", ptr: ops.ptr(&compr), len: compr.len(), elem: 4 };
+        // SAFETY: checked above; accepted by check_finite.
+        unsafe { ops.launch("gp_2bit_quantize", quads(n), &[Arg::P(g.ptr), Arg::P(r.ptr), Arg::P(c.ptr), Arg::U64(n as u64), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), aligned(&[*g, *r])])? };
+        comprs.push((c, compr));
+    }
+    // Decode and sum on the merge stream, in member order.
+    let mut copies = Vec::new(); // live until the merge stream has run
+    for (d, ((ops, _, _), (c, _compr))) in members.iter().zip(&comprs).enumerate() {
+        ops.sync()?;
+        let c = if ops.ctx.cu_ctx() == merge.ctx.cu_ctx() {
+            *c
+        } else {
+            let copy = merge.s.alloc_zeros::<f32>(c.len).map_err(|e| cuda_err("allocating a compressed array", e))?;
+            let dst = Buf { what: "compressed array", ptr: merge.ptr(&copy), len: c.len, elem: 4 };
+            // SAFETY: both are live allocations of c.len floats in their contexts.
+            unsafe { drv::memcpy_peer_async(merge.ctx.cu_ctx(), dst.ptr, ops.ctx.cu_ctx(), c.ptr, 4 * c.len, merge.s.cu_stream()) }.map_err(|e| cuda_err("copying between GPUs", e))?;
             copies.push(copy);
             dst
         };
-        // SAFETY: c and out are live on the merge GPU (checked by dequantize_2bit).
-        unsafe { ops.dequantize_2bit(c, out, d > 0)? };
+        // SAFETY: c and sum live on the merge GPU.
+        unsafe { merge.dequantize_2bit(c, sum, d > 0)? };
     }
-    ops.sync()?;
-    for (m, (next, _, _)) in members.iter_mut().zip(staged) {
-        *m.residual = next;
-    }
-    Ok(())
+    merge.sync()
 }

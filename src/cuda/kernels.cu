@@ -163,12 +163,25 @@ __device__ __forceinline__ int gp_qsgd_code(float g, float u, float f, float s) 
 }
 
 // Codes of g[j], element first + j of the noise stream (k0, k1); added to
-// codes when add (a sum over members).
-extern "C" __global__ void gp_qsgd_quantize(const float* __restrict__ g, int* __restrict__ codes, u64 n, u32 k0, u32 k1, u32 first, float f, float s, int add) {
-    u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) {
-        int c = gp_qsgd_code(g[j], gp_unit(k0, k1, first + (u32)j), f, s);
-        if (add) codes[j] += c; else codes[j] = c;
+// codes when add (a sum over members). Four elements per thread, as float4
+// and int4 when `vec` (both 16-byte aligned).
+extern "C" __global__ void gp_qsgd_quantize(const float* __restrict__ g, int* __restrict__ codes, u64 n, u32 k0, u32 k1, u32 first, float f, float s, int add, int vec) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 j0 = 4 * t;
+    if (j0 >= n) return;
+    if (vec && j0 + 3 < n) {
+        float4 v = ((const float4*)g)[t];
+        u32 i = first + (u32)j0;
+        int4 c = make_int4(gp_qsgd_code(v.x, gp_unit(k0, k1, i), f, s), gp_qsgd_code(v.y, gp_unit(k0, k1, i + 1u), f, s),
+                           gp_qsgd_code(v.z, gp_unit(k0, k1, i + 2u), f, s), gp_qsgd_code(v.w, gp_unit(k0, k1, i + 3u), f, s));
+        int4* o = (int4*)codes + t;
+        if (add) { int4 a = *o; c.x += a.x; c.y += a.y; c.z += a.z; c.w += a.w; }
+        *o = c;
+    } else {
+        for (u64 j = j0; j < n && j < j0 + 4; j++) {
+            int c = gp_qsgd_code(g[j], gp_unit(k0, k1, first + (u32)j), f, s);
+            if (add) codes[j] += c; else codes[j] = c;
+        }
     }
 }
 
@@ -178,14 +191,24 @@ extern "C" __global__ void gp_qsgd_decode(const int* __restrict__ c, float* __re
     if (i < n) out[i] = __double2float_rn((double)c[i] * step);
 }
 
-// (max |x| as float bits, any non-finite) over x, grid-stride; max is exact
-// in any order, so it equals the CPU's.
-extern "C" __global__ void gp_max_abs(const float* __restrict__ x, u64 n, u32* maxbits, u64* bad) {
+// (max |x| as float bits, any non-finite) over x, grid-stride, as float4
+// when `vec` (x 16-byte aligned); max is exact in any order, so it equals
+// the CPU's.
+__device__ __forceinline__ void gp_max_one(float v, u32* m, u32* nonfinite) {
+    u32 b = __float_as_uint(v) & 0x7fffffffu;
+    if (b >= 0x7f800000u) *nonfinite = 1; else *m = max(*m, b);
+}
+
+extern "C" __global__ void gp_max_abs(const float* __restrict__ x, u64 n, u32* maxbits, u64* bad, int vec) {
     u32 m = 0, nonfinite = 0;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u32 b = __float_as_uint(x[i]) & 0x7fffffffu;
-        if (b >= 0x7f800000u) nonfinite = 1; else m = max(m, b);
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+    u64 quads = vec ? n / 4 : 0;
+    for (u64 q = t; q < quads; q += stride) {
+        float4 v = ((const float4*)x)[q];
+        gp_max_one(v.x, &m, &nonfinite); gp_max_one(v.y, &m, &nonfinite);
+        gp_max_one(v.z, &m, &nonfinite); gp_max_one(v.w, &m, &nonfinite);
     }
+    for (u64 i = 4 * quads + t; i < n; i += stride) gp_max_one(x[i], &m, &nonfinite);
     for (int d = 16; d > 0; d >>= 1) {
         m = max(m, __shfl_xor_sync(GP_FULL_MASK, m, d));
         nonfinite |= __shfl_xor_sync(GP_FULL_MASK, nonfinite, d);
@@ -200,13 +223,31 @@ extern "C" __global__ void gp_max_abs(const float* __restrict__ x, u64 n, u32* m
 
 // onebit::quantize on input gp_check_finite has accepted: r += g; the bit is
 // r > threshold; r -= 1 for a 1, r += 1 for a 0. Added to bits when add.
-extern "C" __global__ void gp_1bit_quantize(const float* __restrict__ g, float* r, int* __restrict__ bits, u64 n, float threshold, int add) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float x = r[i] + g[i];
-        int bit = x > threshold;
-        r[i] = bit ? x - 1.0f : x + 1.0f;
-        if (add) bits[i] += bit; else bits[i] = bit;
+// Four elements per thread, vectorized when `vec` (all 16-byte aligned).
+__device__ __forceinline__ int gp_1bit_one(float g, float* r, float threshold) {
+    float x = *r + g;
+    int bit = x > threshold;
+    *r = bit ? x - 1.0f : x + 1.0f;
+    return bit;
+}
+
+extern "C" __global__ void gp_1bit_quantize(const float* __restrict__ g, float* r, int* __restrict__ bits, u64 n, float threshold, int add, int vec) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 i0 = 4 * t;
+    if (i0 >= n) return;
+    if (vec && i0 + 3 < n) {
+        float4 gv = ((const float4*)g)[t], rv = ((float4*)r)[t];
+        int4 b = make_int4(gp_1bit_one(gv.x, &rv.x, threshold), gp_1bit_one(gv.y, &rv.y, threshold),
+                           gp_1bit_one(gv.z, &rv.z, threshold), gp_1bit_one(gv.w, &rv.w, threshold));
+        ((float4*)r)[t] = rv;
+        int4* o = (int4*)bits + t;
+        if (add) { int4 a = *o; b.x += a.x; b.y += a.y; b.z += a.z; b.w += a.w; }
+        *o = b;
+    } else {
+        for (u64 i = i0; i < n && i < i0 + 4; i++) {
+            int bit = gp_1bit_one(g[i], &r[i], threshold);
+            if (add) bits[i] += bit; else bits[i] = bit;
+        }
     }
 }
 

@@ -33,6 +33,33 @@ impl Gpu {
     }
 }
 
+pub fn pointer_device(_ptr: u64) -> Result<usize> {
+    Err(unavailable())
+}
+
+/// A borrowed stream: never made in this build.
+pub struct Borrowed {
+    _none: (),
+}
+
+impl Borrowed {
+    /// # Safety
+    /// None needed: nothing runs.
+    pub unsafe fn new(_ordinal: usize, _stream: RawStream) -> Result<Borrowed> {
+        Err(unavailable())
+    }
+
+    pub fn ops(&self) -> Ops {
+        unreachable!("no Borrowed exists without the cuda feature")
+    }
+}
+
+/// # Safety
+/// None needed: nothing runs.
+pub unsafe fn reduce_2bit_raw(_members: &[(Ops, Buf, Buf)], merge: &Ops, _sum: Buf, _th: Thresholds) -> Result<()> {
+    match *merge {}
+}
+
 /// Kernel launches on one stream: no value exists in this build.
 pub enum Ops {}
 

@@ -172,6 +172,28 @@ mod with_feature {
                 let mut o = vec![0f32; n];
                 codec::dequantize_2bit(&c, &mut o).unwrap();
                 assert_eq!(bits(&d.download(&od).unwrap()[1..]), bits(&o), "unaligned dequantize n={n}");
+                // QSGD, max |g| and 1-bit on the same unaligned buffers.
+                let scale = qsgd::max_abs(&g[1..]).unwrap();
+                let mut want = vec![0i32; n];
+                qsgd::quantize(&g[1..], scale, 3, 77, &mut want).unwrap();
+                let (mut m, mut finite) = (0f32, 0);
+                let codes = d.zeros::<i32>(n + 1).unwrap();
+                let cp = (codes.device_ptr(d.stream()).0 + 4) as *mut i32;
+                let (mut r1, mut b1) = (r0[1..].to_vec(), vec![0i32; n]);
+                onebit::quantize::<false>(&g[1..], &mut r1, 0.05, &mut b1);
+                let rd1 = d.upload(&r0).unwrap();
+                d.synchronize().unwrap();
+                // SAFETY: as above.
+                unsafe {
+                    assert_eq!(gp_cuda_max_abs(0, std::ptr::null_mut(), p(&gd), n as u64, &mut m, &mut finite), 0);
+                    assert_eq!(gp_cuda_qsgd_quantize(0, std::ptr::null_mut(), p(&gd), n as u64, scale, 3, 77, 0, cp, 0), 0);
+                }
+                assert_eq!((m.to_bits(), finite), (scale.to_bits(), 1), "unaligned max n={n}");
+                assert_eq!(&d.download(&codes).unwrap()[1..], want, "unaligned qsgd n={n}");
+                // SAFETY: as above.
+                unsafe { assert_eq!(gp_cuda_1bit_quantize(0, std::ptr::null_mut(), p(&gd), n as u64, p(&rd1), 0.05, cp, 0), 0) };
+                assert_eq!(&d.download(&codes).unwrap()[1..], b1, "unaligned 1bit n={n}");
+                assert_eq!(bits(&d.download(&rd1).unwrap()[1..]), bits(&r1), "unaligned 1bit residual n={n}");
                 // SAFETY: as above; the calls must refuse before touching memory.
                 unsafe {
                     // one element past the allocation
