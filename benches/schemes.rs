@@ -46,13 +46,18 @@ fn main() {
         let mut states = [State::default()];
         let mut out = vec![0f32; n];
         let mut wire_bytes = 0usize;
-        let ctx = Ctx { shape: &shape, step: 0, key_hash: 1, member: 0, workers: 1 };
-        // As a store's push: encode, then finish (which keeps the code buffer for the next push).
+        // As a store's push: encode, then finish (which keeps the code buffer
+        // for the next push). Each push a new step, as in training: random-K
+        // draws its selection anew (its decode, below, finds it drawn).
+        let mut step = 0;
         let enc = time(reps, || {
+            step += 1;
+            let ctx = Ctx { shape: &shape, step, key_hash: 1, member: 0, workers: 1 };
             let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
             wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
             scheme::finish(&c, &mut states, part);
         });
+        let ctx = Ctx { shape: &shape, step: step + 1, key_hash: 1, member: 0, workers: 1 };
         let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
         let dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
         row(name, enc, Some(dec), wire_bytes as f64 / n as f64);

@@ -18,6 +18,7 @@
 //! All aggregates are sums over workers, as every KVStore push is.
 
 use std::borrow::Cow;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
@@ -73,36 +74,126 @@ fn bad(key: &str, problem: String) -> Error {
 
 /// The `k` coordinates of a random-K push: sorted, distinct, chosen from
 /// (seed, step, key) alone, so every worker and server picks the same ones
-/// without sending them. `None` when every coordinate is sent.
-pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Vec<usize>> {
+/// without sending them. `None` when every coordinate is sent. The last few
+/// selections are kept (`SelectionCache`): a push's decode, and the other
+/// keys' pushes of a step, find theirs drawn already.
+pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Arc<Vec<usize>>> {
     let k = q.selected(n);
     if k >= n {
         return None;
     }
-    // Floyd's sampling: k distinct indices, marked in a bitset, read in order.
-    let seed = qsgd::stream_seed(q.seed, step, key_hash, u64::MAX);
-    let mut chosen = vec![0u64; n.div_ceil(64)];
-    let mut mark = |i: usize| {
-        let (w, b) = (i / 64, 1u64 << (i % 64));
-        let fresh = chosen[w] & b == 0;
-        chosen[w] |= b;
-        fresh
+    let id = (q.seed, step, key_hash, n, k);
+    static CACHE: Mutex<SelectionCache> = Mutex::new(SelectionCache(Vec::new()));
+    let lock = || CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let mut idx = {
+        let mut cache = lock();
+        if let Some(hit) = cache.get(id) {
+            return Some(hit);
+        }
+        cache.recycle()
     };
-    for (draw, j) in (n - k..n).enumerate() {
-        let t = ((qsgd::uniform(seed, draw as u64) as f64 * (j + 1) as f64) as usize).min(j);
-        if !mark(t) {
-            mark(j);
-        }
-    }
-    let mut idx = Vec::with_capacity(k);
-    for (w, &bits) in chosen.iter().enumerate() {
-        let mut b = bits;
-        while b != 0 {
-            idx.push(w * 64 + b.trailing_zeros() as usize);
-            b &= b - 1;
-        }
-    }
+    draw_selection(qsgd::stream_seed(q.seed, step, key_hash, u64::MAX), n, k, &mut idx);
+    let idx = Arc::new(idx);
+    lock().put(id, idx.clone());
     Some(idx)
+}
+
+/// The most recent selections, by (seed, step, key, n, k): a pure function
+/// of those, so a hit is exactly what drawing again would give. An evicted
+/// selection nobody holds any more lends its memory to the next draw:
+/// fresh pages cost more than drawing (page faults, measured).
+struct SelectionCache(Vec<((u64, u64, u64, usize, usize), Arc<Vec<usize>>)>);
+
+impl SelectionCache {
+    /// Entries kept: a few keys' selections (each k words).
+    const KEEP: usize = 4;
+
+    fn get(&self, id: (u64, u64, u64, usize, usize)) -> Option<Arc<Vec<usize>>> {
+        self.0.iter().find(|(i, _)| *i == id).map(|(_, v)| v.clone())
+    }
+
+    /// Makes room for one more entry; the evicted one's vector when it is no
+    /// longer shared, else a new one.
+    fn recycle(&mut self) -> Vec<usize> {
+        if self.0.len() < Self::KEEP {
+            return Vec::new();
+        }
+        let (_, oldest) = self.0.remove(0);
+        Arc::try_unwrap(oldest).unwrap_or_default()
+    }
+
+    fn put(&mut self, id: (u64, u64, u64, usize, usize), v: Arc<Vec<usize>>) {
+        if self.get(id).is_none() {
+            if self.0.len() >= Self::KEEP {
+                self.0.remove(0);
+            }
+            self.0.push((id, v));
+        }
+    }
+}
+
+/// Floyd's sampling of `k < n` distinct indices from the noise stream
+/// `seed`: draw `d` (for `j = n - k + d`) picks `t = floor(u_d (j + 1))`,
+/// or `j` when `t` was picked already; marked in a bitset, read in order.
+/// The draws come from the vector kernels a block at a time, and the bitset
+/// word of a later draw is fetched ahead while earlier ones are marked.
+fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
+    const BLOCK: usize = 2048;
+    const AHEAD: usize = 32;
+    thread_local! {
+        // The bitset, kept between draws on this thread (cleared, not freed).
+        static CHOSEN: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    CHOSEN.with_borrow_mut(|chosen| {
+        chosen.clear();
+        chosen.resize(n.div_ceil(64), 0);
+        let isa = crate::isa::Isa::detect();
+        let (mut u, mut t) = ([0f32; BLOCK], [0usize; BLOCK]);
+        let mut first = 0;
+        while first < k {
+            let len = BLOCK.min(k - first);
+            super::noise::fill(isa, seed, first, &mut u[..len]);
+            for (d, (t, &u)) in t[..len].iter_mut().zip(&u[..len]).enumerate() {
+                let j = n - k + first + d;
+                *t = ((u as f64 * (j + 1) as f64) as usize).min(j);
+            }
+            for d in 0..len {
+                if d + AHEAD < len {
+                    prefetch(chosen, t[d + AHEAD] / 64);
+                }
+                let (w, b) = (t[d] / 64, 1u64 << (t[d] % 64));
+                if chosen[w] & b == 0 {
+                    chosen[w] |= b;
+                } else {
+                    let j = n - k + first + d; // never picked before: j exceeds every earlier draw's range
+                    chosen[j / 64] |= 1u64 << (j % 64);
+                }
+            }
+            first += len;
+        }
+        idx.clear();
+        idx.reserve(k);
+        for (w, &bits) in chosen.iter().enumerate() {
+            let mut b = bits;
+            while b != 0 {
+                idx.push(w * 64 + b.trailing_zeros() as usize);
+                b &= b - 1;
+            }
+        }
+        if chosen.len() > 1 << 24 {
+            *chosen = Vec::new(); // over 128 MiB: not kept
+        }
+    });
+}
+
+/// Asks the cache for `words[i]` ahead of its use (a hint; no effect on results).
+#[inline(always)]
+fn prefetch(words: &[u64], i: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(w) = words.get(i) {
+        // SAFETY: a prefetch never faults or changes memory; the address is in `words`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((w as *const u64).cast::<i8>()) };
+    }
 }
 
 /// Checks a state loaded from a checkpoint against the key it is for:

@@ -381,3 +381,37 @@ fn a_server_sums_codes_in_packed_lanes_from_the_narrow_wire() {
     huge[1..9].copy_from_slice(&(1u64 << 62).to_le_bytes());
     assert!(LaneSum::first(&huge, workers).is_err());
 }
+
+#[test]
+fn selection_draws_what_floyds_algorithm_draws_one_at_a_time() {
+    // The definition: draw d of the stream picks t = floor(u_d (j + 1)) for
+    // j = n - k + d, or j when t was picked already.
+    fn floyd(seed: u64, n: usize, k: usize) -> Vec<usize> {
+        let mut picked = std::collections::BTreeSet::new();
+        for (d, j) in (n - k..n).enumerate() {
+            let t = ((qsgd::uniform(seed, d as u64) as f64 * (j + 1) as f64) as usize).min(j);
+            if !picked.insert(t) {
+                picked.insert(j);
+            }
+        }
+        picked.into_iter().collect()
+    }
+    for (n, k) in [(10, 3), (100, 99), (5000, 2047), (5000, 2048), (5000, 2049), (5000, 4097), (100_000, 6250), (1 << 20, 1 << 16)] {
+        let mut idx = vec![1, 2, 3]; // a recycled vector: cleared first
+        draw_selection(77, n, k, &mut idx);
+        assert_eq!(idx, floyd(77, n, k), "n={n} k={k}");
+    }
+    // Kept for the next call with the same (seed, step, key, n, k): the same allocation.
+    let Compression::Qsgd(q) = params(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "300")]) else { unreachable!() };
+    let (a, b) = (selection(&q, 5000, 9, 1).unwrap(), selection(&q, 5000, 9, 1).unwrap());
+    assert!(Arc::ptr_eq(&a, &b));
+    let mut want = Vec::new();
+    draw_selection(qsgd::stream_seed(q.seed, 9, 1, u64::MAX), 5000, 300, &mut want);
+    assert_eq!(*a, want);
+    // Evicted selections lend their memory to new draws, which still draw right.
+    for step in 10..20 {
+        let got = selection(&q, 5000, step, 1).unwrap();
+        draw_selection(qsgd::stream_seed(q.seed, step, 1, u64::MAX), 5000, 300, &mut want);
+        assert_eq!(*got, want, "step {step}");
+    }
+}
