@@ -121,7 +121,8 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
         if l.len() != grad.len() {
             return Err(Error::SizeMismatch { what: "levels", expected: grad.len(), got: l.len() });
         }
-        if let Some(i) = l.iter().position(|&j| j as usize >= levels.len()) {
+        if par::map_reduce(l, |_, p| p.iter().fold(0u8, |m, &j| m.max(j)), u8::max) as usize >= levels.len() {
+            let i = l.iter().position(|&j| j as usize >= levels.len()).expect("the max found one");
             return Err(bad("levels", format!("element {i} names level {} of {}", l[i], levels.len())));
         }
     }
@@ -440,7 +441,10 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
         if l.len() != sum.len() {
             return Err(Error::SizeMismatch { what: "levels", expected: sum.len(), got: l.len() });
         }
-        if let Some(&j) = l.iter().find(|&&j| j as usize >= levels.len()) {
+        // max over every index (a loop the compiler vectorizes; a search
+        // for the first bad one runs only on error)
+        if par::map_reduce(l, |_, p| p.iter().fold(0u8, |m, &j| m.max(j)), u8::max) as usize >= levels.len() {
+            let j = l.iter().find(|&&j| j as usize >= levels.len()).expect("the max found one");
             return Err(bad("levels", format!("level {j} of {}", levels.len())));
         }
     }
@@ -581,5 +585,24 @@ mod tests {
         let mut zeros = vec![5i32; 3];
         quantize(&[0.0; 3], 0.0, 4, 0, &mut zeros).unwrap();
         assert_eq!(zeros, vec![0; 3]);
+    }
+
+    #[test]
+    fn a_scale_index_out_of_range_is_named_and_nothing_is_written() {
+        let n = 3 * crate::par::CHUNK + 5; // several parallel pieces
+        let g: Vec<f32> = (0..n).map(|i| uniform(3, i as u64) - 0.5).collect();
+        let mut l = vec![1u8; n];
+        l[n - 2] = 2; // of two levels
+        let mut codes = vec![7i32; n];
+        let e = quantize_at(&g, 1.0, &[3, 15], Some(&l), 1, &mut codes).unwrap_err().to_string();
+        assert_eq!(e, format!("invalid parameter 'levels': element {} names level 2 of 2", n - 2));
+        assert!(codes.iter().all(|&c| c == 7));
+        let mut out = vec![9f32; n];
+        let e = decode_at(&codes, 1.0, &[3, 15], Some(&l), &mut out).unwrap_err().to_string();
+        assert_eq!(e, "invalid parameter 'levels': level 2 of 2");
+        assert!(out.iter().all(|&v| v == 9.0));
+        l[n - 2] = 0;
+        quantize_at(&g, 1.0, &[3, 15], Some(&l), 1, &mut codes).unwrap();
+        decode_at(&codes, 1.0, &[3, 15], Some(&l), &mut out).unwrap();
     }
 }
