@@ -59,6 +59,10 @@ fn main() {
     };
     let q_to = median(|| d.quantize_2bit_to(&g, &r, &mut next, &mut compr, th).unwrap());
     row("2bit quantize_to (one pass)", 3.0 * f4 + c4, q_to);
+    let g16 = d.upload(&host.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>()).unwrap();
+    let q_to16 = median(|| d.quantize_2bit_to(&g16, &r, &mut next, &mut compr, th).unwrap());
+    row("2bit quantize_to, float16 gradient", 2.0 * f4 / 2.0 + 2.0 * f4 + c4, q_to16);
+    drop(g16);
     let q_in = median(|| d.quantize_2bit(&g, &mut r, &mut compr, th).unwrap());
     row("2bit quantize (check, then in place)", 3.0 * f4 + c4, q_in);
     let deq = median(|| d.dequantize_2bit(&compr, &mut out).unwrap());

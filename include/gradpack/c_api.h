@@ -244,19 +244,20 @@ int gp_kvstore_dropped(const gp_kvstore_t* store, uint64_t* out);
  * allocation of `device` (cuMemGetAddressRange) before any kernel runs.
  * Results are bit-identical to the CPU calls above. Without a driver, NVRTC,
  * the GPU, or a library built with the `cuda` feature, every call returns -1
- * with "CUDA not available: ..." in gp_error_last(). Float32 gradients only. */
+ * with "CUDA not available: ..." in gp_error_last(). Gradients of the 2-bit
+ * calls may be any gp_dtype_t; everything else is float32 (or int32 codes). */
 
 /* 0 when GPU `device` can run gradpack's kernels, else -1 and the reason. */
 int gp_cuda_available(int device);
 uint64_t gp_cuda_2bit_compressed_len(uint64_t n);
-/* gp_2bit_quantize on the GPU: checks residual + grad is finite first, so on
- * error nothing is written. */
-int gp_cuda_2bit_quantize(int device, void* stream, const float* grad, uint64_t n,
+/* gp_2bit_quantize on the GPU, `grad` of `dtype` (a gp_dtype_t): checks
+ * residual + grad is finite first, so on error nothing is written. */
+int gp_cuda_2bit_quantize(int device, void* stream, const void* grad, int dtype, uint64_t n,
                           float* residual, float* compr, uint64_t compr_len,
                           float neg_threshold, float pos_threshold);
 /* One pass at the memory floor: reads residual, writes the next residual to
  * `next` and `compr`. On error residual is untouched, next/compr garbage. */
-int gp_cuda_2bit_quantize_to(int device, void* stream, const float* grad, uint64_t n,
+int gp_cuda_2bit_quantize_to(int device, void* stream, const void* grad, int dtype, uint64_t n,
                              const float* residual, float* next, float* compr,
                              uint64_t compr_len, float neg_threshold, float pos_threshold);
 /* out = decode(compr) (add == 0) or out += decode(compr), after checking the
@@ -270,7 +271,7 @@ int gp_cuda_2bit_dequantize(int device, void* stream, const float* compr, uint64
  * device store; on error (a non-finite value in any member included) nothing
  * is written. Members on one GPU may not share a residual. */
 int gp_cuda_2bit_reduce(uint32_t num, const int* devices, void* const* streams,
-                        const float* const* grads, float* const* residuals, uint64_t n,
+                        const void* const* grads, int dtype, float* const* residuals, uint64_t n,
                         int merge_device, void* merge_stream, float* sum,
                         float neg_threshold, float pos_threshold);
 /* The GPU that device pointer `ptr` belongs to, into *device. */

@@ -25,8 +25,8 @@ __all__ = ["available", "unavailable_reason", "create_2bit", "quantize_2bit", "q
 _u64, _f32, _i32, _u32, _vp = ctypes.c_uint64, ctypes.c_float, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
     "gp_cuda_available": [_i32],
-    "gp_cuda_2bit_quantize": [_i32, _vp, _vp, _u64, _vp, _vp, _u64, _f32, _f32],
-    "gp_cuda_2bit_quantize_to": [_i32, _vp, _vp, _u64, _vp, _vp, _vp, _u64, _f32, _f32],
+    "gp_cuda_2bit_quantize": [_i32, _vp, _vp, _i32, _u64, _vp, _vp, _u64, _f32, _f32],
+    "gp_cuda_2bit_quantize_to": [_i32, _vp, _vp, _i32, _u64, _vp, _vp, _vp, _u64, _f32, _f32],
     "gp_cuda_2bit_dequantize": [_i32, _vp, _vp, _u64, _vp, _u64, _i32],
     "gp_cuda_max_abs": [_i32, _vp, _vp, _u64, ctypes.POINTER(_f32), ctypes.POINTER(_i32)],
     "gp_cuda_qsgd_quantize": [_i32, _vp, _vp, _u64, _f32, _u32, _u64, _u64, _vp, _i32],
@@ -34,7 +34,7 @@ _SIGNATURES = {
     "gp_cuda_1bit_quantize": [_i32, _vp, _vp, _u64, _vp, _f32, _vp, _i32],
     "gp_cuda_1bit_decode": [_i32, _vp, _vp, _u64, _u32, _vp],
     "gp_cuda_pointer_device": [_vp, ctypes.POINTER(_i32)],
-    "gp_cuda_2bit_reduce": [_u32, ctypes.POINTER(_i32), ctypes.POINTER(_vp), ctypes.POINTER(_vp),
+    "gp_cuda_2bit_reduce": [_u32, ctypes.POINTER(_i32), ctypes.POINTER(_vp), ctypes.POINTER(_vp), _i32,
                             ctypes.POINTER(_vp), _u64, _i32, _vp, _vp, _f32, _f32],
 }
 for _name, _args in _SIGNATURES.items():
@@ -93,7 +93,10 @@ _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _KDLCUDA = 2
-_DL_CODES = {"f4": (2, 32), "i4": (0, 32), "u8": (1, 64)}
+_DL_CODES = {"f4": (2, 32), "f2": (2, 16), "bf2": (4, 16), "i4": (0, 32), "u8": (1, 64)}
+# Gradients of the 2-bit calls: float32, float16 or bfloat16 (gp_dtype_t codes).
+_GRAD = ("f4", "f2", "bf2")
+_GRAD_CODE = {"f4": 0, "f2": 1, "bf2": 2}
 
 
 class _View:
@@ -101,7 +104,10 @@ class _View:
     whatever owns the memory alive while the call runs."""
 
     def __init__(self, obj, name, dtype, writable):
+        """``dtype``: one type code, or a tuple of accepted ones (the one
+        found is ``self.dtype``)."""
         self.keep = obj
+        self.accepted = dtype if isinstance(dtype, tuple) else (dtype,)
         if hasattr(obj, "__cuda_array_interface__"):
             self._from_cai(obj.__cuda_array_interface__, name, dtype, writable)
         elif hasattr(obj, "__dlpack__"):
@@ -112,14 +118,15 @@ class _View:
 
     def _from_cai(self, cai, name, dtype, writable):
         typestr = cai["typestr"]
-        if typestr.lstrip("<|=") != dtype:
-            raise Error("%s must be %s, got typestr %r" % (name, _DTYPE_NAMES[dtype], typestr))
+        if typestr.lstrip("<|=") not in self.accepted:
+            raise Error("%s must be %s, got typestr %r" % (name, _names(self.accepted), typestr))
+        dtype = self.dtype = typestr.lstrip("<|=")
         shape = tuple(cai["shape"])
         self.n = 1
         for s in shape:
             self.n *= int(s)
         strides = cai.get("strides")
-        if strides is not None and self.n > 1 and tuple(strides) != _c_strides(shape, int(dtype[1:])):
+        if strides is not None and self.n > 1 and tuple(strides) != _c_strides(shape, int(dtype[-1])):
             raise Error("%s must be C-contiguous" % name)
         ptr, readonly = cai["data"]
         if writable and readonly:
@@ -134,9 +141,11 @@ class _View:
         t = _DLTensor.from_address(managed)  # DLManagedTensor starts with its DLTensor
         if t.device.device_type != _KDLCUDA:
             raise Error("%s is not on a CUDA GPU (DLPack device type %d)" % (name, t.device.device_type))
-        code, bits = _DL_CODES[dtype]
-        if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (code, bits, 1):
-            raise Error("%s must be %s" % (name, _DTYPE_NAMES[dtype]))
+        found = [d for d in self.accepted if (t.dtype.code, t.dtype.bits, t.dtype.lanes) == _DL_CODES[d] + (1,)]
+        if not found:
+            raise Error("%s must be %s" % (name, _names(self.accepted)))
+        self.dtype = found[0]
+        bits = _DL_CODES[self.dtype][1]
         shape = tuple(t.shape[i] for i in range(t.ndim))
         self.n = 1
         for s in shape:
@@ -150,7 +159,11 @@ class _View:
         self.device = t.device.device_id
 
 
-_DTYPE_NAMES = {"f4": "float32", "i4": "int32", "u8": "uint64"}
+_DTYPE_NAMES = {"f4": "float32", "f2": "float16", "bf2": "bfloat16", "i4": "int32", "u8": "uint64"}
+
+
+def _names(codes):
+    return " or ".join(_DTYPE_NAMES[c] for c in codes)
 
 
 def _c_strides(shape, itemsize):
@@ -206,25 +219,26 @@ def create_2bit(size):
 
 
 def quantize_2bit(grad, residual, compr, neg_threshold, pos_threshold, stream=None, device=None):
-    """``gradpack.nd.contrib.quantize_2bit`` on the GPU (float32 gradients):
-    updates ``residual`` and writes ``compr``; on error neither is touched."""
-    g, r, c = _View(grad, "grad", "f4", False), _View(residual, "residual", "f4", True), _View(compr, "compr", "f4", True)
+    """``gradpack.nd.contrib.quantize_2bit`` on the GPU (float32, float16 or
+    bfloat16 gradients; bfloat16 through DLPack): updates ``residual`` and
+    writes ``compr``; on error neither is touched."""
+    g, r, c = _View(grad, "grad", _GRAD, False), _View(residual, "residual", "f4", True), _View(compr, "compr", "f4", True)
     if r.n != g.n:
         raise Error("residual has %d elements, expected %d" % (r.n, g.n))
-    _run(LIB.gp_cuda_2bit_quantize, [g, r, c], device, stream, g.ptr, g.n, r.ptr, c.ptr, c.n,
+    _run(LIB.gp_cuda_2bit_quantize, [g, r, c], device, stream, g.ptr, _GRAD_CODE[g.dtype], g.n, r.ptr, c.ptr, c.n,
          neg_threshold, pos_threshold)
 
 
 def quantize_2bit_to(grad, residual, next_residual, compr, neg_threshold, pos_threshold, stream=None, device=None):
     """One pass: reads ``residual``, writes ``next_residual`` and ``compr``.
     On error ``residual`` is untouched (swap the two on success)."""
-    g, r = _View(grad, "grad", "f4", False), _View(residual, "residual", "f4", False)
+    g, r = _View(grad, "grad", _GRAD, False), _View(residual, "residual", "f4", False)
     x, c = _View(next_residual, "next", "f4", True), _View(compr, "compr", "f4", True)
     for v, what in ((r, "residual"), (x, "next")):
         if v.n != g.n:
             raise Error("%s has %d elements, expected %d" % (what, v.n, g.n))
-    _run(LIB.gp_cuda_2bit_quantize_to, [g, r, x, c], device, stream, g.ptr, g.n, r.ptr, x.ptr, c.ptr, c.n,
-         neg_threshold, pos_threshold)
+    _run(LIB.gp_cuda_2bit_quantize_to, [g, r, x, c], device, stream, g.ptr, _GRAD_CODE[g.dtype], g.n, r.ptr, x.ptr,
+         c.ptr, c.n, neg_threshold, pos_threshold)
 
 
 def reduce_2bit(grads, residuals, out, neg_threshold, pos_threshold, streams=None, stream=None):
@@ -236,7 +250,9 @@ def reduce_2bit(grads, residuals, out, neg_threshold, pos_threshold, streams=Non
     _load_nvrtc()
     if len(grads) != len(residuals) or not grads:
         raise Error("give one residual per gradient (got %d gradients, %d residuals)" % (len(grads), len(residuals)))
-    gs = [_View(g, "grads[%d]" % i, "f4", False) for i, g in enumerate(grads)]
+    gs = [_View(g, "grads[%d]" % i, _GRAD, False) for i, g in enumerate(grads)]
+    if len({g.dtype for g in gs}) > 1:
+        raise Error("every member's gradient must have one dtype, got %s" % sorted({g.dtype for g in gs}))
     rs = [_View(r, "residuals[%d]" % i, "f4", True) for i, r in enumerate(residuals)]
     o = _View(out, "out", "f4", True)
     for i, (g, r) in enumerate(zip(gs, rs)):
@@ -249,7 +265,7 @@ def reduce_2bit(grads, residuals, out, neg_threshold, pos_threshold, streams=Non
     num = len(gs)
     check_call(LIB.gp_cuda_2bit_reduce(
         num, (_i32 * num)(*devices), (_vp * num)(*[int(s) for s in ss]),
-        (_vp * num)(*[g.ptr for g in gs]), (_vp * num)(*[r.ptr for r in rs]), o.n,
+        (_vp * num)(*[g.ptr for g in gs]), _GRAD_CODE[gs[0].dtype], (_vp * num)(*[r.ptr for r in rs]), o.n,
         _device_of([o], None), _stream_of([o], stream), o.ptr, neg_threshold, pos_threshold))
 
 

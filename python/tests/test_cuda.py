@@ -40,7 +40,7 @@ def test_arrays_are_checked_before_the_library_sees_them():
         cuda.max_abs([0.0, 1.0])
     with pytest.raises(gradpack.Error, match=r"x is not on a CUDA GPU \(DLPack device type 1\)"):
         cuda.max_abs(np.zeros(4, np.float32))  # a CPU array through DLPack
-    with pytest.raises(gradpack.Error, match="grad must be float32"):
+    with pytest.raises(gradpack.Error, match="grad must be float32 or float16 or bfloat16, got typestr '<f8'"):
         cuda.quantize_2bit(FakeGpuArray(4, "<f8"), FakeGpuArray(4), FakeGpuArray(4), -1, 1)
     with pytest.raises(gradpack.Error, match="residual is read-only"):
         cuda.quantize_2bit(FakeGpuArray(4), FakeGpuArray(4, readonly=True), FakeGpuArray(4), -1, 1)
@@ -171,3 +171,19 @@ def test_gpu_reduce_over_two_streams_matches_the_cpu_store():
         assert (cp.asnumpy(r) == b).all()
     with pytest.raises(gradpack.Error, match="overlap"):
         cuda.reduce_2bit([gd[0], gd[0]], [rd[0], rd[0]], out, -0.3, 0.3)
+
+
+@pytest.mark.parametrize("wrap", ["cai", "dlpack"])
+def test_gpu_float16_gradients_match_the_cpu(wrap):
+    cp = _cupy()
+    w = (lambda a: a) if wrap == "cai" else DLPackOnly
+    n = 100_003
+    rng = np.random.default_rng(9)
+    g = rng.uniform(-1, 1, n).astype(np.float16)
+    r0 = rng.uniform(-0.3, 0.3, n).astype(np.float32)
+    r, c = r0.copy(), contrib.create_2bit(g)
+    contrib.quantize_2bit(g, r, c, -0.4, 0.25)
+    rd, cd = cp.asarray(r0), cp.zeros(cuda.create_2bit(n), cp.float32)
+    cuda.quantize_2bit(w(cp.asarray(g)), w(rd), w(cd), -0.4, 0.25)
+    assert (cp.asnumpy(cd).view(np.uint32) == c.view(np.uint32)).all()
+    assert (cp.asnumpy(rd).view(np.uint32) == r.view(np.uint32)).all()

@@ -13,11 +13,28 @@ use std::ffi::{c_int, c_void};
 use super::guard;
 use crate::codec::{self, Thresholds};
 use crate::cuda::{self, Buf, Ops, RawStream};
-use crate::error::{Error, Result};
+use crate::error::{Dtype, Error, Result};
 
 fn buf<T>(what: &'static str, ptr: *const T, len: u64) -> Result<Buf> {
     let len = usize::try_from(len).map_err(|_| Error::InvalidParam { key: what.into(), problem: format!("{len} elements do not fit in memory") })?;
     Ok(Buf { what, ptr: ptr as u64, len, elem: std::mem::size_of::<T>() })
+}
+
+/// A gradient of `n` elements of `dtype` (0 f32, 1 f16, 2 bf16, as `gp_2bit_quantize`).
+fn grad_buf(grad: *const c_void, dtype: c_int, n: u64) -> Result<(Buf, Dtype)> {
+    let d = dtype_of(dtype)?;
+    let mut b = buf("grad", grad.cast::<u8>(), n)?;
+    b.elem = cuda::dtype_size(d);
+    Ok((b, d))
+}
+
+fn dtype_of(code: c_int) -> Result<Dtype> {
+    match code {
+        0 => Ok(Dtype::F32),
+        1 => Ok(Dtype::F16),
+        2 => Ok(Dtype::Bf16),
+        other => Err(Error::UnknownDtype(other)),
+    }
 }
 
 fn ordinal(device: c_int) -> Result<usize> {
@@ -88,7 +105,8 @@ pub unsafe extern "C" fn gp_cuda_2bit_reduce(
     num: u32,
     devices: *const c_int,
     streams: *const RawStream,
-    grads: *const *const f32,
+    grads: *const *const c_void,
+    dtype: c_int,
     residuals: *const *mut f32,
     n: u64,
     merge_device: c_int,
@@ -122,27 +140,31 @@ pub unsafe extern "C" fn gp_cuda_2bit_reduce(
         // SAFETY: as above.
         let merge = unsafe { cuda::Borrowed::new(ordinal(merge_device)?, merge_stream)? };
         let mut members = Vec::with_capacity(num);
+        let d = dtype_of(dtype)?;
         for (b, (&g, &r)) in borrowed.iter().zip(grads.iter().zip(residuals)) {
-            members.push((b.ops(), buf("grad", g, n)?, buf("residual", r, n)?));
+            members.push((b.ops(), grad_buf(g, dtype, n)?.0, buf("residual", r, n)?));
         }
         // SAFETY: the caller's precondition; the core checks every buffer.
-        unsafe { cuda::reduce_2bit_raw(&members, &merge.ops(), buf("sum", sum, n)?, th) }
+        unsafe { cuda::reduce_2bit_raw(&members, d, &merge.ops(), buf("sum", sum, n)?, th) }
     })
 }
 
-/// `gp_2bit_quantize` on the GPU for float32 gradients: validates that
+/// `gp_2bit_quantize` on the GPU (gradients of `dtype`: 0 float32, 1
+/// float16, 2 bfloat16; residual and compr float32): validates that
 /// residual + gradient is finite first, so on error (-1) nothing is written.
 ///
 /// # Safety
 /// `stream` as in `gp_cuda_available`'s notes; every pointer is device
 /// memory that stays allocated until the call returns.
 #[no_mangle]
-pub unsafe extern "C" fn gp_cuda_2bit_quantize(device: c_int, stream: RawStream, grad: *const f32, n: u64, residual: *mut f32, compr: *mut f32, compr_len: u64, neg_threshold: f32, pos_threshold: f32) -> c_int {
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gp_cuda_2bit_quantize(device: c_int, stream: RawStream, grad: *const c_void, dtype: c_int, n: u64, residual: *mut f32, compr: *mut f32, compr_len: u64, neg_threshold: f32, pos_threshold: f32) -> c_int {
     // SAFETY: the caller's precondition; Ops checks each pointer's allocation.
     unsafe {
         on(device, stream, |o| {
             let th = Thresholds::new(neg_threshold, pos_threshold)?;
-            o.quantize_2bit(buf("grad", grad, n)?, buf("residual", residual, n)?, buf("compr", compr, compr_len)?, th)
+            let (g, d) = grad_buf(grad, dtype, n)?;
+            o.quantize_2bit(g, d, buf("residual", residual, n)?, buf("compr", compr, compr_len)?, th)
         })
     }
 }
@@ -154,12 +176,14 @@ pub unsafe extern "C" fn gp_cuda_2bit_quantize(device: c_int, stream: RawStream,
 /// # Safety
 /// As `gp_cuda_2bit_quantize`.
 #[no_mangle]
-pub unsafe extern "C" fn gp_cuda_2bit_quantize_to(device: c_int, stream: RawStream, grad: *const f32, n: u64, residual: *const f32, next: *mut f32, compr: *mut f32, compr_len: u64, neg_threshold: f32, pos_threshold: f32) -> c_int {
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gp_cuda_2bit_quantize_to(device: c_int, stream: RawStream, grad: *const c_void, dtype: c_int, n: u64, residual: *const f32, next: *mut f32, compr: *mut f32, compr_len: u64, neg_threshold: f32, pos_threshold: f32) -> c_int {
     // SAFETY: as above.
     unsafe {
         on(device, stream, |o| {
             let th = Thresholds::new(neg_threshold, pos_threshold)?;
-            o.quantize_2bit_to(buf("grad", grad, n)?, buf("residual", residual, n)?, buf("next", next, n)?, buf("compr", compr, compr_len)?, th)
+            let (g, d) = grad_buf(grad, dtype, n)?;
+            o.quantize_2bit_to(g, d, buf("residual", residual, n)?, buf("next", next, n)?, buf("compr", compr, compr_len)?, th)
         })
     }
 }

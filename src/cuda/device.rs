@@ -20,7 +20,7 @@ use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaSlice, C
 use cudarc::nvrtc::{self, CompileOptions, Ptx};
 
 use crate::codec::{self, Thresholds};
-use crate::error::{Error, Result};
+use crate::error::{Dtype, Error, Result};
 use super::Buf;
 use crate::quant::{noise, qsgd};
 
@@ -184,6 +184,28 @@ pub struct Ops<'a> {
     s: &'a Arc<CudaStream>,
 }
 
+/// Bytes of one gradient element.
+pub fn dtype_size(dtype: Dtype) -> usize {
+    match dtype {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::Bf16 => 2,
+    }
+}
+
+/// The kernels' code for a gradient type: 0 float32, 1 float16, 2 bfloat16.
+fn dtype_arg(dtype: Dtype) -> Arg {
+    Arg::I32(match dtype {
+        Dtype::F32 => 0,
+        Dtype::F16 => 1,
+        Dtype::Bf16 => 2,
+    })
+}
+
+/// Whether four gradient elements load at once: 16 bytes of float32, 8 of a 16-bit type.
+fn grad_aligned(g: Buf) -> bool {
+    g.ptr % (4 * g.elem as u64) == 0
+}
+
 /// Threads for kernels that take four elements each.
 fn quads(n: usize) -> u64 {
     (n as u64).div_ceil(4)
@@ -235,16 +257,21 @@ impl Ops<'_> {
         p
     }
 
-    /// One element of device memory (for an error message).
+    /// One element of device memory, of type `dtype`, widened (for an error message).
     ///
     /// # Safety
-    /// `b.ptr + 4 i` must be readable device memory of this context.
-    unsafe fn element(&self, b: Buf, i: usize) -> Result<f32> {
-        let mut out = [0f32];
-        // SAFETY: the caller's precondition.
-        unsafe { drv::memcpy_dtoh_async(&mut out, b.ptr + 4 * i as u64, self.s.cu_stream()) }.map_err(|e| cuda_err("reading an element", e))?;
+    /// Element `i` of `b` must be readable device memory of this context.
+    unsafe fn element(&self, b: Buf, i: usize, dtype: Dtype) -> Result<f32> {
+        let mut out = [0u8; 4];
+        let size = dtype_size(dtype);
+        // SAFETY: the caller's precondition; `size` bytes into a 4-byte buffer.
+        unsafe { drv::memcpy_dtoh_async(&mut out[..size], b.ptr + (size * i) as u64, self.s.cu_stream()) }.map_err(|e| cuda_err("reading an element", e))?;
         self.s.synchronize().map_err(|e| cuda_err("synchronizing", e))?;
-        Ok(out[0])
+        Ok(match dtype {
+            Dtype::F32 => f32::from_le_bytes(out),
+            Dtype::F16 => half::f16::from_le_bytes([out[0], out[1]]).to_f32(),
+            Dtype::Bf16 => half::bf16::from_le_bytes([out[0], out[1]]).to_f32(),
+        })
     }
 
     /// Checks raw buffers before any kernel sees them: each non-empty one
@@ -292,22 +319,23 @@ impl Ops<'_> {
     ///
     /// # Safety
     /// `g` and `r` checked by `check`, and live until the stream has run.
-    unsafe fn check_finite(&self, what: &str, g: Buf, r: Option<Buf>) -> Result<()> {
+    unsafe fn check_finite(&self, what: &str, g: Buf, dtype: Dtype, r: Option<Buf>) -> Result<()> {
         let flag = self.flag(1)?;
         let n = g.len as u64;
         // SAFETY: the caller's precondition; the kernel reads n elements of each.
-        unsafe { self.launch("gp_check_finite", n, &[Arg::P(g.ptr), Arg::P(r.map_or(0, |r| r.ptr)), Arg::U64(n), Arg::P(self.ptr(&flag))])? };
-        self.first_non_finite(what, g, r, self.read(&flag)?[0])
+        unsafe { self.launch("gp_check_finite", n, &[Arg::P(g.ptr), Arg::P(r.map_or(0, |r| r.ptr)), Arg::U64(n), Arg::P(self.ptr(&flag)), dtype_arg(dtype)])? };
+        self.first_non_finite(what, g, dtype, r, self.read(&flag)?[0])
     }
 
     /// The error for flag value `bad` (`n - i` of the first bad element, or 0).
-    unsafe fn first_non_finite(&self, what: &str, g: Buf, r: Option<Buf>, bad: u64) -> Result<()> {
+    unsafe fn first_non_finite(&self, what: &str, g: Buf, dtype: Dtype, r: Option<Buf>, bad: u64) -> Result<()> {
         if bad == 0 {
             return Ok(());
         }
         let i = g.len - bad as usize;
+        // As the kernels add: residual + gradient, in float32.
         // SAFETY: i < len of both (the caller's precondition).
-        let value = unsafe { self.element(g, i)? + r.map_or(Ok(0.0), |r| self.element(r, i))? };
+        let value = unsafe { r.map_or(Ok(0.0), |r| self.element(r, i, Dtype::F32))? + self.element(g, i, dtype)? };
         Err(Error::NonFinite { what: what.into(), index: i, value })
     }
 
@@ -316,16 +344,16 @@ impl Ops<'_> {
     ///
     /// # Safety
     /// Every buffer as in `check` (which this calls), live until the stream has run.
-    pub unsafe fn quantize_2bit(&self, grad: Buf, residual: Buf, compr: Buf, th: Thresholds) -> Result<()> {
+    pub unsafe fn quantize_2bit(&self, grad: Buf, dtype: Dtype, residual: Buf, compr: Buf, th: Thresholds) -> Result<()> {
+        check_len("gradient element bytes", dtype_size(dtype), grad.elem)?;
         let n = grad.len;
         check_len("residual", n, residual.len)?;
         check_len("compressed array", codec::compressed_len(n), compr.len)?;
         self.check(&[grad, residual, compr])?;
         // SAFETY: checked above; the kernels touch n elements and compressed_len(n) floats.
         unsafe {
-            self.check_finite("gradient", grad, Some(residual))?;
-            let vec = aligned(&[grad, residual]);
-            self.launch("gp_2bit_quantize", quads(n), &[Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(compr.ptr), Arg::U64(n as u64), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), vec])
+            self.check_finite("gradient", grad, dtype, Some(residual))?;
+            self.launch_2bit(grad, dtype, residual, compr, th)
         }
     }
 
@@ -333,11 +361,24 @@ impl Ops<'_> {
     ///
     /// # Safety
     /// Every buffer checked by `check` with the lengths `quantize_2bit_to` checks.
-    unsafe fn launch_2bit_to(&self, grad: Buf, residual: Buf, next: Buf, compr: Buf, th: Thresholds, flag: &CudaSlice<u64>) -> Result<()> {
+    unsafe fn launch_2bit_to(&self, grad: Buf, dtype: Dtype, residual: Buf, next: Buf, compr: Buf, th: Thresholds, flag: &CudaSlice<u64>) -> Result<()> {
         let n = grad.len as u64;
-        let args = [Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(next.ptr), Arg::P(compr.ptr), Arg::U64(n), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), Arg::P(self.ptr(flag)), aligned(&[grad, residual, next])];
+        let vec = Arg::I32((grad_aligned(grad) && residual.ptr % 16 == 0 && next.ptr % 16 == 0) as i32);
+        let args = [Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(next.ptr), Arg::P(compr.ptr), Arg::U64(n), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), Arg::P(self.ptr(flag)), vec, dtype_arg(dtype)];
         // SAFETY: the caller's precondition; the kernel touches n elements and compressed_len(n) floats.
         unsafe { self.launch("gp_2bit_quantize_to", quads(grad.len), &args) }
+    }
+
+    /// Launches the in-place 2-bit kernel on input `check_finite` accepted.
+    ///
+    /// # Safety
+    /// As `launch_2bit_to`.
+    unsafe fn launch_2bit(&self, grad: Buf, dtype: Dtype, residual: Buf, compr: Buf, th: Thresholds) -> Result<()> {
+        let n = grad.len as u64;
+        let vec = Arg::I32((grad_aligned(grad) && residual.ptr % 16 == 0) as i32);
+        let args = [Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(compr.ptr), Arg::U64(n), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), vec, dtype_arg(dtype)];
+        // SAFETY: the caller's precondition.
+        unsafe { self.launch("gp_2bit_quantize", quads(grad.len), &args) }
     }
 
     /// 2-bit quantize out of place in one pass (`codec::quantize_2bit_to`):
@@ -345,7 +386,8 @@ impl Ops<'_> {
     ///
     /// # Safety
     /// As `quantize_2bit`.
-    pub unsafe fn quantize_2bit_to(&self, grad: Buf, residual: Buf, next: Buf, compr: Buf, th: Thresholds) -> Result<()> {
+    pub unsafe fn quantize_2bit_to(&self, grad: Buf, dtype: Dtype, residual: Buf, next: Buf, compr: Buf, th: Thresholds) -> Result<()> {
+        check_len("gradient element bytes", dtype_size(dtype), grad.elem)?;
         let n = grad.len;
         check_len("residual", n, residual.len)?;
         check_len("next residual", n, next.len)?;
@@ -354,8 +396,8 @@ impl Ops<'_> {
         let flag = self.flag(1)?;
         // SAFETY: checked above.
         unsafe {
-            self.launch_2bit_to(grad, residual, next, compr, th, &flag)?;
-            self.first_non_finite("gradient", grad, Some(residual), self.read(&flag)?[0])
+            self.launch_2bit_to(grad, dtype, residual, next, compr, th, &flag)?;
+            self.first_non_finite("gradient", grad, dtype, Some(residual), self.read(&flag)?[0])
         }
     }
 
@@ -438,9 +480,9 @@ impl Ops<'_> {
             let flag = self.flag(1)?;
             // SAFETY: as above.
             unsafe {
-                self.launch("gp_check_finite", grad.len as u64, &[Arg::P(grad.ptr), Arg::P(0), Arg::U64(grad.len as u64), Arg::P(self.ptr(&flag))])?;
+                self.launch("gp_check_finite", grad.len as u64, &[Arg::P(grad.ptr), Arg::P(0), Arg::U64(grad.len as u64), Arg::P(self.ptr(&flag)), dtype_arg(Dtype::F32)])?;
                 let i = grad.len - self.read(&flag)?[0] as usize;
-                return Err(Error::InvalidParam { key: "gradient".into(), problem: format!("element {i} is {}", self.element(grad, i)?) });
+                return Err(Error::InvalidParam { key: "gradient".into(), problem: format!("element {i} is {}", self.element(grad, i, Dtype::F32)?) });
             }
         };
         if max > scale {
@@ -490,7 +532,7 @@ impl Ops<'_> {
         self.check(&[grad, residual, bits])?;
         // SAFETY: checked above.
         unsafe {
-            self.check_finite("gradient", grad, Some(residual))?;
+            self.check_finite("gradient", grad, Dtype::F32, Some(residual))?;
             self.launch("gp_1bit_quantize", quads(grad.len), &[Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(bits.ptr), Arg::U64(grad.len as u64), Arg::F32(threshold), Arg::I32(add as i32), aligned(&[grad, residual, bits])])
         }
     }
@@ -701,19 +743,20 @@ impl Gpu {
         Ok(out)
     }
 
-    /// `codec::quantize_2bit` on the GPU: bit-identical blocks and residual.
-    pub fn quantize_2bit(&self, grad: &CudaSlice<f32>, residual: &mut CudaSlice<f32>, compr: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
+    /// `codec::quantize_2bit` on the GPU (float32, float16 or bfloat16
+    /// gradients): bit-identical blocks and residual.
+    pub fn quantize_2bit<G: GpuGradient>(&self, grad: &CudaSlice<G>, residual: &mut CudaSlice<f32>, compr: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
         let (g, r, c) = (self.buf("gradient", grad)?, self.buf_mut("residual", residual)?, self.buf_mut("compressed array", compr)?);
         // SAFETY: borrowed CudaSlices of this GPU: live, distinct allocations of their stated lengths.
-        self.run(|o| unsafe { o.quantize_2bit(g, r, c, th) })
+        self.run(|o| unsafe { o.quantize_2bit(g, G::DTYPE, r, c, th) })
     }
 
     /// `codec::quantize_2bit_to` on the GPU: one pass; on error `next` and `compr` hold garbage.
-    pub fn quantize_2bit_to(&self, grad: &CudaSlice<f32>, residual: &CudaSlice<f32>, next: &mut CudaSlice<f32>, compr: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
+    pub fn quantize_2bit_to<G: GpuGradient>(&self, grad: &CudaSlice<G>, residual: &CudaSlice<f32>, next: &mut CudaSlice<f32>, compr: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
         let (g, r) = (self.buf("gradient", grad)?, self.buf("residual", residual)?);
         let (x, c) = (self.buf_mut("next residual", next)?, self.buf_mut("compressed array", compr)?);
         // SAFETY: as in quantize_2bit.
-        self.run(|o| unsafe { o.quantize_2bit_to(g, r, x, c, th) })
+        self.run(|o| unsafe { o.quantize_2bit_to(g, G::DTYPE, r, x, c, th) })
     }
 
     /// `codec::dequantize_2bit` on the GPU.
@@ -791,10 +834,27 @@ impl Gpu {
 
 /// One member of a compressed reduce: a GPU (and its stream), its gradient
 /// and its residual.
-pub struct Member<'a> {
+pub struct Member<'a, G: GpuGradient = f32> {
     pub gpu: &'a Gpu,
-    pub grad: &'a CudaSlice<f32>,
+    pub grad: &'a CudaSlice<G>,
     pub residual: &'a mut CudaSlice<f32>,
+}
+
+/// A gradient element type the GPU kernels take (as `codec::Gradient`).
+pub trait GpuGradient: DeviceRepr {
+    const DTYPE: Dtype;
+}
+
+impl GpuGradient for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+}
+
+impl GpuGradient for half::f16 {
+    const DTYPE: Dtype = Dtype::F16;
+}
+
+impl GpuGradient for half::bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
 }
 
 /// The device store's compressed Reduce across GPUs (the proposal's
@@ -803,14 +863,14 @@ pub struct Member<'a> {
 /// member order into `sum`. Bit-identical to `codec::quantize_2bit_reduce`.
 /// On error, a non-finite `residual + grad` of any member included, nothing
 /// is written.
-pub fn reduce_2bit(members: &mut [Member], merge: &Gpu, sum: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
+pub fn reduce_2bit<G: GpuGradient>(members: &mut [Member<G>], merge: &Gpu, sum: &mut CudaSlice<f32>, th: Thresholds) -> Result<()> {
     let mut raw = Vec::with_capacity(members.len());
     for m in members.iter_mut() {
         raw.push((m.gpu.ops(), m.gpu.buf("gradient", m.grad)?, m.gpu.buf_mut("residual", m.residual)?));
     }
     let out = merge.buf_mut("sum", sum)?;
     // SAFETY: borrowed CudaSlices of their GPUs, live for this call.
-    unsafe { reduce_2bit_raw(&raw, &merge.ops(), out, th) }
+    unsafe { reduce_2bit_raw(&raw, G::DTYPE, &merge.ops(), out, th) }
 }
 
 /// `reduce_2bit` on raw buffers: member `d` is `(its stream's Ops, gradient,
@@ -821,7 +881,7 @@ pub fn reduce_2bit(members: &mut [Member], merge: &Gpu, sum: &mut CudaSlice<f32>
 /// # Safety
 /// Every buffer lives, with its stated length, on its Ops' device until
 /// the call returns (`check` verifies everything else).
-pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], merge: &Ops, sum: Buf, th: Thresholds) -> Result<()> {
+pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], dtype: Dtype, merge: &Ops, sum: Buf, th: Thresholds) -> Result<()> {
     let n = sum.len;
     if members.is_empty() {
         return Err(Error::SizeMismatch { what: "list of device gradients", expected: 1, got: 0 });
@@ -829,6 +889,7 @@ pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], merge: &Ops, sum: Buf
     merge.check(&[sum])?;
     for (ops, g, r) in members {
         check_len("gradient", n, g.len)?;
+        check_len("gradient element bytes", dtype_size(dtype), g.elem)?;
         check_len("residual", n, r.len)?;
         if ops.ctx.cu_ctx() == merge.ctx.cu_ctx() {
             ops.check(&[*g, *r, sum])?;
@@ -849,7 +910,7 @@ pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], merge: &Ops, sum: Buf
     // Every member's verdict before anything changes.
     for (d, (ops, g, r)) in members.iter().enumerate() {
         // SAFETY: checked above.
-        unsafe { ops.check_finite(&format!("pushed value {d}"), *g, Some(*r))? };
+        unsafe { ops.check_finite(&format!("pushed value {d}"), *g, dtype, Some(*r))? };
     }
     // Quantize on every member's stream (they run concurrently).
     let mut comprs = Vec::with_capacity(members.len());
@@ -857,7 +918,7 @@ pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], merge: &Ops, sum: Buf
         let compr = ops.s.alloc_zeros::<f32>(codec::compressed_len(n)).map_err(|e| cuda_err("allocating a compressed array", e))?;
         let c = Buf { what: "compressed array", ptr: ops.ptr(&compr), len: compr.len(), elem: 4 };
         // SAFETY: checked above; accepted by check_finite.
-        unsafe { ops.launch("gp_2bit_quantize", quads(n), &[Arg::P(g.ptr), Arg::P(r.ptr), Arg::P(c.ptr), Arg::U64(n as u64), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), aligned(&[*g, *r])])? };
+        unsafe { ops.launch_2bit(*g, dtype, *r, c, th)? };
         comprs.push((c, compr));
     }
     // Decode and sum on the merge stream, in member order.

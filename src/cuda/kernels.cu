@@ -20,14 +20,27 @@ __device__ __forceinline__ bool gp_finite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+// Gradient element types (codec::Gradient): 0 float32, 1 float16, 2 bfloat16.
+// Both 16-bit types widen to float32 exactly, as the CPU's `to_f32` does.
+__device__ __forceinline__ float gp_widen(unsigned short h, int dtype) {
+    if (dtype == 2) return __uint_as_float((u32)h << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float gp_load(const void* g, u64 i, int dtype) {
+    return dtype == 0 ? ((const float*)g)[i] : gp_widen(((const unsigned short*)g)[i], dtype);
+}
+
 // ---------------------------------------------------------------- checks
 
 // bad[0] <- n - i for the first i where r[i] + g[i] (or g[i] when r is
-// null) is NaN or infinite.
-extern "C" __global__ void gp_check_finite(const float* __restrict__ g, const float* __restrict__ r, u64 n, u64* bad) {
+// null) is NaN or infinite; g of type dtype.
+extern "C" __global__ void gp_check_finite(const void* __restrict__ g, const float* __restrict__ r, u64 n, u64* bad, int dtype) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        float x = r ? r[i] + g[i] : g[i];
+        float x = r ? r[i] + gp_load(g, i, dtype) : gp_load(g, i, dtype);
         if (!gp_finite(x)) atomicMax(bad, n - i);
     }
 }
@@ -54,17 +67,26 @@ __device__ __forceinline__ u32 gp_q2_one(float x, float neg, float pos, float* n
 // whose codes sit at bits 31-2j, 30-2j for element j of the block; OR over
 // the four. In place when next == r. Launch ceil(n / 4) threads in blocks
 // of a multiple of 32, at least one block (thread 0 writes the header).
-__device__ __forceinline__ void gp_q2_four(const float* g, const float* r, float* next, float* compr, u64 n, float neg, float pos,
-                                           float size, u64* bad, int vec) {
+__device__ __forceinline__ void gp_q2_four(const void* g, const float* r, float* next, float* compr, u64 n, float neg, float pos,
+                                           float size, u64* bad, int vec, int dtype) {
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 i0 = 4 * t;
     float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     bool whole = vec && i0 + 3 < n;
     if (whole) {
-        float4 a = ((const float4*)g)[t], b = ((const float4*)r)[t];
-        x[0] = b.x + a.x; x[1] = b.y + a.y; x[2] = b.z + a.z; x[3] = b.w + a.w;
+        float4 b = ((const float4*)r)[t];
+        float a[4];
+        if (dtype == 0) {
+            float4 v = ((const float4*)g)[t];
+            a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+        } else { // four 16-bit values (the host checked 8-byte alignment)
+            uint2 v = ((const uint2*)g)[t];
+            a[0] = gp_widen(v.x & 0xffffu, dtype); a[1] = gp_widen(v.x >> 16, dtype);
+            a[2] = gp_widen(v.y & 0xffffu, dtype); a[3] = gp_widen(v.y >> 16, dtype);
+        }
+        x[0] = b.x + a[0]; x[1] = b.y + a[1]; x[2] = b.z + a[2]; x[3] = b.w + a[3];
     } else {
-        for (int j = 0; j < 4; j++) if (i0 + j < n) x[j] = r[i0 + j] + g[i0 + j];
+        for (int j = 0; j < 4; j++) if (i0 + j < n) x[j] = r[i0 + j] + gp_load(g, i0 + j, dtype);
     }
     u32 w = 0;
     float nx[4];
@@ -88,14 +110,14 @@ __device__ __forceinline__ void gp_q2_four(const float* g, const float* r, float
 
 // Out of place, at the memory floor: reads g and r, writes next and compr
 // (header and blocks), and flags a non-finite r + g in bad.
-extern "C" __global__ void gp_2bit_quantize_to(const float* __restrict__ g, const float* __restrict__ r, float* __restrict__ next,
-                                               float* __restrict__ compr, u64 n, float neg, float pos, float size, u64* bad, int vec) {
-    gp_q2_four(g, r, next, compr, n, neg, pos, size, bad, vec);
+extern "C" __global__ void gp_2bit_quantize_to(const void* __restrict__ g, const float* __restrict__ r, float* __restrict__ next,
+                                               float* __restrict__ compr, u64 n, float neg, float pos, float size, u64* bad, int vec, int dtype) {
+    gp_q2_four(g, r, next, compr, n, neg, pos, size, bad, vec, dtype);
 }
 
 // In place, for input that gp_check_finite has accepted.
-extern "C" __global__ void gp_2bit_quantize(const float* __restrict__ g, float* r, float* __restrict__ compr, u64 n, float neg, float pos, float size, int vec) {
-    gp_q2_four(g, r, r, compr, n, neg, pos, size, (u64*)0, vec);
+extern "C" __global__ void gp_2bit_quantize(const void* __restrict__ g, float* r, float* __restrict__ compr, u64 n, float neg, float pos, float size, int vec, int dtype) {
+    gp_q2_four(g, r, r, compr, n, neg, pos, size, (u64*)0, vec, dtype);
 }
 
 // bad[0] <- nwords - b for the first block b holding code 0b11; bad[1] <- 1

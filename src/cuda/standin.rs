@@ -4,7 +4,7 @@
 
 use super::{Buf, RawStream};
 use crate::codec::Thresholds;
-use crate::error::{Error, Result};
+use crate::error::{Dtype, Error, Result};
 
 fn unavailable() -> Error {
     Error::CudaUnavailable("gradpack was built without its `cuda` feature".into())
@@ -33,6 +33,14 @@ impl Gpu {
     }
 }
 
+/// Bytes of one gradient element.
+pub fn dtype_size(dtype: Dtype) -> usize {
+    match dtype {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::Bf16 => 2,
+    }
+}
+
 pub fn pointer_device(_ptr: u64) -> Result<usize> {
     Err(unavailable())
 }
@@ -56,7 +64,7 @@ impl Borrowed {
 
 /// # Safety
 /// None needed: nothing runs.
-pub unsafe fn reduce_2bit_raw(_members: &[(Ops, Buf, Buf)], merge: &Ops, _sum: Buf, _th: Thresholds) -> Result<()> {
+pub unsafe fn reduce_2bit_raw(_members: &[(Ops, Buf, Buf)], _dtype: Dtype, merge: &Ops, _sum: Buf, _th: Thresholds) -> Result<()> {
     match *merge {}
 }
 
@@ -74,10 +82,10 @@ impl Ops {
     pub fn check(&self, _: &[Buf]) -> Result<()> {
         match *self {}
     }
-    pub unsafe fn quantize_2bit(&self, _: Buf, _: Buf, _: Buf, _: Thresholds) -> Result<()> {
+    pub unsafe fn quantize_2bit(&self, _: Buf, _: Dtype, _: Buf, _: Buf, _: Thresholds) -> Result<()> {
         match *self {}
     }
-    pub unsafe fn quantize_2bit_to(&self, _: Buf, _: Buf, _: Buf, _: Buf, _: Thresholds) -> Result<()> {
+    pub unsafe fn quantize_2bit_to(&self, _: Buf, _: Dtype, _: Buf, _: Buf, _: Buf, _: Thresholds) -> Result<()> {
         match *self {}
     }
     pub unsafe fn dequantize_2bit(&self, _: Buf, _: Buf, _: bool) -> Result<()> {

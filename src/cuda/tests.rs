@@ -102,6 +102,35 @@ mod with_feature {
 
         #[test]
         #[ignore = "needs a GPU"]
+        fn two_bit_takes_float16_and_bfloat16_gradients_as_the_cpu_does() {
+            use half::{bf16, f16};
+            let d = gpu();
+            let th = Thresholds::new(-0.3, 0.25).unwrap();
+            for n in SIZES {
+                let (g, r0) = (data(n, 40, 2.0), data(n, 41, 0.5));
+                let (h, b): (Vec<f16>, Vec<bf16>) = (g.iter().map(|&x| f16::from_f32(x)).collect(), g.iter().map(|&x| bf16::from_f32(x)).collect());
+                let (mut rh, mut ch, mut rb, mut cb) = (r0.clone(), codec::create_2bit(n), r0.clone(), codec::create_2bit(n));
+                codec::quantize_2bit(&h, &mut rh, &mut ch, th).unwrap();
+                codec::quantize_2bit(&b, &mut rb, &mut cb, th).unwrap();
+                let (mut rd, mut cd) = (d.upload(&r0).unwrap(), d.zeros::<f32>(ch.len()).unwrap());
+                d.quantize_2bit(&d.upload(&h).unwrap(), &mut rd, &mut cd, th).unwrap();
+                assert_eq!((bits(&d.download(&cd).unwrap()), bits(&d.download(&rd).unwrap())), (bits(&ch), bits(&rh)), "f16 n={n}");
+                let (r0d, mut xd, mut cd) = (d.upload(&r0).unwrap(), d.zeros::<f32>(n).unwrap(), d.zeros::<f32>(cb.len()).unwrap());
+                d.quantize_2bit_to(&d.upload(&b).unwrap(), &r0d, &mut xd, &mut cd, th).unwrap();
+                assert_eq!((bits(&d.download(&cd).unwrap()), bits(&d.download(&xd).unwrap())), (bits(&cb), bits(&rb)), "bf16 n={n}");
+            }
+            // A float16 infinity is named as the CPU names it; nothing changes.
+            let mut h: Vec<f16> = data(300, 42, 1.0).iter().map(|&x| f16::from_f32(x)).collect();
+            h[123] = f16::INFINITY;
+            let r0 = data(300, 43, 0.5);
+            let cpu = codec::quantize_2bit(&h, &mut r0.clone(), &mut codec::create_2bit(300), th).unwrap_err().to_string();
+            let (mut rd, mut cd) = (d.upload(&r0).unwrap(), d.zeros::<f32>(codec::compressed_len(300)).unwrap());
+            assert_eq!(d.quantize_2bit(&d.upload(&h).unwrap(), &mut rd, &mut cd, th).unwrap_err().to_string(), cpu);
+            assert_eq!(bits(&d.download(&rd).unwrap()), bits(&r0));
+        }
+
+        #[test]
+        #[ignore = "needs a GPU"]
         fn two_bit_bad_input_gives_the_cpus_error_and_changes_nothing() {
             let d = gpu();
             let th = Thresholds::symmetric(0.5).unwrap();
@@ -164,7 +193,7 @@ mod with_feature {
                 let cl = c.len() as u64;
                 // SAFETY: live allocations of n + 1 (or cl + 1) floats, used from element 1.
                 unsafe {
-                    assert_eq!(gp_cuda_2bit_quantize_to(0, std::ptr::null_mut(), p(&gd), n as u64, p(&rd), p(&xd), p(&cd), cl, -0.4, 0.3), 0);
+                    assert_eq!(gp_cuda_2bit_quantize_to(0, std::ptr::null_mut(), p(&gd).cast(), 0, n as u64, p(&rd), p(&xd), p(&cd), cl, -0.4, 0.3), 0);
                     assert_eq!(gp_cuda_2bit_dequantize(0, std::ptr::null_mut(), p(&cd), cl, p(&od), n as u64, 0), 0);
                 }
                 assert_eq!(bits(&d.download(&cd).unwrap()[1..]), bits(&c), "unaligned quantize n={n}");
@@ -197,16 +226,16 @@ mod with_feature {
                 // SAFETY: as above; the calls must refuse before touching memory.
                 unsafe {
                     // one element past the allocation
-                    assert_eq!(gp_cuda_2bit_quantize(0, std::ptr::null_mut(), p(&gd), n as u64 + 1, p(&rd), p(&cd), codec::compressed_len(n + 1) as u64, -0.4, 0.3), -1);
+                    assert_eq!(gp_cuda_2bit_quantize(0, std::ptr::null_mut(), p(&gd).cast(), 0, n as u64 + 1, p(&rd), p(&cd), codec::compressed_len(n + 1) as u64, -0.4, 0.3), -1);
                     let e = std::ffi::CStr::from_ptr(gp_error_last()).to_str().unwrap().to_string();
                     assert!(e.contains("'grad'") && e.contains("run past the end of its allocation"), "{e}");
                     // a host pointer
                     let host = vec![0f32; n];
-                    assert_eq!(gp_cuda_2bit_quantize(0, std::ptr::null_mut(), host.as_ptr(), n as u64, p(&rd), p(&cd), cl, -0.4, 0.3), -1);
+                    assert_eq!(gp_cuda_2bit_quantize(0, std::ptr::null_mut(), host.as_ptr().cast(), 0, n as u64, p(&rd), p(&cd), cl, -0.4, 0.3), -1);
                     let e = std::ffi::CStr::from_ptr(gp_error_last()).to_str().unwrap().to_string();
                     assert!(e.contains("'grad'") && e.contains("is not device memory"), "{e}");
                     // overlapping output and input
-                    assert_eq!(gp_cuda_2bit_quantize_to(0, std::ptr::null_mut(), p(&gd), n as u64, p(&rd), p(&rd), p(&cd), cl, -0.4, 0.3), -1);
+                    assert_eq!(gp_cuda_2bit_quantize_to(0, std::ptr::null_mut(), p(&gd).cast(), 0, n as u64, p(&rd), p(&rd), p(&cd), cl, -0.4, 0.3), -1);
                     let e = std::ffi::CStr::from_ptr(gp_error_last()).to_str().unwrap().to_string();
                     assert_eq!(e, "residual and next overlap in memory; they must be distinct buffers");
                     // a GPU that does not exist

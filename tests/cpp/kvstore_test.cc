@@ -231,7 +231,7 @@ static void test_cuda_stand_in() {
   const std::string want = "CUDA not available: gradpack was built without its `cuda` feature";
   CHECK(gp_cuda_available(0) == -1 && gp_error_last() == want);
   float residual[4] = {1, 2, 3, 4};
-  CHECK(gp_cuda_2bit_quantize(0, nullptr, residual, 4, residual, residual, 4, -1, 1) == -1);
+  CHECK(gp_cuda_2bit_quantize(0, nullptr, residual, GP_DTYPE_FLOAT32, 4, residual, residual, 4, -1, 1) == -1);
   CHECK(gp_error_last() == want && residual[0] == 1 && residual[3] == 4);
 }
 
