@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use gradpack::codec::{self, Thresholds};
-use gradpack::cuda::Gpu;
+use gradpack::cuda::{reduce_2bit, Gpu, Member};
 
 fn median(mut f: impl FnMut()) -> f64 {
     f();
@@ -79,5 +79,18 @@ fn main() {
     row("qsgd_mn 2 decode", 2.0 * f4, qd);
     let ob = median(|| d.onebit_quantize(&g, &mut r, 0.0, &mut codes, false).unwrap());
     row("1bit encode (check, then quantize)", 4.0 * f4, ob);
+    // The device store's Reduce: 2 members on 2 streams of this GPU, each
+    // validated then quantized in place, decoded and summed on the first.
+    let d1 = d.fork().unwrap();
+    let g1 = d1.upload(&host).unwrap();
+    let mut r1 = d1.zeros::<f32>(n).unwrap();
+    drop(codes);
+    let red = median(|| {
+        let mut members = [Member { gpu: &d, grad: &g, residual: &mut r }, Member { gpu: &d1, grad: &g1, residual: &mut r1 }];
+        reduce_2bit(&mut members, &d, &mut out, th).unwrap()
+    });
+    // Bytes it must move at least: each member's quantize (12 B/element)
+    // and the sum's write and read-modify-write (4 + 8 B/element).
+    row("2bit reduce, 2 members (streams)", 2.0 * (3.0 * f4 + c4) + 3.0 * f4, red);
     println!("2bit quantize_to / copy bandwidth: {:.2} (bar: 0.70)", (3.0 * f4 + c4) / q_to / copy_bw);
 }
