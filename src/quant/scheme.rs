@@ -318,13 +318,17 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
                 codec::quantize_2bit_finite(g, &mut s.residual, &mut compr, *th)?;
                 let blocks = codec::blocks(&compr);
                 let (pos, neg) = codes.split_at_mut(n);
-                // Pieces start at multiples of 16: whole blocks.
+                // Pieces start at multiples of 16: whole blocks, a block word
+                // at a time with its 16 shifts fixed (the loop vectorizes).
                 crate::par::chunks2(pos, neg, |start, pos, neg| {
-                    for (j, (p, q)) in pos.iter_mut().zip(neg.iter_mut()).enumerate() {
-                        let i = start + j;
-                        let code = (blocks[i / 16] >> (30 - 2 * (i % 16))) & 0b11;
-                        let (dp, dq) = ((code == 0b01) as i32, (code == 0b10) as i32);
-                        (*p, *q) = if add { (*p + dp, *q + dq) } else { (dp, dq) };
+                    debug_assert_eq!(start % 16, 0);
+                    for ((pos, neg), &w) in pos.chunks_mut(16).zip(neg.chunks_mut(16)).zip(&blocks[start / 16..]) {
+                        let mut codes = [0u32; 16];
+                        codes.iter_mut().enumerate().for_each(|(j, c)| *c = (w >> (30 - 2 * j)) & 0b11);
+                        for ((p, q), &code) in pos.iter_mut().zip(neg.iter_mut()).zip(&codes) {
+                            let (dp, dq) = ((code == 0b01) as i32, (code == 0b10) as i32);
+                            (*p, *q) = if add { (*p + dp, *q + dq) } else { (dp, dq) };
+                        }
                     }
                 });
                 Ok(())

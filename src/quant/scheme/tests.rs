@@ -210,18 +210,21 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
 #[test]
 fn two_bit_through_the_scheme_path_counts_indicators_alike_in_one_thread_and_many() {
     let c = params(&[("compress", "2bit"), ("threshold", "0.5")]);
-    let grads: Vec<Vec<f32>> = (0..3).map(|w| grad(70, 20 + w, 0.9)).collect();
-    let out = run(&c, &[70], &grads, 3); // `run` also checks one thread against three
-    let Compression::TwoBit(th) = c else { unreachable!() };
-    let mut residuals = vec![vec![0f32; 70]; 3];
-    for step in 0..3 {
-        let mut want = vec![0f32; 70];
-        for (g, r) in grads.iter().zip(residuals.iter_mut()) {
-            let mut compr = codec::create_2bit(70);
-            codec::quantize_2bit(g, r, &mut compr, th).unwrap();
-            codec::dequantize_2bit_add(&compr, &mut want).unwrap();
+    // One piece, and several parallel pieces with a partial last block.
+    for n in [70, 2 * crate::par::CHUNK + 70] {
+        let grads: Vec<Vec<f32>> = (0..3).map(|w| grad(n, 20 + w, 0.9)).collect();
+        let out = run(&c, &[n], &grads, 3); // `run` also checks one thread against three
+        let Compression::TwoBit(th) = c else { unreachable!() };
+        let mut residuals = vec![vec![0f32; n]; 3];
+        for step in 0..3 {
+            let mut want = vec![0f32; n];
+            for (g, r) in grads.iter().zip(residuals.iter_mut()) {
+                let mut compr = codec::create_2bit(n);
+                codec::quantize_2bit(g, r, &mut compr, th).unwrap();
+                codec::dequantize_2bit_add(&compr, &mut want).unwrap();
+            }
+            assert_eq!(out[0][step], want, "n={n} step {step}");
         }
-        assert_eq!(out[0][step], want, "step {step}");
     }
 }
 
