@@ -88,21 +88,23 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `q = m^T p`: (cols x rows) times (rows x r); blocks of columns in
-/// parallel, each element summed over rows in order.
+/// parallel, each element summed over rows in order (`reference::mt_times_p`,
+/// bit for bit). Within a block the sums are kept transposed (r x width),
+/// so that each row of `m` is one `axpy` per column of `p`, which vectorizes.
 pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &mut [f32]) {
     const BLOCK: usize = 256;
     let block = |b: usize, q_block: &mut [f32]| {
-        q_block.fill(0.0);
         let c0 = b * BLOCK;
         let width = q_block.len() / r;
+        let mut acc = vec![0f32; r * width]; // acc[j * width + c]
         for i in 0..rows {
             let m_part = &m[i * cols + c0..i * cols + c0 + width];
-            let p_row = &p[i * r..(i + 1) * r];
-            for (c, &x) in m_part.iter().enumerate() {
-                for (j, &pj) in p_row.iter().enumerate() {
-                    q_block[c * r + j] += x * pj;
-                }
+            for (j, &pj) in p[i * r..(i + 1) * r].iter().enumerate() {
+                acc[j * width..(j + 1) * width].iter_mut().zip(m_part).for_each(|(a, &x)| *a += x * pj);
             }
+        }
+        for (c, q_row) in q_block.chunks_exact_mut(r).enumerate() {
+            q_row.iter_mut().enumerate().for_each(|(j, v)| *v = acc[j * width + c]);
         }
     };
     if rows * cols > PARALLEL {
@@ -112,19 +114,66 @@ pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &
     }
 }
 
-/// `out = p q^T` (rows x cols), or `out -= p q^T` when `subtract`; rows in parallel.
+/// `out = p q^T` (rows x cols), or `out -= p q^T` when `subtract`; rows in
+/// parallel. Each element is `sum_j p[i][j] q[c][j]`, added in `j` order
+/// from `f32`'s `Sum` start (`reference::p_times_qt`, bit for bit); with
+/// `q` transposed (r x cols), a row is `r` passes of multiply-adds over
+/// contiguous columns, which vectorize.
 pub fn p_times_qt(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out: &mut [f32], subtract: bool) {
+    let mut qt = vec![0f32; r * cols];
+    for (c, q_row) in q.chunks_exact(r).take(cols).enumerate() {
+        q_row.iter().enumerate().for_each(|(j, &v)| qt[j * cols + c] = v);
+    }
+    // What `Iterator::sum` starts from (0.0 or -0.0, by Rust version).
+    let start: f32 = std::iter::empty::<f32>().sum();
     let row = |i: usize, o_row: &mut [f32]| {
         let p_row = &p[i * r..(i + 1) * r];
-        for (c, o) in o_row.iter_mut().enumerate() {
-            let v: f32 = p_row.iter().zip(&q[c * r..(c + 1) * r]).map(|(a, b)| a * b).sum();
-            *o = if subtract { *o - v } else { v };
+        // In pieces that stay in the first-level cache.
+        const PIECE: usize = 1024;
+        let mut v = [0f32; PIECE];
+        for (k, o) in o_row.chunks_mut(PIECE).enumerate() {
+            let v = &mut v[..o.len()];
+            v.fill(start);
+            for (j, &pj) in p_row.iter().enumerate() {
+                let q_j = &qt[j * cols + k * PIECE..j * cols + k * PIECE + o.len()];
+                v.iter_mut().zip(q_j).for_each(|(v, &qv)| *v += pj * qv);
+            }
+            if subtract {
+                o.iter_mut().zip(v.iter()).for_each(|(o, &v)| *o -= v);
+            } else {
+                o.copy_from_slice(v);
+            }
         }
     };
     if rows * cols > PARALLEL {
         out.par_chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
     } else {
         out.chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
+    }
+}
+
+/// The straightforward loops, the oracle of the fast ones above.
+#[cfg(test)]
+mod reference {
+    pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &mut [f32]) {
+        q.fill(0.0);
+        for i in 0..rows {
+            for c in 0..cols {
+                for j in 0..r {
+                    q[c * r + j] += m[i * cols + c] * p[i * r + j];
+                }
+            }
+        }
+    }
+
+    pub fn p_times_qt(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out: &mut [f32], subtract: bool) {
+        for i in 0..rows {
+            for c in 0..cols {
+                let v: f32 = p[i * r..(i + 1) * r].iter().zip(&q[c * r..(c + 1) * r]).map(|(a, b)| a * b).sum();
+                let o = &mut out[i * cols + c];
+                *o = if subtract { *o - v } else { v };
+            }
+        }
     }
 }
 
@@ -177,6 +226,34 @@ mod tests {
             let s: f32 = m[i * cols..(i + 1) * cols].iter().sum();
             assert_eq!((p[i * r], p[i * r + 1]), (s, -s));
         }
+    }
+
+    #[test]
+    fn the_products_match_the_plain_loops_bit_for_bit() {
+        // Shapes around the block (256 columns) and piece (1024) sizes, one
+        // large enough to run in parallel; values with every sign, and -0.0.
+        for (rows, cols, r) in [(3, 5, 1), (7, 255, 2), (9, 257, 3), (5, 1025, 4), (300, 300, 4), (17, 2049, 8)] {
+            let m: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            let mut p: Vec<f32> = (0..rows * r).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
+            p[0] = -0.0;
+            let q: Vec<f32> = (0..cols * r).map(|i| ((i * 29 % 61) as f32 - 30.0) / 5.0).collect();
+            let (mut fast, mut slow) = (vec![7f32; cols * r], vec![0f32; cols * r]);
+            mt_times_p(&m, &p, rows, cols, r, &mut fast);
+            reference::mt_times_p(&m, &p, rows, cols, r, &mut slow);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&slow), "m^T p {rows}x{cols} r={r}");
+            for subtract in [false, true] {
+                let (mut fast, mut slow) = (m.clone(), m.clone());
+                p_times_qt(&p, &q, rows, cols, r, &mut fast, subtract);
+                reference::p_times_qt(&p, &q, rows, cols, r, &mut slow, subtract);
+                assert_eq!(bits(&fast), bits(&slow), "p q^T {rows}x{cols} r={r} subtract={subtract}");
+            }
+        }
+        // all-zero products: the sum's start decides the sign of zero
+        let (mut fast, mut slow) = ([1f32; 4], [1f32; 4]);
+        p_times_qt(&[-0.0, 0.0], &[0.0, -0.0], 2, 2, 1, &mut fast, false);
+        reference::p_times_qt(&[-0.0, 0.0], &[0.0, -0.0], 2, 2, 1, &mut slow, false);
+        assert_eq!(fast.map(f32::to_bits), slow.map(f32::to_bits));
     }
 
     #[test]
