@@ -30,8 +30,10 @@ fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
     }
 }
 
+/// A port below Linux's ephemeral range (32768 up), which every node's own
+/// sockets draw from: none of them can take it before the scheduler binds it.
 fn free_port() -> u16 {
-    let base = 20000 + (std::process::id() % 20000) as u16;
+    let base = 20000 + (std::process::id() % 12000) as u16;
     let n = PORT.fetch_add(1, Ordering::SeqCst);
     let port = base.wrapping_add(n * 7);
     std::net::TcpListener::bind(("127.0.0.1", port)).map(|_| port).unwrap_or_else(|_| free_port())

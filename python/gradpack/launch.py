@@ -26,7 +26,33 @@ import sys
 import time
 
 
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port():
+    """A port that is free now and that the OS will not hand out to another
+    socket of this job before the scheduler binds it: below the ephemeral
+    range, from which every other node's sockets take their ports (a port
+    from bind(0) is itself ephemeral, and was seen taken by a node of the
+    same job between this check and the scheduler's bind)."""
+    import random
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    if low > 2048:
+        for _ in range(100):
+            port = rng.randrange(1024, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -155,3 +155,13 @@ def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params):
         sent.append(res["bytes_sent"])
     # Both workers run the same exchanges and pushes: the same bytes to the transport.
     assert sent[0] > 0 and sent[0] == sent[1], sent
+
+
+def test_the_launchers_port_is_one_no_node_of_the_job_can_take_first():
+    # Nodes' own sockets take ephemeral ports; a scheduler port from bind(0)
+    # is one of those too, and was once taken between the check and the bind.
+    from gradpack.launch import _ephemeral_range, free_port
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(ports) > 1  # drawn at random, so two launches rarely meet

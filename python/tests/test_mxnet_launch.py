@@ -5,7 +5,6 @@ roles when the script imports gradpack.mxnet first, and its workers must fail
 fast, saying what to change, when MXNet's ps-lite took those roles instead."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,10 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dist_scripts", "mxnet_launch_contract.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gradpack.launch import free_port  # below the ephemeral range: no node of the job takes it first
 
 
 def start_the_mxnet_way(order, out_dir, workers=2, servers=1, **env):
