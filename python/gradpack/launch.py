@@ -37,10 +37,11 @@ def _ephemeral_range():
 
 def free_port():
     """A port that is free now and that the OS will not hand out to another
-    socket of this job before the scheduler binds it: below the ephemeral
-    range, from which every other node's sockets take their ports (a port
-    from bind(0) is itself ephemeral, and was seen taken by a node of the
-    same job between this check and the scheduler's bind)."""
+    socket (this job's nodes' included) before the scheduler binds it: below
+    the ephemeral range, from which sockets that bind no port of their own
+    draw theirs. A port from bind(0) is itself ephemeral, and was once found
+    taken ("Address already in use") between this check and the
+    scheduler's bind."""
     import random
     low, _ = _ephemeral_range()
     rng = random.SystemRandom()
