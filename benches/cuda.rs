@@ -35,7 +35,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    println!("GPU 0: {}; n = {n} float32 elements ({} MiB per array)", d.name().unwrap_or_default(), n * 4 >> 20);
+    println!("GPU 0: {}; n = {n} float32 elements ({} MiB per array)", d.name().unwrap_or_default(), (n * 4) >> 20);
     let host: Vec<f32> = (0..n).map(|i| ((i.wrapping_mul(2654435761) % 2001) as f32 - 1000.0) / 1000.0).collect();
     let g = d.upload(&host).unwrap();
     let mut r = d.zeros::<f32>(n).unwrap();

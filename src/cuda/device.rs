@@ -203,7 +203,7 @@ fn dtype_arg(dtype: Dtype) -> Arg {
 
 /// Whether four gradient elements load at once: 16 bytes of float32, 8 of a 16-bit type.
 fn grad_aligned(g: Buf) -> bool {
-    g.ptr % (4 * g.elem as u64) == 0
+    g.ptr.is_multiple_of(4 * g.elem as u64)
 }
 
 /// Threads for kernels that take four elements each.
@@ -213,7 +213,7 @@ fn quads(n: usize) -> u64 {
 
 /// The `vec` argument: 1 when every buffer is 16-byte aligned (float4 access).
 fn aligned(bufs: &[Buf]) -> Arg {
-    Arg::I32(bufs.iter().all(|b| b.ptr % 16 == 0) as i32)
+    Arg::I32(bufs.iter().all(|b| b.ptr.is_multiple_of(16)) as i32)
 }
 
 fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
@@ -361,9 +361,10 @@ impl Ops<'_> {
     ///
     /// # Safety
     /// Every buffer checked by `check` with the lengths `quantize_2bit_to` checks.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn launch_2bit_to(&self, grad: Buf, dtype: Dtype, residual: Buf, next: Buf, compr: Buf, th: Thresholds, flag: &CudaSlice<u64>) -> Result<()> {
         let n = grad.len as u64;
-        let vec = Arg::I32((grad_aligned(grad) && residual.ptr % 16 == 0 && next.ptr % 16 == 0) as i32);
+        let vec = Arg::I32((grad_aligned(grad) && residual.ptr.is_multiple_of(16) && next.ptr.is_multiple_of(16)) as i32);
         let args = [Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(next.ptr), Arg::P(compr.ptr), Arg::U64(n), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), Arg::P(self.ptr(flag)), vec, dtype_arg(dtype)];
         // SAFETY: the caller's precondition; the kernel touches n elements and compressed_len(n) floats.
         unsafe { self.launch("gp_2bit_quantize_to", quads(grad.len), &args) }
@@ -375,7 +376,7 @@ impl Ops<'_> {
     /// As `launch_2bit_to`.
     unsafe fn launch_2bit(&self, grad: Buf, dtype: Dtype, residual: Buf, compr: Buf, th: Thresholds) -> Result<()> {
         let n = grad.len as u64;
-        let vec = Arg::I32((grad_aligned(grad) && residual.ptr % 16 == 0) as i32);
+        let vec = Arg::I32((grad_aligned(grad) && residual.ptr.is_multiple_of(16)) as i32);
         let args = [Arg::P(grad.ptr), Arg::P(residual.ptr), Arg::P(compr.ptr), Arg::U64(n), Arg::F32(th.neg()), Arg::F32(th.pos()), Arg::F32(n as f32), vec, dtype_arg(dtype)];
         // SAFETY: the caller's precondition.
         unsafe { self.launch("gp_2bit_quantize", quads(grad.len), &args) }
@@ -497,7 +498,7 @@ impl Ops<'_> {
                 let (g, c) = (grad.ptr + 4 * r.start as u64, codes.ptr + 4 * r.start as u64);
                 // SAFETY: r lies within both buffers (checked above).
                 result = unsafe {
-                    let vec = Arg::I32((g % 16 == 0 && c % 16 == 0) as i32);
+                    let vec = Arg::I32((g.is_multiple_of(16) && c.is_multiple_of(16)) as i32);
                     self.launch("gp_qsgd_quantize", quads(r.len()), &[Arg::P(g), Arg::P(c), Arg::U64(r.len() as u64), Arg::U32(k0), Arg::U32(k1), Arg::U32(first), Arg::F32(f), Arg::F32(s as f32), Arg::I32(add as i32), vec])
                 };
             }

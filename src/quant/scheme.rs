@@ -102,13 +102,16 @@ pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Arc<Vec
 /// of those, so a hit is exactly what drawing again would give. An evicted
 /// selection nobody holds any more lends its memory to the next draw:
 /// fresh pages cost more than drawing (page faults, measured).
-struct SelectionCache(Vec<((u64, u64, u64, usize, usize), Arc<Vec<usize>>)>);
+struct SelectionCache(Vec<(SelectionId, Arc<Vec<usize>>)>);
+
+/// What a selection is a function of: (seed, step, key, n, k).
+type SelectionId = (u64, u64, u64, usize, usize);
 
 impl SelectionCache {
     /// Entries kept: a few keys' selections (each k words).
     const KEEP: usize = 4;
 
-    fn get(&self, id: (u64, u64, u64, usize, usize)) -> Option<Arc<Vec<usize>>> {
+    fn get(&self, id: SelectionId) -> Option<Arc<Vec<usize>>> {
         self.0.iter().find(|(i, _)| *i == id).map(|(_, v)| v.clone())
     }
 
@@ -122,7 +125,7 @@ impl SelectionCache {
         Arc::try_unwrap(oldest).unwrap_or_default()
     }
 
-    fn put(&mut self, id: (u64, u64, u64, usize, usize), v: Arc<Vec<usize>>) {
+    fn put(&mut self, id: SelectionId, v: Arc<Vec<usize>>) {
         if self.get(id).is_none() {
             if self.0.len() >= Self::KEEP {
                 self.0.remove(0);
