@@ -4,9 +4,9 @@ use std::ffi::{c_int, c_void};
 
 use half::{bf16, f16};
 
-use super::{guard, slice, slice_mut, Raw};
+use super::{dtype_of, guard, slice, slice_mut, Raw};
 use crate::codec::{self, Thresholds};
-use crate::error::Error;
+use crate::error::Dtype;
 
 /// Length of the compressed array for `n` elements: `3 + ceil(n / 16)`.
 #[no_mangle]
@@ -35,12 +35,8 @@ pub unsafe extern "C" fn gp_2bit_quantize(
 ) -> c_int {
     guard(|| {
         let th = Thresholds::new(neg_threshold, pos_threshold)?;
-        let elem = match dtype {
-            0 => 4,
-            1 | 2 => 2,
-            other => return Err(Error::UnknownDtype(other)),
-        };
-        let g = Raw::new("grad", grad.cast::<u8>(), n * elem)?;
+        let d = dtype_of(dtype)?;
+        let g = Raw::new("grad", grad.cast::<u8>(), n * d.size() as u64)?;
         let r = Raw::new("residual", residual, residual_len)?;
         let c = Raw::new("compr", compr, compr_len)?;
         g.check_disjoint(&r)?;
@@ -48,10 +44,10 @@ pub unsafe extern "C" fn gp_2bit_quantize(
         r.check_disjoint(&c)?;
         let residual = slice_mut(residual, residual_len);
         let compr = slice_mut(compr, compr_len);
-        match dtype {
-            0 => codec::quantize_2bit(slice(grad.cast::<f32>(), n), residual, compr, th),
-            1 => codec::quantize_2bit(slice(grad.cast::<f16>(), n), residual, compr, th),
-            _ => codec::quantize_2bit(slice(grad.cast::<bf16>(), n), residual, compr, th),
+        match d {
+            Dtype::F32 => codec::quantize_2bit(slice(grad.cast::<f32>(), n), residual, compr, th),
+            Dtype::F16 => codec::quantize_2bit(slice(grad.cast::<f16>(), n), residual, compr, th),
+            Dtype::Bf16 => codec::quantize_2bit(slice(grad.cast::<bf16>(), n), residual, compr, th),
         }
     })
 }

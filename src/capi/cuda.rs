@@ -10,7 +10,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::guard;
+use super::{dtype_of, guard};
 use crate::codec::{self, Thresholds};
 use crate::cuda::{self, Buf, Ops, RawStream};
 use crate::error::{Dtype, Error, Result};
@@ -24,17 +24,8 @@ fn buf<T>(what: &'static str, ptr: *const T, len: u64) -> Result<Buf> {
 fn grad_buf(grad: *const c_void, dtype: c_int, n: u64) -> Result<(Buf, Dtype)> {
     let d = dtype_of(dtype)?;
     let mut b = buf("grad", grad.cast::<u8>(), n)?;
-    b.elem = cuda::dtype_size(d);
+    b.elem = d.size();
     Ok((b, d))
-}
-
-fn dtype_of(code: c_int) -> Result<Dtype> {
-    match code {
-        0 => Ok(Dtype::F32),
-        1 => Ok(Dtype::F16),
-        2 => Ok(Dtype::Bf16),
-        other => Err(Error::UnknownDtype(other)),
-    }
 }
 
 fn ordinal(device: c_int) -> Result<usize> {

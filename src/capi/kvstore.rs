@@ -8,10 +8,10 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use half::{bf16, f16};
 
-use super::{guard, slice, slice_mut, Raw};
+use super::{dtype_of, guard, slice, slice_mut, Raw};
 use crate::compression::Compression;
 use crate::dist::{self, Config};
-use crate::error::{Error, Result};
+use crate::error::{Dtype, Error, Result};
 use crate::kvstore::{elements, Array, ArrayMut, Grad, Key, Store, Updater};
 
 /// Opaque store handle: any store, behind the one `Store` trait.
@@ -109,11 +109,10 @@ unsafe fn arrays_in(arrays: *const gp_array_t, num: c_int, outputs: &[Raw]) -> R
     for a in slice(arrays, num.max(0) as u64) {
         let shape = shape_of(a.ndim, a.shape)?;
         let n = elements(&shape)? as u64;
-        let (raw, grad) = match a.dtype {
-            0 => (Raw::new("value data", a.data.cast::<f32>(), n)?, Grad::F32(slice(a.data.cast::<f32>(), n))),
-            1 => (Raw::new("value data", a.data.cast::<f16>(), n)?, Grad::F16(slice(a.data.cast::<f16>(), n))),
-            2 => (Raw::new("value data", a.data.cast::<bf16>(), n)?, Grad::Bf16(slice(a.data.cast::<bf16>(), n))),
-            other => return Err(Error::UnknownDtype(other)),
+        let (raw, grad) = match dtype_of(a.dtype)? {
+            Dtype::F32 => (Raw::new("value data", a.data.cast::<f32>(), n)?, Grad::F32(slice(a.data.cast::<f32>(), n))),
+            Dtype::F16 => (Raw::new("value data", a.data.cast::<f16>(), n)?, Grad::F16(slice(a.data.cast::<f16>(), n))),
+            Dtype::Bf16 => (Raw::new("value data", a.data.cast::<bf16>(), n)?, Grad::Bf16(slice(a.data.cast::<bf16>(), n))),
         };
         let input = if outputs.iter().any(|o| o.overlaps(&raw)) { Input::Copied(grad.to_f32().into_owned()) } else { Input::Borrowed(grad) };
         out.push((shape, input));

@@ -63,6 +63,17 @@ pub extern "C" fn gp_kernel_name() -> *const c_char {
     }
 }
 
+/// The element type a caller's dtype code names (0 f32, 1 f16, 2 bf16).
+pub(crate) fn dtype_of(code: std::ffi::c_int) -> Result<crate::error::Dtype> {
+    use crate::error::Dtype;
+    match code {
+        0 => Ok(Dtype::F32),
+        1 => Ok(Dtype::F16),
+        2 => Ok(Dtype::Bf16),
+        other => Err(Error::UnknownDtype(other)),
+    }
+}
+
 /// A raw buffer described by the caller, checked before it becomes a slice.
 #[derive(Clone)]
 pub(crate) struct Raw {

@@ -69,7 +69,7 @@ pub fn create_2bit(n: usize) -> Vec<f32> {
     vec![0.0; compressed_len(n)]
 }
 
-pub(super) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     if expected == got {
         Ok(())
     } else {

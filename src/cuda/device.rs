@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nvrtc::{self, CompileOptions, Ptx};
 
-use crate::codec::{self, Thresholds};
+use crate::codec::{self, check_len, Thresholds};
 use crate::error::{Dtype, Error, Result};
 use super::Buf;
 use crate::quant::{noise, qsgd};
@@ -119,9 +119,8 @@ type Device = (Arc<CudaContext>, Arc<Kernels>);
 
 /// The context and kernels of device `ordinal`, compiled once per process.
 fn device(ordinal: usize) -> Result<Device> {
-    driver_available()?;
-    let count = CudaContext::device_count().map_err(|e| Error::CudaUnavailable(format!("the driver found no usable GPU ({e})")))?;
-    if ordinal >= count.max(0) as usize {
+    let count = device_count()?;
+    if ordinal >= count {
         return Err(Error::CudaUnavailable(format!("GPU {ordinal} was asked for; this machine has {count}")));
     }
     static CACHE: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
@@ -184,14 +183,6 @@ pub struct Ops<'a> {
     s: &'a Arc<CudaStream>,
 }
 
-/// Bytes of one gradient element.
-pub fn dtype_size(dtype: Dtype) -> usize {
-    match dtype {
-        Dtype::F32 => 4,
-        Dtype::F16 | Dtype::Bf16 => 2,
-    }
-}
-
 /// The kernels' code for a gradient type: 0 float32, 1 float16, 2 bfloat16.
 fn dtype_arg(dtype: Dtype) -> Arg {
     Arg::I32(match dtype {
@@ -214,14 +205,6 @@ fn quads(n: usize) -> u64 {
 /// The `vec` argument: 1 when every buffer is 16-byte aligned (float4 access).
 fn aligned(bufs: &[Buf]) -> Arg {
     Arg::I32(bufs.iter().all(|b| b.ptr.is_multiple_of(16)) as i32)
-}
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(Error::SizeMismatch { what, expected, got })
-    }
 }
 
 impl Ops<'_> {
@@ -257,16 +240,26 @@ impl Ops<'_> {
         p
     }
 
+    /// Copies `out.len()` values at device address `ptr` to the host, once
+    /// the stream has run up to here.
+    ///
+    /// # Safety
+    /// `ptr` must be readable device memory of this context for `out`'s bytes.
+    unsafe fn fetch<T>(&self, ptr: u64, out: &mut [T]) -> Result<()> {
+        // SAFETY: the caller's precondition.
+        unsafe { drv::memcpy_dtoh_async(out, ptr, self.s.cu_stream()) }.map_err(|e| cuda_err("reading device memory", e))?;
+        self.sync()
+    }
+
     /// One element of device memory, of type `dtype`, widened (for an error message).
     ///
     /// # Safety
     /// Element `i` of `b` must be readable device memory of this context.
     unsafe fn element(&self, b: Buf, i: usize, dtype: Dtype) -> Result<f32> {
         let mut out = [0u8; 4];
-        let size = dtype_size(dtype);
+        let size = dtype.size();
         // SAFETY: the caller's precondition; `size` bytes into a 4-byte buffer.
-        unsafe { drv::memcpy_dtoh_async(&mut out[..size], b.ptr + (size * i) as u64, self.s.cu_stream()) }.map_err(|e| cuda_err("reading an element", e))?;
-        self.s.synchronize().map_err(|e| cuda_err("synchronizing", e))?;
+        unsafe { self.fetch(b.ptr + (size * i) as u64, &mut out[..size])? };
         Ok(match dtype {
             Dtype::F32 => f32::from_le_bytes(out),
             Dtype::F16 => half::f16::from_le_bytes([out[0], out[1]]).to_f32(),
@@ -298,10 +291,8 @@ impl Ops<'_> {
             if end > base + size as u64 {
                 return Err(Error::InvalidParam { key: b.what.into(), problem: format!("{} bytes at {:#x} run past the end of its allocation ({size} bytes at {base:#x})", end - b.ptr, b.ptr) });
             }
-            let mut ordinal = 0i32;
-            // SAFETY: the attribute is an int, written to a local.
-            let ok = unsafe { sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, b.ptr) };
-            if ok != sys::CUresult::CUDA_SUCCESS || ordinal as usize != self.ctx.ordinal() {
+            let ordinal = pointer_device(b.ptr).map_err(|e| Error::InvalidParam { key: b.what.into(), problem: e.to_string() })?;
+            if ordinal != self.ctx.ordinal() {
                 return Err(Error::InvalidParam { key: b.what.into(), problem: format!("lives on GPU {ordinal}, not GPU {}", self.ctx.ordinal()) });
             }
         }
@@ -320,11 +311,22 @@ impl Ops<'_> {
     /// # Safety
     /// `g` and `r` checked by `check`, and live until the stream has run.
     unsafe fn check_finite(&self, what: &str, g: Buf, dtype: Dtype, r: Option<Buf>) -> Result<()> {
+        // SAFETY: the caller's precondition.
+        let bad = unsafe { self.non_finite_flag(g, dtype, r)? };
+        self.first_non_finite(what, g, dtype, r, bad)
+    }
+
+    /// The `gp_check_finite` flag: `n - i` of the first non-finite `r + g`
+    /// (or `g`), or 0.
+    ///
+    /// # Safety
+    /// As `check_finite`.
+    unsafe fn non_finite_flag(&self, g: Buf, dtype: Dtype, r: Option<Buf>) -> Result<u64> {
         let flag = self.flag(1)?;
         let n = g.len as u64;
         // SAFETY: the caller's precondition; the kernel reads n elements of each.
         unsafe { self.launch("gp_check_finite", n, &[Arg::P(g.ptr), Arg::P(r.map_or(0, |r| r.ptr)), Arg::U64(n), Arg::P(self.ptr(&flag)), dtype_arg(dtype)])? };
-        self.first_non_finite(what, g, dtype, r, self.read(&flag)?[0])
+        Ok(self.read(&flag)?[0])
     }
 
     /// The error for flag value `bad` (`n - i` of the first bad element, or 0).
@@ -345,7 +347,7 @@ impl Ops<'_> {
     /// # Safety
     /// Every buffer as in `check` (which this calls), live until the stream has run.
     pub unsafe fn quantize_2bit(&self, grad: Buf, dtype: Dtype, residual: Buf, compr: Buf, th: Thresholds) -> Result<()> {
-        check_len("gradient element bytes", dtype_size(dtype), grad.elem)?;
+        check_len("gradient element bytes", dtype.size(), grad.elem)?;
         let n = grad.len;
         check_len("residual", n, residual.len)?;
         check_len("compressed array", codec::compressed_len(n), compr.len)?;
@@ -388,7 +390,7 @@ impl Ops<'_> {
     /// # Safety
     /// As `quantize_2bit`.
     pub unsafe fn quantize_2bit_to(&self, grad: Buf, dtype: Dtype, residual: Buf, next: Buf, compr: Buf, th: Thresholds) -> Result<()> {
-        check_len("gradient element bytes", dtype_size(dtype), grad.elem)?;
+        check_len("gradient element bytes", dtype.size(), grad.elem)?;
         let n = grad.len;
         check_len("residual", n, residual.len)?;
         check_len("next residual", n, next.len)?;
@@ -412,8 +414,7 @@ impl Ops<'_> {
         check_len("compressed array", codec::compressed_len(n), compr.len)?;
         let mut header = [0f32; codec::HEADER_LEN];
         // SAFETY: compr holds at least the header (its length was checked).
-        unsafe { drv::memcpy_dtoh_async(&mut header, compr.ptr, self.s.cu_stream()) }.map_err(|e| cuda_err("reading the header", e))?;
-        self.s.synchronize().map_err(|e| cuda_err("synchronizing", e))?;
+        unsafe { self.fetch(compr.ptr, &mut header)? };
         let th = codec::check_header(&header, n)?;
         let nwords = compr.len - codec::HEADER_LEN;
         let flag = self.flag(2)?;
@@ -424,8 +425,7 @@ impl Ops<'_> {
             let block = nwords - bad[0] as usize;
             let mut w = [0u32];
             // SAFETY: block < nwords.
-            unsafe { drv::memcpy_dtoh_async(&mut w, compr.ptr + 4 * (codec::HEADER_LEN + block) as u64, self.s.cu_stream()) }.map_err(|e| cuda_err("reading a block", e))?;
-            self.s.synchronize().map_err(|e| cuda_err("synchronizing", e))?;
+            unsafe { self.fetch(compr.ptr + 4 * (codec::HEADER_LEN + block) as u64, &mut w)? };
             return Err(codec::corrupt_code(block, w[0]));
         }
         if bad[1] != 0 {
@@ -473,16 +473,12 @@ impl Ops<'_> {
     pub unsafe fn qsgd_quantize(&self, grad: Buf, scale: f32, bits: u32, seed: u64, offset: usize, codes: Buf, add: bool) -> Result<()> {
         let s = qsgd::levels(bits)?;
         check_len("codes", grad.len, codes.len)?;
-        if !scale.is_finite() || scale < 0.0 {
-            return Err(Error::InvalidParam { key: "scale".into(), problem: format!("must be finite and >= 0, got {scale}") });
-        }
+        qsgd::check_scale(scale)?;
         // SAFETY: the caller's precondition (max_abs checks x).
         let Some(max) = (unsafe { self.max_abs(grad)? }) else {
-            let flag = self.flag(1)?;
             // SAFETY: as above.
             unsafe {
-                self.launch("gp_check_finite", grad.len as u64, &[Arg::P(grad.ptr), Arg::P(0), Arg::U64(grad.len as u64), Arg::P(self.ptr(&flag)), dtype_arg(Dtype::F32)])?;
-                let i = grad.len - self.read(&flag)?[0] as usize;
+                let i = grad.len - self.non_finite_flag(grad, Dtype::F32, None)? as usize;
                 return Err(Error::InvalidParam { key: "gradient".into(), problem: format!("element {i} is {}", self.element(grad, i, Dtype::F32)?) });
             }
         };
@@ -513,9 +509,7 @@ impl Ops<'_> {
     pub unsafe fn qsgd_decode(&self, codes: Buf, scale: f32, bits: u32, out: Buf) -> Result<()> {
         let s = qsgd::levels(bits)?;
         check_len("output", codes.len, out.len)?;
-        if !scale.is_finite() || scale < 0.0 {
-            return Err(Error::InvalidParam { key: "scale".into(), problem: format!("must be finite and >= 0, got {scale}") });
-        }
+        qsgd::check_scale(scale)?;
         self.check(&[codes, out])?;
         // SAFETY: checked above.
         unsafe { self.launch("gp_qsgd_decode", out.len as u64, &[Arg::P(codes.ptr), Arg::P(out.ptr), Arg::U64(out.len as u64), Arg::F64(scale as f64 / s as f64)]) }
@@ -613,6 +607,13 @@ impl Ops<'_> {
     fn sync(&self) -> Result<()> {
         self.s.synchronize().map_err(|e| cuda_err("synchronizing the stream", e))
     }
+
+    /// `f` on this stream, then a synchronization: the result is known when this returns.
+    fn run<T>(&self, f: impl FnOnce(&Ops) -> Result<T>) -> Result<T> {
+        let out = f(self)?;
+        self.sync()?;
+        Ok(out)
+    }
 }
 
 /// A stream owned by someone else (a C caller, CuPy, MXNet) on one device.
@@ -647,10 +648,7 @@ impl Borrowed {
 pub unsafe fn with_borrowed_stream<T>(ordinal: usize, stream: super::RawStream, f: impl FnOnce(&Ops) -> Result<T>) -> Result<T> {
     // SAFETY: the caller's precondition.
     let b = unsafe { Borrowed::new(ordinal, stream)? };
-    let ops = b.ops();
-    let out = f(&ops)?;
-    ops.sync()?;
-    Ok(out)
+    b.ops().run(f)
 }
 
 /// The GPU that device pointer `ptr` belongs to.
@@ -738,10 +736,7 @@ impl Gpu {
     }
 
     fn run<T>(&self, f: impl FnOnce(&Ops) -> Result<T>) -> Result<T> {
-        let ops = self.ops();
-        let out = f(&ops)?;
-        ops.sync()?;
-        Ok(out)
+        self.ops().run(f)
     }
 
     /// `codec::quantize_2bit` on the GPU (float32, float16 or bfloat16
@@ -890,7 +885,7 @@ pub unsafe fn reduce_2bit_raw(members: &[(Ops, Buf, Buf)], dtype: Dtype, merge: 
     merge.check(&[sum])?;
     for (ops, g, r) in members {
         check_len("gradient", n, g.len)?;
-        check_len("gradient element bytes", dtype_size(dtype), g.elem)?;
+        check_len("gradient element bytes", dtype.size(), g.elem)?;
         check_len("residual", n, r.len)?;
         if ops.ctx.cu_ctx() == merge.ctx.cu_ctx() {
             ops.check(&[*g, *r, sum])?;

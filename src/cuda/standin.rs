@@ -33,14 +33,6 @@ impl Gpu {
     }
 }
 
-/// Bytes of one gradient element.
-pub fn dtype_size(dtype: Dtype) -> usize {
-    match dtype {
-        Dtype::F32 => 4,
-        Dtype::F16 | Dtype::Bf16 => 2,
-    }
-}
-
 pub fn pointer_device(_ptr: u64) -> Result<usize> {
     Err(unavailable())
 }

@@ -24,6 +24,14 @@ fn bad(key: &str, problem: String) -> Error {
     Error::InvalidParam { key: key.to_string(), problem }
 }
 
+/// A shared scale must be finite and >= 0.
+pub(crate) fn check_scale(scale: f32) -> Result<()> {
+    if !scale.is_finite() || scale < 0.0 {
+        return Err(bad("scale", format!("must be finite and >= 0, got {scale}")));
+    }
+    Ok(())
+}
+
 /// Levels for `bits`: `2^bits - 1`.
 pub fn levels(bits: u32) -> Result<u32> {
     if !(1..=MAX_BITS).contains(&bits) {
@@ -107,9 +115,7 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
     if levels.is_empty() || levels.len() > MAX_LEVELS {
         return Err(bad("levels", format!("give 1 to {MAX_LEVELS} scales, got {}", levels.len())));
     }
-    if !scale.is_finite() || scale < 0.0 {
-        return Err(bad("scale", format!("must be finite and >= 0, got {scale}")));
-    }
+    check_scale(scale)?;
     let Some(max) = max_abs(grad) else {
         let i = grad.iter().position(|g| !g.is_finite()).unwrap();
         return Err(bad("gradient", format!("element {i} is {}", grad[i])));
