@@ -202,8 +202,8 @@ def _stream_of(views, stream):
     if stream is not None:
         return int(stream)
     for v in views:
-        if v.stream not in (None, 1):
-            return 2 if v.stream == 2 else int(v.stream)  # 2: per-thread default
+        if v.stream not in (None, 1):  # 1: the legacy default stream (0 here); 2 is the per-thread one
+            return int(v.stream)
     return 0
 
 
