@@ -20,7 +20,7 @@ fn main() {
     let side = (n as f64).sqrt() as usize;
     let grad: Vec<f32> = (0..n).map(|i| ((i.wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5) * 1.4).collect();
     let mut residual = vec![0f32; n];
-    let reps = 5;
+    let reps = 11; // medians: this machine's runs vary by 20-30%
     let threads = rayon::current_num_threads();
     let stream = time(reps, || common::residual_add(&mut residual, &grad));
     let twobit = Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap();
@@ -41,7 +41,7 @@ fn main() {
     for (name, params) in common::SCHEMES.iter().filter(|(name, _)| name.contains(only.as_str())) {
         let c = common::compression(params, n);
         let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
-        let reps = if matches!(c, Compression::PowerSgd { .. }) { 3 } else { reps };
+        let reps = if matches!(c, Compression::PowerSgd { .. }) { 5 } else { reps };
         let mut member = InProcess::new(1);
         let mut states = [State::default()];
         let mut out = vec![0f32; n];

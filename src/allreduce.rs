@@ -163,6 +163,15 @@ mod imp {
             lanes::unpack_into(&words, width, x, |v| (v as i64 + base) as i32)?;
             Ok(())
         }
+
+        fn sum_packed(&mut self, words: &mut [u64], n: usize, lo: i32, hi: i32, _: u32, width: u32) -> Result<()> {
+            // Lanes already wide enough for every rank's sum: MPI adds the words.
+            if collective::sum_width(lo, hi, self.size) != Some(width) || words.len() != lanes::words_for(n, width) {
+                return Err(Error::Internal(format!("{n} codes in {} words of {width}-bit lanes cannot hold {} ranks' sum of {lo}..={hi}", words.len(), self.size)));
+            }
+            self.reduce(words, SystemOperation::sum(), collective::codes_bytes(n, lo, hi, self.size));
+            Ok(())
+        }
     }
 }
 

@@ -136,6 +136,11 @@ impl Collective for ServerExchange<'_> {
         }
     }
 
+    /// The server widens each worker's lanes as it sums them (`LaneSum`).
+    fn lanes_for(&self) -> usize {
+        1
+    }
+
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
         match self.exchange(Exchange::Sum, Part::Codes { codes: x.to_vec(), lo, hi })? {
             Part::Codes { codes, .. } if codes.len() == x.len() => Ok(x.copy_from_slice(&codes)),

@@ -97,6 +97,33 @@ pub trait Collective {
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()>;
     /// Exact SUM over members of integer codes, each member's in `lo..=hi`.
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()>;
+    /// Exact SUM over members of `n` codes packed in lanes (`lanes`' layout)
+    /// of `width` bits, wide enough for `workers() * (hi - lo)`: this
+    /// process's lanes hold `code - lo` summed over its `count` members; the
+    /// result's, over every member. The default goes through `sum_codes`.
+    fn sum_packed(&mut self, words: &mut [u64], n: usize, lo: i32, hi: i32, count: u32, width: u32) -> Result<()> {
+        let mut codes = vec![0i32; n];
+        let base = lo as i64 * count as i64;
+        lanes::unpack_into(words, width, &mut codes, |v| (v as i64 + base) as i32)?;
+        self.sum_codes(&mut codes, lo, hi)?;
+        let base = lo as i64 * self.workers() as i64;
+        lanes::pack_slice_into_words(&codes, width, |c| (c as i64 - base) as u64, words);
+        Ok(())
+    }
+    /// How many members' codes the lanes of a final contribution must hold
+    /// when it leaves this process: every member's for an all-reduce; a
+    /// parameter server widens lanes itself (`scheme::LaneSum`), so its
+    /// workers send lanes for their own members only.
+    fn lanes_for(&self) -> usize {
+        self.workers()
+    }
+}
+
+/// The lane width of `members` members' codes summed, each in `lo..=hi`
+/// (None when the sum could overflow an `i32`).
+pub fn sum_width(lo: i32, hi: i32, members: usize) -> Option<u32> {
+    let span = (hi as i64 - lo as i64).max(0) as u64;
+    span.checked_mul(members as u64).filter(|&t| t <= i32::MAX as u64).map(lanes::width_for)
 }
 
 /// The bytes each collective operation hands its transport for one member,
@@ -162,6 +189,11 @@ impl Collective for InProcess {
 
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
         self.count(codes_bytes(x.len(), lo, hi, self.members));
+        Ok(())
+    }
+
+    fn sum_packed(&mut self, _: &mut [u64], n: usize, lo: i32, hi: i32, _: u32, _: u32) -> Result<()> {
+        self.count(codes_bytes(n, lo, hi, self.members));
         Ok(())
     }
 }

@@ -23,7 +23,7 @@ pub const GROUP: usize = 8;
 
 /// Words per parallel piece (`par::chunks_of`): whole groups.
 const TASK_WORDS: usize = 1 << 13;
-const _: () = assert!(TASK_WORDS % GROUP == 0);
+const _: () = assert!(TASK_WORDS.is_multiple_of(GROUP));
 
 /// Bits that hold every value in `0..=max` (at least 1).
 pub fn width_for(max: u64) -> u32 {
@@ -163,6 +163,11 @@ pub fn pack_slice<T: Copy + Sync>(vals: &[T], width: u32, f: impl Fn(T) -> u64 +
     words
 }
 
+/// As `pack_slice`, into `out` (`words_for(vals.len(), width)` words).
+pub fn pack_slice_into_words<T: Copy + Sync>(vals: &[T], width: u32, f: impl Fn(T) -> u64 + Sync + Copy, out: &mut [u64]) {
+    pack_slice_core(vals, width, f, out, |w, v| *w = v);
+}
+
 /// As `pack_slice`, writing the words' little-endian bytes straight into
 /// `out` (`8 * words_for(vals.len(), width)` bytes): the wire form without a copy.
 pub fn pack_slice_into_bytes<T: Copy + Sync>(vals: &[T], width: u32, f: impl Fn(T) -> u64 + Sync + Copy, out: &mut [u8]) {
@@ -213,6 +218,16 @@ fn unpack_core<T: Send>(words: usize, word_at: impl Fn(usize) -> u64 + Sync, wid
         let w0 = start / per;
         unpack_kernel(isa, &|k| word_at(w0 + k), width, o, &f)
     });
+    Ok(())
+}
+
+/// `unpack_into` on the calling thread only (for work already split in
+/// pieces that start a group).
+pub fn unpack_serial<T>(words: &[u64], width: u32, out: &mut [T], f: impl Fn(u64) -> T) -> Result<()> {
+    if !(1..=64).contains(&width) || words.len() != words_for(out.len(), width) {
+        return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(out.len(), width.clamp(1, 64)), got: words.len() });
+    }
+    unpack_kernel(Isa::detect(), &|k| words[k], width, out, &f);
     Ok(())
 }
 

@@ -160,11 +160,41 @@ pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels:
     }
 }
 
+/// Values per parallel piece of a packed quantization: whole groups of lanes.
+const PACKED_TASK_WORDS: usize = 1 << 12;
+
+/// `quantize_levels` straight into packed lanes (`lanes`' layout) of
+/// `width` bits (1 to 32): lane `i` gets `code + s_0`, in `0..=2 s_0`,
+/// written or (with `ADD`) added. No code array is made: each group of
+/// eight words is filled from the gradient in one pass. The caller checks
+/// what `quantize_levels` needs and picks a width that holds every sum it
+/// will add (`lanes::width_for(members * 2 s_0)`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_levels_packed<const ADD: bool>(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, words: &mut [u64], width: u32) {
+    assert!(!levels.is_empty() && levels.len() <= MAX_LEVELS, "{} scales (1 to {MAX_LEVELS})", levels.len());
+    assert!((1..=32).contains(&width) && words.len() == super::lanes::words_for(grad.len(), width), "{} codes in {} words of {width}-bit lanes", grad.len(), words.len());
+    let isa = Isa::detect();
+    let per = (64 / width) as usize;
+    let (mut ft, mut st) = ([0f32; kernels::TABLE], [0f32; kernels::TABLE]);
+    for (j, &s) in levels.iter().enumerate() {
+        (ft[j], st[j]) = (factor(s, scale), s as f32);
+    }
+    par::chunks_of(words, PACKED_TASK_WORDS, |first_word, w| {
+        let start = first_word * per;
+        let g = &grad[start..(start + w.len() * per).min(grad.len())];
+        match level_of {
+            None => kernels::single_packed::<ADD>(isa, g, w, start, seed, ft[0], st[0], width),
+            Some(l) => kernels::levels_packed::<ADD>(isa, g, &l[start..start + g.len()], w, start, seed, &ft, &st, width),
+        }
+    });
+}
+
 /// QSGD's kernels, each one body compiled for every instruction set
 /// (`isa::multiversion`) and tested against `reference`. Noise is drawn per
 /// element from `noise`, inline, so whole vectors of codes come at once.
 mod kernels {
     use super::noise::{self, Keys};
+    use crate::quant::lanes::GROUP;
     use crate::isa::{multiversion, Isa};
 
     /// Scales a kernel's table holds.
@@ -250,6 +280,149 @@ mod kernels {
     pub fn levels<const ADD: bool>(isa: Isa, g: &[f32], l: &[u8], c: &mut [i32], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE]) {
         assert!(g.len() == c.len() && g.len() == l.len(), "qsgd kernel: {} values, {} scales, {} codes", g.len(), l.len(), c.len());
         noise::spans(seed, offset, g.len(), |k, first, r| levels_kernel::<ADD>(isa, &g[r.clone()], &l[r.clone()], &mut c[r], k, first, ft, st));
+    }
+
+    /// A code's lane: `code + s0`, in `0..=2 s0` for codes in `[-s0, s0]`.
+    #[inline(always)]
+    fn lane_of(c: i32, s0: i32) -> u64 {
+        c.wrapping_add(s0) as u32 as u64
+    }
+
+    #[inline(always)]
+    fn store<const ADD: bool>(w: &mut u64, v: u64) {
+        if ADD {
+            *w = w.wrapping_add(v)
+        } else {
+            *w = v
+        }
+    }
+
+    /// Codes per block of a packed kernel: made in one vectorized pass into
+    /// a buffer that stays in L1, then packed from it in another.
+    pub const BLOCK: usize = 2048;
+
+    /// Packs lanes `c[j] + off` of a piece that starts a group into `w`
+    /// (`lanes`' layout, `width` bits): a full group is `per` rounds of
+    /// eight codes shifted into eight words.
+    #[inline(always)]
+    fn pack_codes<const ADD: bool>(c: &[i32], off: i32, w: &mut [u64], width: u32) {
+        let per = (64 / width.clamp(1, 64)) as usize;
+        for (words, c) in w.chunks_mut(GROUP).zip(c.chunks(GROUP * per)) {
+            let mut acc = [0u64; GROUP];
+            if c.len() == GROUP * per {
+                for (lane, row) in c.chunks_exact(GROUP).enumerate() {
+                    let shift = lane as u32 * width;
+                    for (a, &x) in acc.iter_mut().zip(row) {
+                        *a |= lane_of(x, off) << shift;
+                    }
+                }
+            } else {
+                let m = c.len().div_ceil(per);
+                for (j, &x) in c.iter().enumerate() {
+                    acc[j % m] |= lane_of(x, off) << ((j / m) as u32 * width);
+                }
+            }
+            words.iter_mut().zip(acc).for_each(|(w, a)| store::<ADD>(w, a));
+        }
+    }
+
+    /// Runs `$codes(range of a block, its code buffer)` over blocks of whole
+    /// groups and packs each block's codes into its words. (A macro, not a
+    /// function taking a closure: a closure that is not inlined would run
+    /// without the kernel's instruction set.)
+    macro_rules! blocks {
+        ($add:ident, $n:expr, $w:expr, $width:expr, $off:expr, |$r:ident, $c:ident| $codes:expr) => {{
+            let (n, width) = ($n, $width);
+            let per = (64 / width.clamp(1, 64)) as usize;
+            let values = (BLOCK / (GROUP * per)).max(1) * GROUP * per;
+            let mut buf = [0i32; BLOCK];
+            for (b, words) in $w.chunks_mut(values / per).enumerate() {
+                let $r = b * values..((b + 1) * values).min(n);
+                let $c = &mut buf[..$r.len()];
+                $codes;
+                pack_codes::<$add>($c, $off, words, width);
+            }
+        }};
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn single_packed_body<const ADD: bool>(g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) {
+        let off = sane(f0, s0).1 as i32;
+        blocks!(ADD, g.len(), w, width, off, |r, c| single_body::<false>(&g[r.clone()], c, k, first.wrapping_add(r.start as u32), f0, s0));
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn levels_packed_body<const ADD: bool>(g: &[f32], l: &[u8], w: &mut [u64], k: Keys, first: u32, ft: &[f32; TABLE], st: &[f32; TABLE], width: u32) {
+        let (mut ft, mut st) = (*ft, *st);
+        for (f, s) in ft.iter_mut().zip(st.iter_mut()) {
+            (*f, *s) = sane(*f, *s);
+        }
+        // Scales past the last one in use are (0, 0): no pass for them.
+        let count = TABLE - st.iter().rev().take_while(|&&s| s == 0.0).count();
+        let (mut fb, mut sb) = ([0f32; BLOCK], [0f32; BLOCK]);
+        blocks!(ADD, g.len().min(l.len()), w, width, st[0] as i32, |r, c| {
+            // Each element's (f, s), one select pass per scale over the block
+            // (no per-element table lookup: that compiles to gathers).
+            let (g, l) = (&g[r.clone()], &l[r.clone()]);
+            let (fb, sb) = (&mut fb[..g.len()], &mut sb[..g.len()]);
+            fb.fill(ft[0]);
+            sb.fill(st[0]);
+            for j in 1..count {
+                // values, not places: a select of addresses compiles to gathers
+                let (fj, sj, j) = (ft[j], st[j], j as u8);
+                for ((f, s), &lv) in fb.iter_mut().zip(sb.iter_mut()).zip(l) {
+                    let hit = lv == j;
+                    *f = if hit { fj } else { *f };
+                    *s = if hit { sj } else { *s };
+                }
+            }
+            let at = first.wrapping_add(r.start as u32);
+            for (j, (((c, &g), &f), &s)) in c.iter_mut().zip(g).zip(fb.iter()).zip(sb.iter()).enumerate() {
+                *c = code(g, noise::unit(k, at.wrapping_add(j as u32)), f, s);
+            }
+        });
+    }
+
+    multiversion! {
+        fn single_packed_kernel[const ADD: bool][ADD](g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) -> () = single_packed_body;
+    }
+    multiversion! {
+        fn levels_packed_kernel[const ADD: bool][ADD](g: &[f32], l: &[u8], w: &mut [u64], k: Keys, first: u32, ft: &[f32; TABLE], st: &[f32; TABLE], width: u32) -> () = levels_packed_body;
+    }
+
+    /// Whether elements `offset..offset + len` share one noise block (the
+    /// packed kernels count a `u32` index; a piece across a 2^32 boundary
+    /// is split by `noise::spans` into per-block code arrays instead).
+    fn one_block(offset: usize, len: usize) -> bool {
+        len == 0 || (offset as u64 >> 32) == ((offset + len - 1) as u64 >> 32)
+    }
+
+    /// Codes of `g` (elements `offset..` of the stream `seed`, a piece that
+    /// starts a group of lanes) packed into `w`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn single_packed<const ADD: bool>(isa: Isa, g: &[f32], w: &mut [u64], offset: usize, seed: u64, f0: f32, s0: f32, width: u32) {
+        if one_block(offset, g.len()) {
+            single_packed_kernel::<ADD>(isa, g, w, Keys::new(seed, offset as u64 >> 32), offset as u32, f0, s0, width);
+        } else {
+            let mut c = vec![0i32; g.len()];
+            single::<false>(isa, g, &mut c, offset, seed, f0, s0);
+            pack_codes::<ADD>(&c, sane(f0, s0).1 as i32, w, width);
+        }
+    }
+
+    /// Codes of `g` at the scales `l` names packed into `w` (as `single_packed`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn levels_packed<const ADD: bool>(isa: Isa, g: &[f32], l: &[u8], w: &mut [u64], offset: usize, seed: u64, ft: &[f32; TABLE], st: &[f32; TABLE], width: u32) {
+        assert!(g.len() == l.len(), "qsgd kernel: {} values, {} scales", g.len(), l.len());
+        if one_block(offset, g.len()) {
+            levels_packed_kernel::<ADD>(isa, g, l, w, Keys::new(seed, offset as u64 >> 32), offset as u32, ft, st, width);
+        } else {
+            let mut c = vec![0i32; g.len()];
+            levels::<false>(isa, g, l, &mut c, offset, seed, ft, st);
+            pack_codes::<ADD>(&c, sane(ft[0], st[0]).1 as i32, w, width);
+        }
     }
 
     /// (max |x|, every element finite), in 8 independent lanes the compiler
@@ -379,6 +552,71 @@ mod kernels {
         }
 
         #[test]
+        fn packed_kernels_write_the_reference_codes_in_the_lane_layout() {
+            use crate::quant::lanes;
+            let scales = [3u32, 15, 255];
+            let (mut ft, mut st) = ([0f32; TABLE], [0f32; TABLE]);
+            for (j, &s) in scales.iter().enumerate() {
+                (ft[j], st[j]) = (factor(s, 1.0031), s as f32);
+            }
+            // widths for 1, 2 and 5 members of codes in [-3, 3]; pieces across
+            // a block, and a piece across a noise block (offset near 2^32)
+            for (n, offset) in [(0usize, 10usize), (1, 10), (167, 10), (168, 10), (169, 0), (5000, 10), (100, (1 << 32) - 37)] {
+                let g = grad(n);
+                let mut l = vec![0u8; n];
+                fit(Isa::detect(), &g, &mut l, &ft, scales.len(), 3.0);
+                let want_single = reference::quantize(&g, 1.0031, &scales[..1], None, offset, 77);
+                let want_levels = reference::quantize(&g, 1.0031, &scales, Some(&l), offset, 5);
+                for width in [3u32, 4, 5, 32] {
+                    let lanes_of = |c: &[i32], times: u64| lanes::pack_slice(c, width, |c| (c + 3) as u64 * times);
+                    for isa in Isa::available() {
+                        // adding a second member's codes needs lanes for two (4 bits)
+                        for add in [false, true].into_iter().filter(|&add| !add || width > 3) {
+                            let (mut a, mut b) = (lanes_of(&want_single, 1), lanes_of(&want_levels, 1));
+                            if add {
+                                single_packed::<true>(isa, &g, &mut a, offset, 77, ft[0], st[0], width);
+                                levels_packed::<true>(isa, &g, &l, &mut b, offset, 5, &ft, &st, width);
+                            } else {
+                                single_packed::<false>(isa, &g, &mut a, offset, 77, ft[0], st[0], width);
+                                levels_packed::<false>(isa, &g, &l, &mut b, offset, 5, &ft, &st, width);
+                            }
+                            let times = if add { 2 } else { 1 };
+                            assert_eq!(a, lanes_of(&want_single, times), "{isa:?} single n={n} width={width} add={add}");
+                            assert_eq!(b, lanes_of(&want_levels, times), "{isa:?} levels n={n} width={width} add={add}");
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn packed_decode_matches_the_decode_of_unpacked_codes() {
+            use crate::quant::lanes;
+            let scales = [3u32, 15, 255];
+            for n in [0usize, 1, 168, 169, 3000, 40_000] {
+                let codes: Vec<i32> = (0..n as i32).map(|i| (i * 7) % 13 - 6).collect(); // 2 members' sums in [-6, 6]
+                let l: Vec<u8> = (0..n).map(|i| (i % 3) as u8).collect();
+                let width = lanes::width_for(12);
+                let words = lanes::pack_slice(&codes, width, |c| (c + 6) as u64);
+                for level_of in [None, Some(&l[..])] {
+                    let levels = if level_of.is_some() { &scales[..] } else { &scales[..1] };
+                    let (mut want, mut got) = (vec![0f32; n], vec![1f32; n]);
+                    super::super::decode_at(&codes, 0.77, levels, level_of, &mut want).unwrap();
+                    super::super::decode_packed(&words, width, -6, 0.77, levels, level_of, &mut got).unwrap();
+                    assert_eq!(got, want, "n={n} levels={}", levels.len());
+                }
+                if n > 0 {
+                    let mut out = vec![0f32; n];
+                    assert!(super::super::decode_packed(&words[1..], width, -6, 0.77, &scales[..1], None, &mut out).is_err());
+                    let mut bad = l.clone();
+                    bad[n - 1] = 3;
+                    assert!(super::super::decode_packed(&words, width, -6, 0.77, &scales, Some(&bad), &mut out).is_err());
+                    assert!(super::super::decode_packed(&words, width, -6, 0.77, &scales, None, &mut out).is_err());
+                }
+            }
+        }
+
+        #[test]
         fn an_all_zero_scale_and_infinite_factors_agree_with_the_reference() {
             // scale 0 gives factors 0; a tiny scale gives infinite factors.
             for scale in [0.0f32, 1e-45] {
@@ -443,19 +681,11 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
     if sum.len() != out.len() {
         return Err(Error::SizeMismatch { what: "output", expected: sum.len(), got: out.len() });
     }
-    if let Some(l) = level_of {
-        if l.len() != sum.len() {
-            return Err(Error::SizeMismatch { what: "levels", expected: sum.len(), got: l.len() });
-        }
-        // max over every index (a loop the compiler vectorizes; a search
-        // for the first bad one runs only on error)
-        if par::map_reduce(l, |_, p| p.iter().fold(0u8, |m, &j| m.max(j)), u8::max) as usize >= levels.len() {
-            let j = l.iter().find(|&&j| j as usize >= levels.len()).expect("the max found one");
-            return Err(bad("levels", format!("level {j} of {}", levels.len())));
-        }
-    }
     if levels.is_empty() || levels.len() > MAX_LEVELS {
         return Err(bad("levels", format!("give 1 to {MAX_LEVELS} scales, got {}", levels.len())));
+    }
+    if let Some(l) = level_of {
+        check_levels(l, sum.len(), levels)?;
     }
     // Steps in double, so that e.g. 45 codes of 0.5 / 15 decode to exactly 1.5.
     let mut steps = [0f64; kernels::TABLE];
@@ -465,6 +695,64 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
         None => kernels::decode(isa, c, o, steps[0]),
         Some(l) => kernels::decode_levels(isa, c, &l[offset..offset + c.len()], o, &steps),
     });
+    Ok(())
+}
+
+/// `decode_at` of codes summed in packed lanes (`lanes`' layout, `width`
+/// bits, lane = code sum - `base`), without unpacking them to an array:
+/// blocks of lanes are unpacked into a buffer in L1 and decoded from there.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &[u32], level_of: Option<&[u8]>, out: &mut [f32]) -> Result<()> {
+    let n = out.len();
+    if !(1..=32).contains(&width) || words.len() != super::lanes::words_for(n, width) {
+        return Err(Error::SizeMismatch { what: "packed codes (words)", expected: super::lanes::words_for(n, width.clamp(1, 32)), got: words.len() });
+    }
+    let Some(l) = level_of else {
+        if levels.len() != 1 {
+            return Err(bad("levels", format!("{} scales without scale indices", levels.len())));
+        }
+        let step = scale as f64 / levels[0] as f64; // as decode_at
+        return super::lanes::unpack_into(words, width, out, |v| ((v as i64 + base) as f64 * step) as f32);
+    };
+    check_levels(l, n, levels)?;
+    let mut steps = [0f64; kernels::TABLE];
+    levels.iter().zip(steps.iter_mut()).for_each(|(&s, t)| *t = scale as f64 / s as f64);
+    let (isa, per) = (Isa::detect(), (64 / width) as usize);
+    let values = (kernels::BLOCK / (super::lanes::GROUP * per)).max(1) * super::lanes::GROUP * per;
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
+        let mut buf = [0i32; kernels::BLOCK];
+        for (b, o) in o.chunks_mut(values).enumerate() {
+            let first = start + b * values;
+            let w = &words[first / per..first / per + super::lanes::words_for(o.len(), width)];
+            let c = &mut buf[..o.len()];
+            if super::lanes::unpack_serial(w, width, c, |v| (v as i64 + base) as i32).is_err() {
+                failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                return;
+            }
+            kernels::decode_levels(isa, c, &l[first..first + o.len()], o, &steps);
+        }
+    });
+    if failed.into_inner() {
+        return Err(Error::Internal("packed codes split off a group".into()));
+    }
+    Ok(())
+}
+
+/// Scale indices for `n` codes, each naming one of `levels`.
+fn check_levels(l: &[u8], n: usize, levels: &[u32]) -> Result<()> {
+    if levels.is_empty() || levels.len() > MAX_LEVELS {
+        return Err(bad("levels", format!("give 1 to {MAX_LEVELS} scales, got {}", levels.len())));
+    }
+    if l.len() != n {
+        return Err(Error::SizeMismatch { what: "levels", expected: n, got: l.len() });
+    }
+    // max over every index (a loop the compiler vectorizes; a search
+    // for the first bad one runs only on error)
+    if par::map_reduce(l, |_, p| p.iter().fold(0u8, |m, &j| m.max(j)), u8::max) as usize >= levels.len() {
+        let j = l.iter().find(|&&j| j as usize >= levels.len()).expect("the max found one");
+        return Err(bad("levels", format!("level {j} of {}", levels.len())));
+    }
     Ok(())
 }
 

@@ -49,6 +49,26 @@ pub enum Part {
     Levels { levels: Vec<u8>, count: u8 },
     /// Integer codes, each worker's in `lo..=hi` (sums: `workers` times that).
     Codes { codes: Vec<i32>, lo: i32, hi: i32 },
+    /// `n` codes summed in packed lanes (`lanes`' layout) of `width` bits:
+    /// lane `i` holds `code_i - lo` summed over `count` members, each
+    /// member's codes in `lo..=hi`. What QSGD's quantizer writes, with
+    /// lanes wide enough for the sum, so an MPI SUM adds the words.
+    Packed { words: Vec<u64>, n: usize, lo: i32, hi: i32, count: u32, width: u32 },
+}
+
+impl Part {
+    /// A `Packed` part as `Codes` (sums of codes); any other as it is.
+    pub fn unpacked(&self) -> Result<Cow<'_, Part>> {
+        match self {
+            Part::Packed { words, n, lo, hi, count, width } => {
+                let mut codes = vec![0i32; *n];
+                let base = *lo as i64 * *count as i64;
+                lanes::unpack_into(words, *width, &mut codes, |v| (v as i64 + base) as i32)?;
+                Ok(Cow::Owned(Part::Codes { codes, lo: *lo, hi: *hi }))
+            }
+            part => Ok(Cow::Borrowed(part)),
+        }
+    }
 }
 
 /// One worker's state for one key: error-feedback residual, PowerSGD's
@@ -60,11 +80,13 @@ pub struct State {
     pub step: u64,
     /// The last push's code buffer, reused by the next (never cloned).
     spare_codes: Vec<i32>,
+    /// The same for packed codes.
+    spare_words: Vec<u64>,
 }
 
 impl Clone for State {
     fn clone(&self) -> State {
-        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new() }
+        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new(), spare_words: Vec::new() }
     }
 }
 
@@ -411,22 +433,26 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     } else {
         None
     };
+    // Codes go straight into lanes wide enough for every sum they will
+    // take part in here or, for an all-reduce, in the collective's.
+    let (lo, hi) = (-(s0 as i32), s0 as i32);
+    let members = coll.lanes_for().max(states.len());
+    let width = collective::sum_width(lo, hi, members).ok_or_else(|| bad("bits", format!("{members} members could overflow the code sum at {} bits", q.bits()[0])))?;
+    let mut words = std::mem::take(&mut states[0].spare_words);
+    words.resize(lanes::words_for(len, width), 0);
     // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
-    let mut member = ctx.member;
-    let codes = sum_codes(states, len, |_, x, codes, add| {
-        let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, member);
-        member += 1;
-        if add {
-            qsgd::quantize_levels::<true>(x, scale[0], &levels, level_of.as_deref(), seed, codes);
+    for (i, x) in xs.iter().enumerate() {
+        let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64);
+        if i > 0 {
+            qsgd::quantize_levels_packed::<true>(x, scale[0], &levels, level_of.as_deref(), seed, &mut words, width);
         } else {
-            qsgd::quantize_levels::<false>(x, scale[0], &levels, level_of.as_deref(), seed, codes);
+            qsgd::quantize_levels_packed::<false>(x, scale[0], &levels, level_of.as_deref(), seed, &mut words, width);
         }
-        Ok(())
-    }, &xs.iter().map(|x| &x[..]).collect::<Vec<_>>())?;
+    }
     if let Some(l) = level_of {
         exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
     }
-    Ok((exchanged, Part::Codes { codes, lo: -(s0 as i32), hi: s0 as i32 }))
+    Ok((exchanged, Part::Packed { words, n: len, lo, hi, count: xs.len() as u32, width }))
 }
 
 /// The aggregate (a sum over workers) from the exchanged values and the
@@ -436,22 +462,33 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
     let n = out.len();
     let malformed = |what: &str| Error::Transport(format!("malformed {} exchange: {what}", c.name()));
     match (c, sum) {
-        (Compression::Qsgd(q), Part::Codes { codes, .. }) => {
+        (Compression::Qsgd(q), Part::Codes { .. } | Part::Packed { .. }) => {
             let levels = q.levels();
             let scale = match exchanged.first() {
                 Some(Part::F32(s)) if s.len() == 1 => s[0],
                 _ => return Err(malformed("no scale")),
             };
+            let len = match sum {
+                Part::Codes { codes, .. } => codes.len(),
+                Part::Packed { n, .. } => *n,
+                _ => unreachable!("matched above"),
+            };
             let level_of = match (levels.len(), exchanged.get(1)) {
                 (1, None) => None,
-                (_, Some(Part::Levels { levels: l, .. })) if l.len() == codes.len() => Some(l.as_slice()),
+                (_, Some(Part::Levels { levels: l, .. })) if l.len() == len => Some(l.as_slice()),
                 _ => return Err(malformed("scale indices missing or of the wrong length")),
             };
+            // Packed codes are decoded straight from their lanes.
+            let decode_into = |out: &mut [f32]| match sum {
+                Part::Packed { words, lo, count, width, .. } => qsgd::decode_packed(words, *width, *lo as i64 * *count as i64, scale, &levels, level_of, out),
+                Part::Codes { codes, .. } => qsgd::decode_at(codes, scale, &levels, level_of, out),
+                _ => unreachable!("matched above"),
+            };
             match selection(q, n, ctx.step, ctx.key_hash) {
-                None => qsgd::decode_at(codes, scale, &levels, level_of, out),
+                None => decode_into(out),
                 Some(idx) => {
                     let mut vals = vec![0f32; idx.len()];
-                    qsgd::decode_at(codes, scale, &levels, level_of, &mut vals)?;
+                    decode_into(&mut vals)?;
                     out.fill(0.0);
                     idx.iter().zip(vals).for_each(|(&i, v)| out[i] = v);
                     Ok(())
@@ -508,6 +545,11 @@ pub fn finish(c: &Compression, states: &mut [State], sum: Part) {
                 s.spare_codes = codes;
             }
         }
+        (_, Part::Packed { words, .. }) => {
+            if let Some(s) = states.first_mut() {
+                s.spare_words = words;
+            }
+        }
         _ => {}
     }
     states.iter_mut().for_each(|s| s.step += 1);
@@ -518,6 +560,15 @@ pub fn sum_final(part: &mut Part, coll: &mut dyn Collective) -> Result<()> {
     match part {
         Part::F32(x) => coll.sum_f32(x),
         Part::Codes { codes, lo, hi } => coll.sum_codes(codes, *lo, *hi),
+        Part::Packed { words, n, lo, hi, count, width } => {
+            let workers = coll.workers();
+            if collective::sum_width(*lo, *hi, workers).is_none_or(|w| w > *width) {
+                return Err(Error::Internal(format!("{width}-bit lanes cannot hold {workers} members' sum of codes in {lo}..={hi}")));
+            }
+            coll.sum_packed(words, *n, *lo, *hi, *count, *width)?;
+            *count = workers as u32;
+            Ok(())
+        }
         Part::Levels { .. } => Err(Error::Internal("scale indices are never a final contribution".into())),
     }
 }
@@ -578,6 +629,17 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
             out.resize(start + 8 * lanes::words_for(levels.len(), width), 0);
             lanes::pack_slice_into_bytes(levels, width, |l| l as u64, &mut out[start..]);
         }
+        Part::Packed { words, n, lo, hi, count, width } if *count as i32 == workers && *width == lanes::width_for(((*hi as i64 - *lo as i64) * workers as i64) as u64) => {
+            // Already the wire's lanes (`code sum - lo * workers`): the words as they are.
+            out.push(2);
+            out.extend((*n as u64).to_le_bytes());
+            out.extend((lo * workers).to_le_bytes());
+            out.extend((hi * workers).to_le_bytes());
+            let start = out.len();
+            out.resize(start + 8 * words.len(), 0);
+            out[start..].chunks_exact_mut(8).zip(words).for_each(|(b, w)| b.copy_from_slice(&w.to_le_bytes()));
+        }
+        Part::Packed { .. } => write_part(out, &part.unpacked().expect("a packed part's own words"), workers),
         Part::Codes { codes, lo, hi } => {
             let (lo, hi) = (&(lo * workers), &(hi * workers));
             out.push(2);

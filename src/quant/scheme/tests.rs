@@ -418,3 +418,20 @@ fn selection_draws_what_floyds_algorithm_draws_one_at_a_time() {
         assert_eq!(*got, want, "step {step}");
     }
 }
+
+#[test]
+fn packed_codes_go_on_the_wire_as_their_unpacked_codes_do() {
+    // 3 members' codes in [-3, 3] summed in lanes for 3 (the wire's width for
+    // 3 workers: copied as they are) or for 5 (repacked).
+    let n = 1001;
+    let sums: Vec<i32> = (0..n as i32).map(|i| (i * 5) % 19 - 9).collect();
+    for members in [3usize, 5] {
+        let width = lanes::width_for(6 * members as u64);
+        let words = lanes::pack_slice(&sums, width, |c| (c + 9) as u64);
+        let packed = Part::Packed { words, n, lo: -3, hi: 3, count: 3, width };
+        let codes = Part::Codes { codes: sums.clone(), lo: -3, hi: 3 };
+        assert_eq!(*packed.unpacked().unwrap(), codes);
+        assert_eq!(sum_to_wire(&packed, 3), sum_to_wire(&codes, 3), "members {members}");
+        assert_eq!(from_wire(&sum_to_wire(&packed, 3)).unwrap(), Part::Codes { codes: sums.clone(), lo: -9, hi: 9 });
+    }
+}
