@@ -28,13 +28,7 @@ const PARALLEL: usize = 1 << 16;
 /// combined in a fixed order: an order the compiler vectorizes, the same
 /// on every kernel and machine.
 pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
-    // Q transposed (r x cols): each dot product reads two contiguous rows.
-    let mut qt = vec![0f32; r * cols];
-    for (c, q_row) in q.chunks_exact(r).enumerate() {
-        for (j, &v) in q_row.iter().enumerate() {
-            qt[j * cols + c] = v;
-        }
-    }
+    let qt = transposed(q, cols, r);
     let isa = Isa::detect();
     let row = |i: usize, p_row: &mut [f32]| {
         let m_row = &m[i * cols..(i + 1) * cols];
@@ -47,6 +41,47 @@ pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &m
     } else {
         p.chunks_mut(r).enumerate().for_each(|(i, p_row)| row(i, p_row));
     }
+}
+
+/// `m += g`, then `p = m q` (`m_times_q`), in one pass over `m`: each row
+/// is added while it is in cache for its dot products. The same bits as
+/// the two steps.
+pub fn add_then_m_times_q(m: &mut [f32], g: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
+    assert!(m.len() == rows * cols && g.len() == m.len() && p.len() == rows * r, "PowerSGD: {} + {} values for {rows} x {cols}", m.len(), g.len());
+    let qt = transposed(q, cols, r);
+    let isa = Isa::detect();
+    let row = |(m_row, g_row): (&mut [f32], &[f32]), p_row: &mut [f32]| {
+        add_kernel(isa, m_row, g_row);
+        for (j, pj) in p_row.iter_mut().enumerate() {
+            *pj = dot(isa, m_row, &qt[j * cols..(j + 1) * cols]);
+        }
+    };
+    if rows * cols > PARALLEL {
+        m.par_chunks_mut(cols).zip(g.par_chunks(cols)).zip(p.par_chunks_mut(r)).for_each(|(mg, p_row)| row(mg, p_row));
+    } else {
+        m.chunks_mut(cols).zip(g.chunks(cols)).zip(p.chunks_mut(r)).for_each(|(mg, p_row)| row(mg, p_row));
+    }
+}
+
+#[inline(always)]
+fn add_body(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(a, &b)| *a += b);
+}
+
+crate::isa::multiversion! {
+    /// `a += b`, element by element.
+    fn add_kernel[][](a: &mut [f32], b: &[f32]) -> () = add_body;
+}
+
+/// `q` (cols x r) transposed (r x cols): each dot product reads two contiguous rows.
+fn transposed(q: &[f32], cols: usize, r: usize) -> Vec<f32> {
+    let mut qt = vec![0f32; r * cols];
+    for (c, q_row) in q.chunks_exact(r).take(cols).enumerate() {
+        for (j, &v) in q_row.iter().enumerate() {
+            qt[j * cols + c] = v;
+        }
+    }
+    qt
 }
 
 /// Running sums of a dot product (`m_times_q`).
@@ -92,26 +127,40 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 /// bit for bit). Within a block the sums are kept transposed (r x width),
 /// so that each row of `m` is one `axpy` per column of `p`, which vectorizes.
 pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &mut [f32]) {
+    mt_times_p_on(Isa::detect(), m, p, rows, cols, r, q)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn mt_times_p_on(isa: Isa, m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &mut [f32]) {
     const BLOCK: usize = 256;
-    let block = |b: usize, q_block: &mut [f32]| {
-        let c0 = b * BLOCK;
-        let width = q_block.len() / r;
-        let mut acc = vec![0f32; r * width]; // acc[j * width + c]
-        for i in 0..rows {
-            let m_part = &m[i * cols + c0..i * cols + c0 + width];
-            for (j, &pj) in p[i * r..(i + 1) * r].iter().enumerate() {
-                acc[j * width..(j + 1) * width].iter_mut().zip(m_part).for_each(|(a, &x)| *a += x * pj);
-            }
-        }
-        for (c, q_row) in q_block.chunks_exact_mut(r).enumerate() {
-            q_row.iter_mut().enumerate().for_each(|(j, v)| *v = acc[j * width + c]);
-        }
-    };
     if rows * cols > PARALLEL {
-        q.par_chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| block(b, qb));
+        q.par_chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| mt_block(isa, m, p, rows, cols, r, b * BLOCK, qb));
     } else {
-        q.chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| block(b, qb));
+        q.chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| mt_block(isa, m, p, rows, cols, r, b * BLOCK, qb));
     }
+}
+
+/// Columns `c0..` of `m^T p` into `q_block` (`mt_times_p`).
+#[inline(always)]
+fn mt_block_body(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, c0: usize, q_block: &mut [f32]) {
+    let width = q_block.len() / r.max(1);
+    let mut acc = vec![0f32; r * width]; // acc[j * width + c]
+    for i in 0..rows {
+        let m_part = &m[i * cols + c0..i * cols + c0 + width];
+        for (j, &pj) in p[i * r..(i + 1) * r].iter().enumerate() {
+            acc[j * width..(j + 1) * width].iter_mut().zip(m_part).for_each(|(a, &x)| *a += x * pj);
+        }
+    }
+    for (c, q_row) in q_block.chunks_exact_mut(r).enumerate() {
+        q_row.iter_mut().enumerate().for_each(|(j, v)| *v = acc[j * width + c]);
+    }
+}
+
+crate::isa::multiversion! {
+    /// One block of `mt_times_p`, compiled for every instruction set: the
+    /// same multiplies and adds in the same order (no fused multiply-add),
+    /// so the same bits on every kernel.
+    fn mt_block[][](m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, c0: usize, q_block: &mut [f32]) -> () = mt_block_body;
 }
 
 /// `out = p q^T` (rows x cols), or `out -= p q^T` when `subtract`; rows in
@@ -120,36 +169,46 @@ pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &
 /// `q` transposed (r x cols), a row is `r` passes of multiply-adds over
 /// contiguous columns, which vectorize.
 pub fn p_times_qt(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out: &mut [f32], subtract: bool) {
-    let mut qt = vec![0f32; r * cols];
-    for (c, q_row) in q.chunks_exact(r).take(cols).enumerate() {
-        q_row.iter().enumerate().for_each(|(j, &v)| qt[j * cols + c] = v);
-    }
-    // What `Iterator::sum` starts from (0.0 or -0.0, by Rust version).
-    let start: f32 = std::iter::empty::<f32>().sum();
-    let row = |i: usize, o_row: &mut [f32]| {
-        let p_row = &p[i * r..(i + 1) * r];
-        // In pieces that stay in the first-level cache.
-        const PIECE: usize = 1024;
-        let mut v = [0f32; PIECE];
-        for (k, o) in o_row.chunks_mut(PIECE).enumerate() {
-            let v = &mut v[..o.len()];
-            v.fill(start);
-            for (j, &pj) in p_row.iter().enumerate() {
-                let q_j = &qt[j * cols + k * PIECE..j * cols + k * PIECE + o.len()];
-                v.iter_mut().zip(q_j).for_each(|(v, &qv)| *v += pj * qv);
-            }
-            if subtract {
-                o.iter_mut().zip(v.iter()).for_each(|(o, &v)| *o -= v);
-            } else {
-                o.copy_from_slice(v);
-            }
-        }
-    };
+    p_times_qt_on(Isa::detect(), p, q, rows, cols, r, out, subtract)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn p_times_qt_on(isa: Isa, p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out: &mut [f32], subtract: bool) {
+    let qt = transposed(q, cols, r);
+    let row = |i: usize, o: &mut [f32]| pqt_row(isa, &p[i * r..(i + 1) * r], &qt, cols, o, subtract);
     if rows * cols > PARALLEL {
         out.par_chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
     } else {
         out.chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
     }
+}
+
+/// One row of `p_times_qt`: `o_row (-)= p_row qt`.
+#[inline(always)]
+fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) {
+    // What `Iterator::sum` starts from (0.0 or -0.0, by Rust version).
+    let start: f32 = std::iter::empty::<f32>().sum();
+    // In pieces that stay in the first-level cache.
+    const PIECE: usize = 1024;
+    let mut v = [0f32; PIECE];
+    for (k, o) in o_row.chunks_mut(PIECE).enumerate() {
+        let v = &mut v[..o.len()];
+        v.fill(start);
+        for (j, &pj) in p_row.iter().enumerate() {
+            let q_j = &qt[j * cols + k * PIECE..j * cols + k * PIECE + o.len()];
+            v.iter_mut().zip(q_j).for_each(|(v, &qv)| *v += pj * qv);
+        }
+        if subtract {
+            o.iter_mut().zip(v.iter()).for_each(|(o, &v)| *o -= v);
+        } else {
+            o.copy_from_slice(v);
+        }
+    }
+}
+
+crate::isa::multiversion! {
+    /// One row of `p_times_qt` for every instruction set (as `mt_block`).
+    fn pqt_row[][](p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) -> () = pqt_row_body;
 }
 
 /// The straightforward loops, the oracle of the fast ones above.
@@ -237,16 +296,30 @@ mod tests {
             let mut p: Vec<f32> = (0..rows * r).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
             p[0] = -0.0;
             let q: Vec<f32> = (0..cols * r).map(|i| ((i * 29 % 61) as f32 - 30.0) / 5.0).collect();
-            let (mut fast, mut slow) = (vec![7f32; cols * r], vec![0f32; cols * r]);
-            mt_times_p(&m, &p, rows, cols, r, &mut fast);
-            reference::mt_times_p(&m, &p, rows, cols, r, &mut slow);
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&fast), bits(&slow), "m^T p {rows}x{cols} r={r}");
+            // m += g, then m q: fused as the two steps
+            let g: Vec<f32> = (0..rows * cols).map(|i| ((i * 13 % 71) as f32 - 35.0) / 9.0).collect();
+            let (mut m1, mut m2) = (m.clone(), m.clone());
+            m1.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
+            let (mut p1, mut p2) = (vec![0f32; rows * r], vec![1f32; rows * r]);
+            m_times_q(&m1, &q, rows, cols, r, &mut p1);
+            add_then_m_times_q(&mut m2, &g, &q, rows, cols, r, &mut p2);
+            assert_eq!((bits(&m2), bits(&p2)), (bits(&m1), bits(&p1)), "m + g, (m + g) q {rows}x{cols} r={r}");
+            let mut slow = vec![0f32; cols * r];
+            reference::mt_times_p(&m, &p, rows, cols, r, &mut slow);
+            for isa in Isa::available() {
+                let mut fast = vec![7f32; cols * r];
+                mt_times_p_on(isa, &m, &p, rows, cols, r, &mut fast);
+                assert_eq!(bits(&fast), bits(&slow), "{isa:?} m^T p {rows}x{cols} r={r}");
+            }
             for subtract in [false, true] {
-                let (mut fast, mut slow) = (m.clone(), m.clone());
-                p_times_qt(&p, &q, rows, cols, r, &mut fast, subtract);
+                let mut slow = m.clone();
                 reference::p_times_qt(&p, &q, rows, cols, r, &mut slow, subtract);
-                assert_eq!(bits(&fast), bits(&slow), "p q^T {rows}x{cols} r={r} subtract={subtract}");
+                for isa in Isa::available() {
+                    let mut fast = m.clone();
+                    p_times_qt_on(isa, &p, &q, rows, cols, r, &mut fast, subtract);
+                    assert_eq!(bits(&fast), bits(&slow), "{isa:?} p q^T {rows}x{cols} r={r} subtract={subtract}");
+                }
             }
         }
         // all-zero products: the sum's start decides the sign of zero

@@ -299,9 +299,8 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             let mut mine = Vec::new();
             for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
                 s.residual.resize(n, 0.0);
-                s.residual.par_iter_mut().zip(*g).for_each(|(e, g)| *e += g);
                 let dst = if i == 0 { &mut p } else { mine.resize(rows * r, 0.0); &mut mine };
-                powersgd::m_times_q(&s.residual, &s.q, rows, cols, r, dst);
+                powersgd::add_then_m_times_q(&mut s.residual, g, &s.q, rows, cols, r, dst);
                 if i > 0 {
                     collective::sum_into(&mut p, &mine)?;
                 }
