@@ -245,6 +245,68 @@ pub fn unpack_bytes_into<T: Send>(bytes: &[u8], width: u32, out: &mut [T], f: im
     unpack_core(bytes.len() / 8, |i| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().unwrap()), width, out, f)
 }
 
+/// Codes per block of a packed kernel (`blocks!`): made in one vectorized
+/// pass into a buffer that stays in L1, then packed from it in another.
+pub(crate) const BLOCK: usize = 2048;
+
+#[inline(always)]
+fn store<const ADD: bool>(w: &mut u64, v: u64) {
+    if ADD {
+        *w = w.wrapping_add(v)
+    } else {
+        *w = v
+    }
+}
+
+/// Packs lanes `c[j] + off` (each in `0..2^width`; `width` 1 to 32) of a
+/// piece that starts a group into its words `w`, written or (with `ADD`)
+/// added: a full group is `per` rounds of eight codes shifted into eight
+/// words. For kernels: inlined into the caller's instruction set.
+#[inline(always)]
+pub(crate) fn pack_codes<const ADD: bool>(c: &[i32], off: i32, w: &mut [u64], width: u32) {
+    let per = (64 / width.clamp(1, 64)) as usize;
+    let lane_of = |x: i32| x.wrapping_add(off) as u32 as u64;
+    for (words, c) in w.chunks_mut(GROUP).zip(c.chunks(GROUP * per)) {
+        let mut acc = [0u64; GROUP];
+        if c.len() == GROUP * per {
+            for (lane, row) in c.chunks_exact(GROUP).enumerate() {
+                let shift = lane as u32 * width;
+                for (a, &x) in acc.iter_mut().zip(row) {
+                    *a |= lane_of(x) << shift;
+                }
+            }
+        } else {
+            let m = c.len().div_ceil(per);
+            for (j, &x) in c.iter().enumerate() {
+                acc[j % m] |= lane_of(x) << ((j / m) as u32 * width);
+            }
+        }
+        words.iter_mut().zip(acc).for_each(|(w, a)| store::<ADD>(w, a));
+    }
+}
+
+/// Runs `$codes(range of a block, its code buffer)` over blocks of whole
+/// groups of `$n` values (at most `$block`) and packs each block's codes
+/// (`pack_codes`, lane = code + `$off`) into its words of `$w`. A macro, not
+/// a function taking a closure: a closure that is not inlined would run
+/// without the kernel's instruction set.
+macro_rules! blocks {
+    ($add:ident, $block:expr, $n:expr, $w:expr, $width:expr, $off:expr, |$r:ident, $c:ident| $codes:expr) => {{
+        let (n, width) = ($n, $width);
+        let per = (64 / width.clamp(1, 64)) as usize;
+        let group = $crate::quant::lanes::GROUP * per;
+        let values = ($block / group).max(1) * group;
+        let mut buf = [0i32; $block];
+        for (b, words) in $w.chunks_mut(values / per).enumerate() {
+            let $r = b * values..((b + 1) * values).min(n);
+            let $c = &mut buf[..$r.len()];
+            $codes;
+            $crate::quant::lanes::pack_codes::<$add>($c, $off, words, width);
+        }
+    }};
+}
+pub(crate) use blocks;
+
 /// Adds `n` values sent in lanes of `from` bits (`src`, the wire's bytes)
 /// to `acc`, whose lanes are `width` bits wide (wide enough for the sum):
 /// each value is moved into its wide lane, so the sum stays packed and the

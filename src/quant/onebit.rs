@@ -2,7 +2,11 @@
 //! `r > threshold` the bit is 1, the element decodes to +1 and `r -= 1`; else
 //! the bit is 0, it decodes to -1 and `r += 1`. One bit per element on the wire.
 
+use rayon::prelude::*;
+
+use super::lanes;
 use crate::error::{Error, Result};
+use crate::isa::Isa;
 
 /// Quantizes one worker's gradient into bits (0 or 1, decoding to -1 or +1),
 /// updating its residual. Lengths are the caller's to check.
@@ -23,6 +27,38 @@ fn quantize_piece<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold
             *b = bit as i32;
         }
     }
+}
+
+/// Words of packed lanes per parallel piece (`quantize_packed`).
+const TASK_WORDS: usize = 1 << 12;
+
+/// `quantize` straight into packed lanes (`lanes`' layout) of `width` bits
+/// (1 to 32, wide enough for every sum the caller will add): lane `i` gets
+/// the bit, written or (with `ADD`) added. One pass, no bit array.
+pub fn quantize_packed<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: f32, words: &mut [u64], width: u32) {
+    assert!((1..=32).contains(&width) && grad.len() == residual.len() && words.len() == lanes::words_for(grad.len(), width), "1-bit: {} values, {} residuals, {} words of {width} bits", grad.len(), residual.len(), words.len());
+    let (isa, per) = (Isa::detect(), (64 / width) as usize);
+    residual.par_chunks_mut(TASK_WORDS * per).zip(words.par_chunks_mut(TASK_WORDS)).enumerate().for_each(|(i, (r, w))| {
+        let start = i * TASK_WORDS * per;
+        packed_kernel::<ADD>(isa, &grad[start..start + r.len()], r, threshold, w, width)
+    });
+}
+
+#[inline(always)]
+fn packed_body<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: f32, words: &mut [u64], width: u32) {
+    let n = grad.len().min(residual.len());
+    lanes::blocks!(ADD, lanes::BLOCK, n, words, width, 0, |span, c| {
+        for ((c, &g), r) in c.iter_mut().zip(&grad[span.clone()]).zip(&mut residual[span]) {
+            let x = *r + g;
+            let bit = x > threshold;
+            *r = if bit { x - 1.0 } else { x + 1.0 };
+            *c = bit as i32;
+        }
+    });
+}
+
+crate::isa::multiversion! {
+    fn packed_kernel[const ADD: bool][ADD](grad: &[f32], residual: &mut [f32], threshold: f32, words: &mut [u64], width: u32) -> () = packed_body;
 }
 
 /// A threshold must be finite.
@@ -51,6 +87,31 @@ mod tests {
             // what was not sent stays in the residual
             assert!((total - sent - r[0]).abs() < 1e-4);
             assert!(r[0].abs() <= 2.0);
+        }
+    }
+
+    #[test]
+    fn packed_bits_are_the_bits_in_the_lane_layout_on_every_kernel() {
+        for n in [0usize, 1, 63, 512, 513, 5000, 40_000] {
+            let g: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
+            let r0: Vec<f32> = (0..n).map(|i| ((i * 11 % 7) as f32 - 3.0) / 4.0).collect();
+            let (mut want_r, mut bits) = (r0.clone(), vec![0i32; n]);
+            quantize::<false>(&g, &mut want_r, 0.1, &mut bits);
+            for width in [1u32, 2, 5] {
+                for isa in crate::isa::Isa::available() {
+                    let per = (64 / width) as usize;
+                    for add in [false, true].into_iter().filter(|&a| !a || width > 1) {
+                        let mut r = r0.clone();
+                        let mut words = lanes::pack_slice(&bits, width, |b| b as u64);
+                        for (i, (r, w)) in r.chunks_mut(TASK_WORDS * per).zip(words.chunks_mut(TASK_WORDS)).enumerate() {
+                            let g = &g[i * TASK_WORDS * per..i * TASK_WORDS * per + r.len()];
+                            if add { packed_kernel::<true>(isa, g, r, 0.1, w, width) } else { packed_kernel::<false>(isa, g, r, 0.1, w, width) }
+                        }
+                        let want = lanes::pack_slice(&bits, width, |b| b as u64 * if add { 2 } else { 1 });
+                        assert_eq!((&words, &r), (&want, &want_r), "{isa:?} n={n} width={width} add={add}");
+                    }
+                }
+            }
         }
     }
 

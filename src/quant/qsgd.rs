@@ -194,7 +194,7 @@ pub(crate) fn quantize_levels_packed<const ADD: bool>(grad: &[f32], scale: f32, 
 /// element from `noise`, inline, so whole vectors of codes come at once.
 mod kernels {
     use super::noise::{self, Keys};
-    use crate::quant::lanes::GROUP;
+    use crate::quant::lanes::{self, blocks, pack_codes};
     use crate::isa::{multiversion, Isa};
 
     /// Scales a kernel's table holds.
@@ -282,74 +282,15 @@ mod kernels {
         noise::spans(seed, offset, g.len(), |k, first, r| levels_kernel::<ADD>(isa, &g[r.clone()], &l[r.clone()], &mut c[r], k, first, ft, st));
     }
 
-    /// A code's lane: `code + s0`, in `0..=2 s0` for codes in `[-s0, s0]`.
-    #[inline(always)]
-    fn lane_of(c: i32, s0: i32) -> u64 {
-        c.wrapping_add(s0) as u32 as u64
-    }
-
-    #[inline(always)]
-    fn store<const ADD: bool>(w: &mut u64, v: u64) {
-        if ADD {
-            *w = w.wrapping_add(v)
-        } else {
-            *w = v
-        }
-    }
-
     /// Codes per block of a packed kernel: made in one vectorized pass into
-    /// a buffer that stays in L1, then packed from it in another.
-    pub const BLOCK: usize = 2048;
-
-    /// Packs lanes `c[j] + off` of a piece that starts a group into `w`
-    /// (`lanes`' layout, `width` bits): a full group is `per` rounds of
-    /// eight codes shifted into eight words.
-    #[inline(always)]
-    fn pack_codes<const ADD: bool>(c: &[i32], off: i32, w: &mut [u64], width: u32) {
-        let per = (64 / width.clamp(1, 64)) as usize;
-        for (words, c) in w.chunks_mut(GROUP).zip(c.chunks(GROUP * per)) {
-            let mut acc = [0u64; GROUP];
-            if c.len() == GROUP * per {
-                for (lane, row) in c.chunks_exact(GROUP).enumerate() {
-                    let shift = lane as u32 * width;
-                    for (a, &x) in acc.iter_mut().zip(row) {
-                        *a |= lane_of(x, off) << shift;
-                    }
-                }
-            } else {
-                let m = c.len().div_ceil(per);
-                for (j, &x) in c.iter().enumerate() {
-                    acc[j % m] |= lane_of(x, off) << ((j / m) as u32 * width);
-                }
-            }
-            words.iter_mut().zip(acc).for_each(|(w, a)| store::<ADD>(w, a));
-        }
-    }
-
-    /// Runs `$codes(range of a block, its code buffer)` over blocks of whole
-    /// groups and packs each block's codes into its words. (A macro, not a
-    /// function taking a closure: a closure that is not inlined would run
-    /// without the kernel's instruction set.)
-    macro_rules! blocks {
-        ($add:ident, $n:expr, $w:expr, $width:expr, $off:expr, |$r:ident, $c:ident| $codes:expr) => {{
-            let (n, width) = ($n, $width);
-            let per = (64 / width.clamp(1, 64)) as usize;
-            let values = (BLOCK / (GROUP * per)).max(1) * GROUP * per;
-            let mut buf = [0i32; BLOCK];
-            for (b, words) in $w.chunks_mut(values / per).enumerate() {
-                let $r = b * values..((b + 1) * values).min(n);
-                let $c = &mut buf[..$r.len()];
-                $codes;
-                pack_codes::<$add>($c, $off, words, width);
-            }
-        }};
-    }
+    /// a buffer that stays in L1, then packed from it (`lanes::blocks!`).
+    pub const BLOCK: usize = lanes::BLOCK;
 
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn single_packed_body<const ADD: bool>(g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) {
         let off = sane(f0, s0).1 as i32;
-        blocks!(ADD, g.len(), w, width, off, |r, c| single_body::<false>(&g[r.clone()], c, k, first.wrapping_add(r.start as u32), f0, s0));
+        blocks!(ADD, BLOCK, g.len(), w, width, off, |r, c| single_body::<false>(&g[r.clone()], c, k, first.wrapping_add(r.start as u32), f0, s0));
     }
 
     #[inline(always)]
@@ -362,7 +303,7 @@ mod kernels {
         // Scales past the last one in use are (0, 0): no pass for them.
         let count = TABLE - st.iter().rev().take_while(|&&s| s == 0.0).count();
         let (mut fb, mut sb) = ([0f32; BLOCK], [0f32; BLOCK]);
-        blocks!(ADD, g.len().min(l.len()), w, width, st[0] as i32, |r, c| {
+        blocks!(ADD, BLOCK, g.len().min(l.len()), w, width, st[0] as i32, |r, c| {
             // Each element's (f, s), one select pass per scale over the block
             // (no per-element table lookup: that compiles to gathers).
             let (g, l) = (&g[r.clone()], &l[r.clone()]);

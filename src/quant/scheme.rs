@@ -321,16 +321,20 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
         Compression::OneBit { threshold } => {
-            let codes = sum_codes(states, n, |s, g, bits, add| {
+            // Bits straight into lanes wide enough for every sum (as QSGD's codes).
+            let members = coll.lanes_for().max(states.len());
+            let width = collective::sum_width(0, 1, members).ok_or_else(|| bad("workers", format!("{members} members overflow a count of bits")))?;
+            let mut words = std::mem::take(&mut states[0].spare_words);
+            words.resize(lanes::words_for(n, width), 0);
+            for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
                 s.residual.resize(n, 0.0);
-                if add {
-                    onebit::quantize::<true>(g, &mut s.residual, *threshold, bits);
+                if i > 0 {
+                    onebit::quantize_packed::<true>(g, &mut s.residual, *threshold, &mut words, width);
                 } else {
-                    onebit::quantize::<false>(g, &mut s.residual, *threshold, bits);
+                    onebit::quantize_packed::<false>(g, &mut s.residual, *threshold, &mut words, width);
                 }
-                Ok(())
-            }, grads)?;
-            Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
+            }
+            Ok((Vec::new(), Part::Packed { words, n, lo: 0, hi: 1, count: states.len() as u32, width }))
         }
         Compression::TwoBit(th) => {
             // Codes counted, not decoded: n indicators of +pos, then n of neg.
@@ -510,6 +514,11 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
             }
             _ => Err(malformed(&format!("Q of {} values for shape {:?}", q_sum.len(), ctx.shape))),
         },
+        (Compression::OneBit { .. }, Part::Packed { words, n: len, width, .. }) if *len == n => {
+            // lanes count the 1 bits (lo = 0): 2 ones - workers
+            let w = ctx.workers as i64;
+            lanes::unpack_into(words, *width, out, |v| (2 * v as i64 - w) as f32)
+        }
         (Compression::OneBit { .. }, Part::Codes { codes, .. }) if codes.len() == n => {
             let w = ctx.workers as i32;
             out.par_chunks_mut(1 << 16).zip(codes.par_chunks(1 << 16)).for_each(|(o, c)| o.iter_mut().zip(c).for_each(|(o, &c)| *o = (2 * c - w) as f32));
