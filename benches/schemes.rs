@@ -46,9 +46,10 @@ fn main() {
         let mut states = [State::default()];
         let mut out = vec![0f32; n];
         let mut wire_bytes = 0usize;
-        // As a store's push: encode, then finish (which keeps the code buffer
-        // for the next push). Each push a new step, as in training: random-K
-        // draws its selection anew (its decode, below, finds it drawn).
+        // As a store's push: encode, then finish and recycle (which keep the
+        // code and scale-index buffers for the next push). Each push a new
+        // step, as in training: random-K draws its selection anew (its
+        // decode, below, finds it drawn).
         let mut step = 0;
         let enc = time(reps, || {
             step += 1;
@@ -56,6 +57,7 @@ fn main() {
             let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
             wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
             scheme::finish(&c, &mut states, part);
+            scheme::recycle(&mut states, ex);
         });
         let ctx = Ctx { shape: &shape, step: step + 1, key_hash: 1, member: 0, workers: 1 };
         let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();

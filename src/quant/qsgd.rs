@@ -420,8 +420,24 @@ mod kernels {
 
     #[inline(always)]
     fn decode_levels_body(c: &[i32], l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) {
-        for ((o, &c), &j) in o.iter_mut().zip(c).zip(l) {
-            *o = (c as f64 * steps[j as usize % TABLE]) as f32;
+        // Each element's step by one select pass per scale over a block (a
+        // table lookup per element compiles to gathers). Steps past the
+        // last scale are 0 (all of them are when the scale is 0).
+        let count = (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1);
+        const B: usize = 512;
+        let mut sb = [0f64; B];
+        for ((c, l), o) in c.chunks(B).zip(l.chunks(B)).zip(o.chunks_mut(B)) {
+            let sb = &mut sb[..c.len()];
+            sb.fill(steps[0]);
+            for (j, &step) in steps.iter().enumerate().take(count).skip(1) {
+                let j = j as u8;
+                for (s, &lv) in sb.iter_mut().zip(l) {
+                    *s = if lv == j { step } else { *s };
+                }
+            }
+            for ((o, &c), &s) in o.iter_mut().zip(c).zip(sb.iter()) {
+                *o = (c as f64 * s) as f32;
+            }
         }
     }
 

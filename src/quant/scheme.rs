@@ -82,11 +82,13 @@ pub struct State {
     spare_codes: Vec<i32>,
     /// The same for packed codes.
     spare_words: Vec<u64>,
+    /// The last push's scale indices (`recycle`).
+    spare_levels: Vec<u8>,
 }
 
 impl Clone for State {
     fn clone(&self) -> State {
-        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new(), spare_words: Vec::new() }
+        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new(), spare_words: Vec::new(), spare_levels: Vec::new() }
     }
 }
 
@@ -421,7 +423,8 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     }
     let mut exchanged = vec![Part::F32(scale.to_vec())];
     let level_of = if levels.len() > 1 {
-        let (mut l, mut mine) = (vec![0u8; len], Vec::new());
+        let (mut l, mut mine) = (std::mem::take(&mut states[0].spare_levels), Vec::new());
+        l.resize(len, 0);
         for (i, x) in xs.iter().enumerate() {
             if i == 0 {
                 qsgd::fit_levels(x, scale[0], &levels, &mut l);
@@ -563,6 +566,17 @@ pub fn finish(c: &Compression, states: &mut [State], sum: Part) {
     states.iter_mut().for_each(|s| s.step += 1);
 }
 
+/// After `decode`: keeps the round's scale indices in the first member's
+/// state for the next push to fill (a buffer as long as the key: taken
+/// from the allocator each push, its pages would be faulted in anew).
+pub fn recycle(states: &mut [State], exchanged: Vec<Part>) {
+    for part in exchanged {
+        if let (Part::Levels { levels, .. }, Some(s)) = (part, states.first_mut()) {
+            s.spare_levels = levels;
+        }
+    }
+}
+
 /// Sums the final contribution through `coll`.
 pub fn sum_final(part: &mut Part, coll: &mut dyn Collective) -> Result<()> {
     match part {
@@ -600,6 +614,7 @@ pub fn allreduce(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &
         }
     }
     finish(c, states, part);
+    recycle(states, exchanged);
     Ok(())
 }
 
