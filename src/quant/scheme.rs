@@ -213,6 +213,37 @@ fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
     });
 }
 
+/// Selected coordinates per parallel piece of a gather or scatter.
+const SPREAD_PIECE: usize = 1 << 14;
+
+/// `g` at the coordinates `idx`, pieces in parallel.
+fn gather(g: &[f32], idx: &[usize]) -> Vec<f32> {
+    let mut out = vec![0f32; idx.len()];
+    out.par_chunks_mut(SPREAD_PIECE).zip(idx.par_chunks(SPREAD_PIECE)).for_each(|(o, ix)| o.iter_mut().zip(ix).for_each(|(o, &i)| *o = g[i]));
+    out
+}
+
+/// `out` all zero but `out[idx[j]] = vals[j]`, for a selection (`idx`
+/// ascending, below `out.len()`): each piece of `idx` zeroes and fills the
+/// stretch of `out` up to the next piece's first coordinate, in parallel.
+fn scatter(idx: &[usize], vals: &[f32], out: &mut [f32]) {
+    debug_assert!(idx.windows(2).all(|w| w[0] < w[1]) && idx.last().is_none_or(|&i| i < out.len()));
+    let n = out.len();
+    let mut stretches = Vec::with_capacity(idx.len().div_ceil(SPREAD_PIECE));
+    let (mut rest, mut base) = (out, 0);
+    for (c, (ix, v)) in idx.chunks(SPREAD_PIECE).zip(vals.chunks(SPREAD_PIECE)).enumerate() {
+        let end = idx.get((c + 1) * SPREAD_PIECE).copied().unwrap_or(n);
+        let (stretch, tail) = std::mem::take(&mut rest).split_at_mut(end - base);
+        stretches.push((stretch, base, ix, v));
+        (rest, base) = (tail, end);
+    }
+    rest.fill(0.0); // no selection at all: every coordinate
+    stretches.into_par_iter().for_each(|(o, base, ix, v)| {
+        o.fill(0.0);
+        ix.iter().zip(v).for_each(|(&i, &v)| o[i - base] = v);
+    });
+}
+
 /// Asks the cache for `words[i]` ahead of its use (a hint; no effect on results).
 #[inline(always)]
 fn prefetch(words: &[u64], i: usize) {
@@ -402,7 +433,7 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     let xs: Vec<Cow<[f32]>> = grads
         .iter()
         .map(|g| match &idx {
-            Some(idx) => Cow::Owned(idx.iter().map(|&i| g[i]).collect()),
+            Some(idx) => Cow::Owned(gather(g, idx)),
             None => Cow::Borrowed(*g),
         })
         .collect();
@@ -495,8 +526,7 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
                 Some(idx) => {
                     let mut vals = vec![0f32; idx.len()];
                     decode_into(&mut vals)?;
-                    out.fill(0.0);
-                    idx.iter().zip(vals).for_each(|(&i, v)| out[i] = v);
+                    scatter(&idx, &vals, out);
                     Ok(())
                 }
             }

@@ -435,3 +435,19 @@ fn packed_codes_go_on_the_wire_as_their_unpacked_codes_do() {
         assert_eq!(from_wire(&sum_to_wire(&packed, 3)).unwrap(), Part::Codes { codes: sums.clone(), lo: -9, hi: 9 });
     }
 }
+
+#[test]
+fn gather_and_scatter_move_the_selected_coordinates_and_zero_the_rest() {
+    for (n, k) in [(0usize, 0usize), (10, 0), (10, 10), (100, 7), (5 * SPREAD_PIECE + 3, 3 * SPREAD_PIECE + 1)] {
+        let mut idx = Vec::new();
+        draw_selection(3, n, k, &mut idx);
+        let g: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+        let vals = gather(&g, &idx);
+        assert_eq!(vals, idx.iter().map(|&i| g[i]).collect::<Vec<_>>(), "n={n} k={k}");
+        let mut out = vec![7f32; n];
+        scatter(&idx, &vals, &mut out);
+        let mut want = vec![0f32; n];
+        idx.iter().zip(&vals).for_each(|(&i, &v)| want[i] = v);
+        assert_eq!(out, want, "n={n} k={k}");
+    }
+}
