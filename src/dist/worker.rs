@@ -70,6 +70,9 @@ struct WorkerKey {
     merge: Vec<f32>,
     /// A scheme's state (residual, PowerSGD's Q, push count); such keys have one slice.
     state: scheme::State,
+    /// The state of the round in flight, swapped in when the servers accept
+    /// it (its buffers are reused push after push).
+    next: scheme::State,
 }
 
 /// One server's answer to a pull, checked before any output is written.
@@ -142,8 +145,8 @@ impl Collective for ServerExchange<'_> {
     }
 
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
-        match self.exchange(Exchange::Sum, Part::Codes { codes: x.to_vec(), lo, hi })? {
-            Part::Codes { codes, .. } if codes.len() == x.len() => Ok(x.copy_from_slice(&codes)),
+        match self.exchange(Exchange::Sum, Part::Codes { codes: x.to_vec(), lo, hi })?.unpacked()?.as_ref() {
+            Part::Codes { codes, .. } if codes.len() == x.len() => Ok(x.copy_from_slice(codes)),
             _ => Err(self.malformed(Exchange::Sum)),
         }
     }
@@ -317,7 +320,7 @@ impl DistWorker {
                 .collect();
             self.post.request(parts)?;
         }
-        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default() };
+        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default() };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
         self.post.barrier()
     }
@@ -370,7 +373,7 @@ impl DistWorker {
         if compression.is_scheme() {
             *checked = true;
             let merged = single.unwrap_or(&e.merge);
-            return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, merged, compression);
+            return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, &mut e.next, merged, compression);
         }
         let part_of = |s: &Slice| match single {
             Some(g) => &g[s.offset..s.offset + s.len],
@@ -433,13 +436,14 @@ impl DistWorker {
     /// A scheme's push: its exchanges through the key's server, then the
     /// final contribution, which the server sums, decodes and applies. The
     /// worker's state changes only when the server accepted the round.
-    fn push_scheme(&self, key: &Key, shape: &[usize], slice: &Slice, state: &mut scheme::State, merged: &[f32], compression: Compression) -> Result<()> {
-        let mut next = state.clone();
+    #[allow(clippy::too_many_arguments)]
+    fn push_scheme(&self, key: &Key, shape: &[usize], slice: &Slice, state: &mut scheme::State, next: &mut scheme::State, merged: &[f32], compression: Compression) -> Result<()> {
+        next.clone_from(state);
         let (rank, workers) = (self.rank(), self.num_workers());
         let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
         let mut exchange = ServerExchange { post: &self.post, key, slice, step: state.step, phase: 0, workers, refused: false };
-        let encoded = scheme::check_input(&compression, 1, &[merged], workers).and_then(|()| scheme::encode(&compression, std::slice::from_mut(&mut next), &[merged], &ctx, &mut exchange));
-        let (_, part) = match encoded {
+        let encoded = scheme::check_input(&compression, 1, &[merged], workers).and_then(|()| scheme::encode(&compression, std::slice::from_mut(next), &[merged], &ctx, &mut exchange));
+        let (exchanged, part) = match encoded {
             Ok(encoded) => encoded,
             Err(err) => {
                 if !exchange.refused {
@@ -453,8 +457,9 @@ impl DistWorker {
         m.body = encode_pairs([("step", state.step.to_string().as_str())]);
         let replies = self.post.request(vec![(slice.server, m, scheme::to_wire(&part))])?;
         let summed = if replies[0].data.is_empty() { part } else { scheme::from_wire(&replies[0].data)? };
-        scheme::finish(&compression, std::slice::from_mut(&mut next), summed);
-        *state = next;
+        scheme::finish(&compression, std::slice::from_mut(next), summed);
+        scheme::recycle(std::slice::from_mut(next), exchanged);
+        std::mem::swap(state, next);
         Ok(())
     }
 

@@ -231,6 +231,34 @@ pub fn unpack_serial<T>(words: &[u64], width: u32, out: &mut [T], f: impl Fn(u64
     Ok(())
 }
 
+/// The largest of the `n` values packed in `words` (`width` bits; 0 for
+/// none): a check of lanes that came from the network, without unpacking
+/// them to an array. Errors on a wrong word count.
+pub fn max_value(words: &[u64], width: u32, n: usize) -> Result<u64> {
+    if !(1..=64).contains(&width) || words.len() != words_for(n, width) {
+        return Err(Error::SizeMismatch { what: "packed lanes (words)", expected: words_for(n, width.clamp(1, 64)), got: words.len() });
+    }
+    let (isa, per) = (Isa::detect(), (64 / width) as usize);
+    let values = (BLOCK / (GROUP * per)).max(1) * GROUP * per;
+    use rayon::prelude::*;
+    Ok(words
+        .par_chunks(TASK_WORDS)
+        .enumerate()
+        .map(|(i, w)| {
+            let mut buf = [0u64; BLOCK];
+            let (start, mut max) = (i * TASK_WORDS * per, 0);
+            for (b, w) in w.chunks(values / per).enumerate() {
+                let count = (n - start - b * values).min(w.len() * per);
+                let vals = &mut buf[..count];
+                unpack_kernel(isa, &|k| w[k], width, vals, &|v| v);
+                max = vals.iter().fold(max, |m, &v| m.max(v));
+            }
+            max
+        })
+        .max()
+        .unwrap_or(0))
+}
+
 /// Unpacks `out.len()` values of `width` bits into `out` with `f(value)`;
 /// errors on a wrong word count.
 pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
@@ -403,6 +431,25 @@ mod tests {
         // one word in order; 170 values take 8 full words (168) and a last word of 2.
         assert_eq!((0..20).map(|i| place(i, 20, 3)).collect::<Vec<_>>(), (0..20).map(|i| (0, i as u32)).collect::<Vec<_>>());
         assert_eq!((place(0, 170, 3), place(1, 170, 3), place(8, 170, 3), place(167, 170, 3), place(168, 170, 3), place(169, 170, 3)), ((0, 0), (1, 0), (0, 1), (7, 20), (8, 0), (8, 1)));
+    }
+
+    #[test]
+    fn the_largest_value_is_found_in_every_piece_and_lane() {
+        for width in [1u32, 3, 9, 32, 64] {
+            let per = (64 / width) as usize;
+            let max = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
+            for n in [0usize, 1, GROUP * per + 1, TASK_WORDS * per + 5] {
+                for at in [0, n / 2, n.saturating_sub(1)] {
+                    let mut vals = vec![0u64; n];
+                    if n > 0 {
+                        vals[at] = max;
+                    }
+                    let words = pack_slice(&vals, width, |v| v);
+                    assert_eq!(max_value(&words, width, n).unwrap(), if n > 0 { max } else { 0 }, "width {width} n {n} at {at}");
+                }
+            }
+        }
+        assert!(max_value(&[0; 2], 3, 5).is_err());
     }
 
     #[test]

@@ -781,7 +781,7 @@ mod tests {
             // On the wire: lanes of 5 bits (2s + 1 = 31 values), 12 to a word, after a 17-byte header.
             let wire = to_wire(&Part::Codes { codes: codes.clone(), lo: -15, hi: 15 });
             assert_eq!(wire.len(), 17 + 8 * 333usize.div_ceil(12));
-            let Part::Codes { codes: received, .. } = from_wire(&wire).unwrap() else { unreachable!() };
+            let Part::Codes { codes: received, .. } = from_wire(&wire).unwrap().unpacked().unwrap().into_owned() else { unreachable!() };
             crate::quant::collective::add_codes(&mut acc, &received).unwrap();
             direct.iter_mut().zip(&codes).for_each(|(d, c)| *d += c);
         }
@@ -828,7 +828,7 @@ mod tests {
         assert!(quantize(&[f32::NAN], 1.0, 2, 0, &mut [0]).is_err());
         // 8 codes at 2 bits (in [-3, 3]: 3-bit lanes) take one word; the wire checks length and range.
         let wire = to_wire(&Part::Codes { codes: vec![0; 8], lo: -3, hi: 3 });
-        assert_eq!(from_wire(&wire).unwrap(), Part::Codes { codes: vec![0; 8], lo: -3, hi: 3 });
+        assert_eq!(*from_wire(&wire).unwrap().unpacked().unwrap(), Part::Codes { codes: vec![0; 8], lo: -3, hi: 3 });
         assert!(from_wire(&wire[..wire.len() - 1]).is_err());
         let mut out_of_range = wire.clone();
         out_of_range[17] = 0b111; // lane 0 holds 7: code 4, outside [-3, 3]

@@ -90,6 +90,14 @@ impl Clone for State {
     fn clone(&self) -> State {
         State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new(), spare_words: Vec::new(), spare_levels: Vec::new() }
     }
+
+    /// Copies into the buffers `self` already has, and keeps its spares:
+    /// a worker's state for the round in flight, every push.
+    fn clone_from(&mut self, source: &State) {
+        self.residual.clone_from(&source.residual);
+        self.q.clone_from(&source.q);
+        self.step = source.step;
+    }
 }
 
 fn bad(key: &str, problem: String) -> Error {
@@ -567,6 +575,7 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
             out.copy_from_slice(s);
             Ok(())
         }
+        (_, Part::Packed { .. }) if !matches!(c, Compression::Qsgd(_) | Compression::OneBit { .. }) => decode(c, exchanged, &*sum.unpacked()?, ctx, out),
         _ => Err(malformed("final sum of the wrong kind or length")),
     }
 }
@@ -779,12 +788,9 @@ impl LaneSum {
         Ok(())
     }
 
-    /// The sum as `Part::Codes` (each worker's range, as `Part` keeps it).
+    /// The sum as `Part::Packed`, in the lanes it was summed in.
     pub fn into_part(self) -> Result<Part> {
-        let mut codes = vec![0i32; self.n];
-        let base = self.lo as i64 * self.count as i64;
-        lanes::unpack_into(&self.words, self.width, &mut codes, |v| (v as i64 + base) as i32)?;
-        Ok(Part::Codes { codes, lo: self.lo, hi: self.hi })
+        Ok(Part::Packed { words: self.words, n: self.n, lo: self.lo, hi: self.hi, count: self.count, width: self.width })
     }
 }
 
@@ -874,18 +880,15 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
                 return Err(malformed(&format!("code range {lo}..={hi}")));
             }
             let span = (hi as i64 - lo as i64) as u64;
-            // Out-of-range lanes become a sentinel outside lo..=hi, then one check.
             let width = lanes::width_for(span);
             check_lanes(n, width, rest.len() - 8)?;
-            let mut codes = vec![0i32; n];
-            let bad = if hi < i32::MAX { hi as i64 + 1 } else { lo as i64 - 1 };
-            lanes::unpack_bytes_into(&rest[8..], width, &mut codes, |v| {
-                (if v > span { bad } else { v as i64 + lo as i64 }) as i32
-            })?;
-            if codes.iter().any(|&c| c < lo || c > hi) {
+            // Kept packed (lanes = code - lo, one member: the range is the
+            // sum's), after one check of every lane against the range.
+            let words: Vec<u64> = rest[8..].chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
+            if lanes::max_value(&words, width, n)? > span {
                 return Err(malformed(&format!("a code is outside {lo}..={hi}")));
             }
-            Ok(Part::Codes { codes, lo, hi })
+            Ok(Part::Packed { words, n, lo, hi, count: 1, width })
         }
         t => Err(malformed(&format!("unknown exchange kind {t}"))),
     }

@@ -281,7 +281,7 @@ fn wire_parts_round_trip_packed_and_reject_corruption() {
         Part::Codes { codes: vec![1, 0, 1], lo: 0, hi: 1 },
     ];
     for p in &parts {
-        assert_eq!(&from_wire(&to_wire(p)).unwrap(), p);
+        assert_eq!(&*from_wire(&to_wire(p)).unwrap().unpacked().unwrap(), p);
     }
     // 1000 codes of 4 bits (b = 3: 2s + 1 = 15 values) take 500 bytes, not 4000.
     let big = Part::Codes { codes: vec![-7; 1000], lo: -7, hi: 7 };
@@ -341,7 +341,7 @@ fn scheme_values_travel_losslessly_with_their_sums_widened() {
     let wire = value_to_wire(7, &exchanged, &sum, 2);
     let (step, ex, s) = value_from_wire(&wire).unwrap();
     assert_eq!((step, ex), (7, exchanged));
-    assert_eq!(s, Part::Codes { codes: vec![6, -6, 0], lo: -6, hi: 6 });
+    assert_eq!(*s.unpacked().unwrap(), Part::Codes { codes: vec![6, -6, 0], lo: -6, hi: 6 });
     assert!(value_from_wire(&wire[..wire.len() - 1]).is_err());
     let mut extra = wire.clone();
     extra.push(0);
@@ -359,10 +359,10 @@ fn a_server_sums_codes_in_packed_lanes_from_the_narrow_wire() {
         sum.add(w).unwrap();
     }
     let want: Vec<i32> = (0..n).map(|i| parts.iter().map(|p| if let Part::Codes { codes, .. } = p { codes[i] } else { 0 }).sum()).collect();
-    let got = sum.into_part().unwrap();
+    let got = sum.into_part().unwrap().unpacked().unwrap().into_owned();
     assert_eq!(got, Part::Codes { codes: want, lo: -7, hi: 7 });
     // The reply is the sum's usual wire form (lanes widened for 3 workers).
-    assert_eq!(from_wire(&sum_to_wire(&got, workers)).unwrap(), Part::Codes { codes: if let Part::Codes { codes, .. } = &got { codes.clone() } else { vec![] }, lo: -21, hi: 21 });
+    assert_eq!(*from_wire(&sum_to_wire(&got, workers)).unwrap().unpacked().unwrap(), Part::Codes { codes: if let Part::Codes { codes, .. } = &got { codes.clone() } else { vec![] }, lo: -21, hi: 21 });
     // Refused, each leaving the sum as it was: a part with another range or
     // length, a code out of range, a truncated part, a fourth worker.
     let mut sum = LaneSum::first(&wires[0], workers).unwrap();
@@ -432,7 +432,7 @@ fn packed_codes_go_on_the_wire_as_their_unpacked_codes_do() {
         let codes = Part::Codes { codes: sums.clone(), lo: -3, hi: 3 };
         assert_eq!(*packed.unpacked().unwrap(), codes);
         assert_eq!(sum_to_wire(&packed, 3), sum_to_wire(&codes, 3), "members {members}");
-        assert_eq!(from_wire(&sum_to_wire(&packed, 3)).unwrap(), Part::Codes { codes: sums.clone(), lo: -9, hi: 9 });
+        assert_eq!(*from_wire(&sum_to_wire(&packed, 3)).unwrap().unpacked().unwrap(), Part::Codes { codes: sums.clone(), lo: -9, hi: 9 });
     }
 }
 
