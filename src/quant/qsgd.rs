@@ -74,6 +74,25 @@ pub(crate) fn factor(s: u32, scale: f32) -> f32 {
     }
 }
 
+/// The kernels' tables of `levels` (at most `kernels::TABLE`) at `scale`:
+/// each level's factor `s_j / M` and count `s_j`; entries past the last
+/// level are 0.
+fn tables(levels: &[u32], scale: f32) -> ([f32; kernels::TABLE], [f32; kernels::TABLE]) {
+    let (mut ft, mut st) = ([0f32; kernels::TABLE], [0f32; kernels::TABLE]);
+    for ((f, t), &s) in ft.iter_mut().zip(st.iter_mut()).zip(levels) {
+        (*f, *t) = (factor(s, scale), s as f32);
+    }
+    (ft, st)
+}
+
+/// Each level's decode step `M / s_j`, in double, so that e.g. 45 codes of
+/// 0.5 / 15 decode to exactly 1.5; entries past the last level are 0.
+fn steps(levels: &[u32], scale: f32) -> [f64; kernels::TABLE] {
+    let mut steps = [0f64; kernels::TABLE];
+    levels.iter().zip(steps.iter_mut()).for_each(|(&s, t)| *t = scale as f64 / s as f64);
+    steps
+}
+
 /// `max |x|`, or `None` when an element is not finite (f32::max would skip NaN).
 pub fn max_abs(x: &[f32]) -> Option<f32> {
     let isa = Isa::detect();
@@ -98,8 +117,7 @@ pub const MAX_LEVELS: usize = kernels::TABLE;
 /// stays unbiased.
 pub fn fit_levels(grad: &[f32], scale: f32, levels: &[u32], out: &mut [u8]) {
     assert!(!levels.is_empty() && levels.len() <= MAX_LEVELS, "{} scales (1 to {MAX_LEVELS})", levels.len());
-    let mut ft = [0f32; kernels::TABLE];
-    levels.iter().zip(ft.iter_mut()).for_each(|(&s, f)| *f = factor(s, scale));
+    let (ft, _) = tables(levels, scale);
     let (isa, s0, count) = (Isa::detect(), levels[0] as f32, levels.len());
     chunked(grad, out, |_, g, o| kernels::fit(isa, g, o, &ft, count, s0));
 }
@@ -144,19 +162,10 @@ pub fn quantize_at(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[
 /// caller bounds) instead of written.
 pub(crate) fn quantize_levels<const ADD: bool>(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, codes: &mut [i32]) {
     assert!(!levels.is_empty() && levels.len() <= MAX_LEVELS, "{} scales (1 to {MAX_LEVELS})", levels.len());
-    let isa = Isa::detect();
+    let ((ft, st), isa) = (tables(levels, scale), Isa::detect());
     match level_of {
-        None => {
-            let (f0, s0) = (factor(levels[0], scale), levels[0] as f32);
-            chunked(grad, codes, |offset, g, c| kernels::single::<ADD>(isa, g, c, offset, seed, f0, s0))
-        }
-        Some(l) => {
-            let (mut ft, mut st) = ([0f32; kernels::TABLE], [0f32; kernels::TABLE]);
-            for (j, &s) in levels.iter().enumerate() {
-                (ft[j], st[j]) = (factor(s, scale), s as f32);
-            }
-            chunked(grad, codes, |offset, g, c| kernels::levels::<ADD>(isa, g, &l[offset..offset + g.len()], c, offset, seed, &ft, &st))
-        }
+        None => chunked(grad, codes, |offset, g, c| kernels::single::<ADD>(isa, g, c, offset, seed, ft[0], st[0])),
+        Some(l) => chunked(grad, codes, |offset, g, c| kernels::levels::<ADD>(isa, g, &l[offset..offset + g.len()], c, offset, seed, &ft, &st)),
     }
 }
 
@@ -173,12 +182,8 @@ const PACKED_TASK_WORDS: usize = 1 << 12;
 pub(crate) fn quantize_levels_packed<const ADD: bool>(grad: &[f32], scale: f32, levels: &[u32], level_of: Option<&[u8]>, seed: u64, words: &mut [u64], width: u32) {
     assert!(!levels.is_empty() && levels.len() <= MAX_LEVELS, "{} scales (1 to {MAX_LEVELS})", levels.len());
     assert!((1..=32).contains(&width) && words.len() == super::lanes::words_for(grad.len(), width), "{} codes in {} words of {width}-bit lanes", grad.len(), words.len());
-    let isa = Isa::detect();
-    let per = (64 / width) as usize;
-    let (mut ft, mut st) = ([0f32; kernels::TABLE], [0f32; kernels::TABLE]);
-    for (j, &s) in levels.iter().enumerate() {
-        (ft[j], st[j]) = (factor(s, scale), s as f32);
-    }
+    let (isa, per) = (Isa::detect(), (64 / width) as usize);
+    let (ft, st) = tables(levels, scale);
     par::chunks_of(words, PACKED_TASK_WORDS, |first_word, w| {
         let start = first_word * per;
         let g = &grad[start..(start + w.len() * per).min(grad.len())];
@@ -452,7 +457,7 @@ mod kernels {
 
     #[cfg(test)]
     mod tests {
-        use super::super::{factor, reference};
+        use super::super::{reference, tables};
         use super::*;
 
         fn grad(n: usize) -> Vec<f32> {
@@ -464,10 +469,7 @@ mod kernels {
         #[test]
         fn every_kernel_matches_the_reference() {
             let scales = [3u32, 15, 255];
-            let (mut ft, mut st) = ([0f32; TABLE], [0f32; TABLE]);
-            for (j, &s) in scales.iter().enumerate() {
-                (ft[j], st[j]) = (factor(s, 1.0031), s as f32);
-            }
+            let (ft, st) = tables(&scales, 1.0031);
             for n in SIZES {
                 let g = grad(n);
                 let mut want_l = vec![0u8; n];
@@ -512,10 +514,7 @@ mod kernels {
         fn packed_kernels_write_the_reference_codes_in_the_lane_layout() {
             use crate::quant::lanes;
             let scales = [3u32, 15, 255];
-            let (mut ft, mut st) = ([0f32; TABLE], [0f32; TABLE]);
-            for (j, &s) in scales.iter().enumerate() {
-                (ft[j], st[j]) = (factor(s, 1.0031), s as f32);
-            }
+            let (ft, st) = tables(&scales, 1.0031);
             // widths for 1, 2 and 5 members of codes in [-3, 3]; pieces across
             // a block, and a piece across a noise block (offset near 2^32)
             for (n, offset) in [(0usize, 10usize), (1, 10), (167, 10), (168, 10), (169, 0), (5000, 10), (100, (1 << 32) - 37)] {
@@ -579,10 +578,7 @@ mod kernels {
             for scale in [0.0f32, 1e-45] {
                 let g = vec![0.0f32, -0.0, 1e-45, -1e-45, 0.0];
                 let scales = [1u32, 7];
-                let (mut ft, mut st) = ([0f32; TABLE], [0f32; TABLE]);
-                for (j, &s) in scales.iter().enumerate() {
-                    (ft[j], st[j]) = (factor(s, scale), s as f32);
-                }
+                let (ft, st) = tables(&scales, scale);
                 let mut want_l = vec![0u8; 5];
                 reference::fit_levels(&g, scale, &scales, &mut want_l);
                 let want = reference::quantize(&g, scale, &scales, Some(&want_l), 0, 3);
@@ -644,10 +640,7 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
     if let Some(l) = level_of {
         check_levels(l, sum.len(), levels)?;
     }
-    // Steps in double, so that e.g. 45 codes of 0.5 / 15 decode to exactly 1.5.
-    let mut steps = [0f64; kernels::TABLE];
-    levels.iter().zip(steps.iter_mut()).for_each(|(&s, t)| *t = scale as f64 / s as f64);
-    let isa = Isa::detect();
+    let (steps, isa) = (steps(levels, scale), Isa::detect());
     chunked(sum, out, |offset, c, o| match level_of {
         None => kernels::decode(isa, c, o, steps[0]),
         Some(l) => kernels::decode_levels(isa, c, &l[offset..offset + c.len()], o, &steps),
@@ -668,12 +661,11 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
         if levels.len() != 1 {
             return Err(bad("levels", format!("{} scales without scale indices", levels.len())));
         }
-        let step = scale as f64 / levels[0] as f64; // as decode_at
+        let step = steps(levels, scale)[0];
         return super::lanes::unpack_into(words, width, out, |v| ((v as i64 + base) as f64 * step) as f32);
     };
     check_levels(l, n, levels)?;
-    let mut steps = [0f64; kernels::TABLE];
-    levels.iter().zip(steps.iter_mut()).for_each(|(&s, t)| *t = scale as f64 / s as f64);
+    let steps = steps(levels, scale);
     let (isa, per) = (Isa::detect(), (64 / width) as usize);
     let values = (kernels::BLOCK / (super::lanes::GROUP * per)).max(1) * super::lanes::GROUP * per;
     let failed = std::sync::atomic::AtomicBool::new(false);
