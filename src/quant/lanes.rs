@@ -124,32 +124,32 @@ fn pack_slice_core<T: Copy + Sync, O: Send>(vals: &[T], width: u32, f: impl Fn(T
     });
 }
 
-/// `vals` (whole groups, then perhaps the last one) into `out`.
+/// `vals` (whole groups, then perhaps the last one) into `out`: a full
+/// group is `per` rounds of eight values shifted into eight words, which
+/// vectorizes; the last group goes value by value (`pack_group`).
 #[inline(always)]
 fn pack_groups<T: Copy, O>(width: u32, vals: &[T], f: impl Fn(T) -> u64 + Copy, out: &mut [O], put: impl Fn(&mut O, u64) + Copy) {
     let per = (64 / width) as usize;
     for (group, v) in out.chunks_mut(GROUP).zip(vals.chunks(GROUP * per)) {
-        pack_group(width, v.len(), |j| f(v[j]), group, put);
-    }
-}
-
-/// `pack_groups` with the width fixed: a full group is `per` rounds of
-/// eight values shifted into eight words, which vectorizes.
-#[inline(always)]
-fn pack_fixed<const WIDTH: u32, T: Copy, O, F: Fn(T) -> u64 + Copy, P: Fn(&mut O, u64) + Copy>(vals: &[T], f: F, out: &mut [O], put: P) {
-    let per = (64 / WIDTH) as usize;
-    let full = (vals.len() / (GROUP * per)).min(out.len() / GROUP);
-    for (group, v) in out.chunks_exact_mut(GROUP).zip(vals.chunks_exact(GROUP * per)).take(full) {
+        if v.len() < GROUP * per || group.len() < GROUP {
+            pack_group(width, v.len(), |j| f(v[j]), group, put);
+            continue;
+        }
         let mut acc = [0u64; GROUP];
-        for (lane, v) in v.chunks_exact(GROUP).enumerate() {
-            let v: &[T; GROUP] = v.try_into().expect("chunks of GROUP");
-            let row: [u64; GROUP] = std::array::from_fn(|w| f(v[w]));
-            let shift = lane as u32 * WIDTH;
-            acc = std::array::from_fn(|w| acc[w] | row[w] << shift);
+        for (lane, row) in v.chunks_exact(GROUP).enumerate() {
+            let shift = lane as u32 * width;
+            for (a, &x) in acc.iter_mut().zip(row) {
+                *a |= f(x) << shift;
+            }
         }
         group.iter_mut().zip(acc).for_each(|(o, a)| put(o, a));
     }
-    pack_groups(WIDTH, &vals[full * GROUP * per..], f, &mut out[full * GROUP..], put);
+}
+
+/// `pack_groups` with the width a constant: its shifts fixed at compile time.
+#[inline(always)]
+fn pack_fixed<const WIDTH: u32, T: Copy, O, F: Fn(T) -> u64 + Copy, P: Fn(&mut O, u64) + Copy>(vals: &[T], f: F, out: &mut [O], put: P) {
+    pack_groups(WIDTH, vals, f, out, put)
 }
 
 crate::isa::multiversion! {
@@ -288,29 +288,11 @@ fn store<const ADD: bool>(w: &mut u64, v: u64) {
 
 /// Packs lanes `c[j] + off` (each in `0..2^width`; `width` 1 to 32) of a
 /// piece that starts a group into its words `w`, written or (with `ADD`)
-/// added: a full group is `per` rounds of eight codes shifted into eight
-/// words. For kernels: inlined into the caller's instruction set.
+/// added (`pack_groups`). For kernels: inlined into the caller's
+/// instruction set.
 #[inline(always)]
 pub(crate) fn pack_codes<const ADD: bool>(c: &[i32], off: i32, w: &mut [u64], width: u32) {
-    let per = (64 / width.clamp(1, 64)) as usize;
-    let lane_of = |x: i32| x.wrapping_add(off) as u32 as u64;
-    for (words, c) in w.chunks_mut(GROUP).zip(c.chunks(GROUP * per)) {
-        let mut acc = [0u64; GROUP];
-        if c.len() == GROUP * per {
-            for (lane, row) in c.chunks_exact(GROUP).enumerate() {
-                let shift = lane as u32 * width;
-                for (a, &x) in acc.iter_mut().zip(row) {
-                    *a |= lane_of(x) << shift;
-                }
-            }
-        } else {
-            let m = c.len().div_ceil(per);
-            for (j, &x) in c.iter().enumerate() {
-                acc[j % m] |= lane_of(x) << ((j / m) as u32 * width);
-            }
-        }
-        words.iter_mut().zip(acc).for_each(|(w, a)| store::<ADD>(w, a));
-    }
+    pack_groups(width.clamp(1, 64), c, |x: i32| x.wrapping_add(off) as u32 as u64, w, store::<ADD>);
 }
 
 /// Runs `$codes(range of a block, its code buffer)` over blocks of whole
