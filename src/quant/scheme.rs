@@ -362,20 +362,15 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
         Compression::OneBit { threshold } => {
-            // Bits straight into lanes wide enough for every sum (as QSGD's codes).
-            let members = coll.lanes_for().max(states.len());
-            let width = collective::sum_width(0, 1, members).ok_or_else(|| bad("workers", format!("{members} members overflow a count of bits")))?;
-            let mut words = std::mem::take(&mut states[0].spare_words);
-            words.resize(lanes::words_for(n, width), 0);
-            for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
+            let bits = sum_packed(states, n, (0, 1), coll.lanes_for(), |i, s, words, width, add| {
                 s.residual.resize(n, 0.0);
-                if i > 0 {
-                    onebit::quantize_packed::<true>(g, &mut s.residual, *threshold, &mut words, width);
+                if add {
+                    onebit::quantize_packed::<true>(grads[i], &mut s.residual, *threshold, words, width);
                 } else {
-                    onebit::quantize_packed::<false>(g, &mut s.residual, *threshold, &mut words, width);
+                    onebit::quantize_packed::<false>(grads[i], &mut s.residual, *threshold, words, width);
                 }
-            }
-            Ok((Vec::new(), Part::Packed { words, n, lo: 0, hi: 1, count: states.len() as u32, width }))
+            })?;
+            Ok((Vec::new(), bits))
         }
         Compression::TwoBit(th) => {
             // Codes counted, not decoded: n indicators of +pos, then n of neg.
@@ -431,6 +426,21 @@ fn sum_codes(states: &mut [State], len: usize, mut quantize: impl FnMut(&mut Sta
     Ok(codes)
 }
 
+/// As `sum_codes`, into packed lanes (`Part::Packed`, codes in `lo..=hi`)
+/// kept in the first state's spare words: lanes wide enough for the sums
+/// of `lanes_for` members (the collective's) and of the members here, so
+/// members add word by word. `quantize(member, state, words, width, add)`.
+fn sum_packed(states: &mut [State], len: usize, (lo, hi): (i32, i32), lanes_for: usize, mut quantize: impl FnMut(usize, &mut State, &mut [u64], u32, bool)) -> Result<Part> {
+    let members = lanes_for.max(states.len());
+    let width = collective::sum_width(lo, hi, members).ok_or_else(|| bad("workers", format!("{members} members could overflow a sum of codes in {lo}..={hi}")))?;
+    let mut words = std::mem::take(&mut states[0].spare_words);
+    words.resize(lanes::words_for(len, width), 0);
+    for (i, s) in states.iter_mut().enumerate() {
+        quantize(i, s, &mut words, width, i > 0);
+    }
+    Ok(Part::Packed { words, n: len, lo, hi, count: states.len() as u32, width })
+}
+
 fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
     let levels = q.levels();
     let s0 = levels[0];
@@ -478,26 +488,19 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     } else {
         None
     };
-    // Codes go straight into lanes wide enough for every sum they will
-    // take part in here or, for an all-reduce, in the collective's.
-    let (lo, hi) = (-(s0 as i32), s0 as i32);
-    let members = coll.lanes_for().max(states.len());
-    let width = collective::sum_width(lo, hi, members).ok_or_else(|| bad("bits", format!("{members} members could overflow the code sum at {} bits", q.bits()[0])))?;
-    let mut words = std::mem::take(&mut states[0].spare_words);
-    words.resize(lanes::words_for(len, width), 0);
     // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
-    for (i, x) in xs.iter().enumerate() {
-        let seed = qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64);
-        if i > 0 {
-            qsgd::quantize_levels_packed::<true>(x, scale[0], &levels, level_of.as_deref(), seed, &mut words, width);
+    let codes = sum_packed(states, len, (-(s0 as i32), s0 as i32), coll.lanes_for(), |i, _, words, width, add| {
+        let (x, seed) = (&xs[i], qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64));
+        if add {
+            qsgd::quantize_levels_packed::<true>(x, scale[0], &levels, level_of.as_deref(), seed, words, width);
         } else {
-            qsgd::quantize_levels_packed::<false>(x, scale[0], &levels, level_of.as_deref(), seed, &mut words, width);
+            qsgd::quantize_levels_packed::<false>(x, scale[0], &levels, level_of.as_deref(), seed, words, width);
         }
-    }
+    })?;
     if let Some(l) = level_of {
         exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
     }
-    Ok((exchanged, Part::Packed { words, n: len, lo, hi, count: xs.len() as u32, width }))
+    Ok((exchanged, codes))
 }
 
 /// The aggregate (a sum over workers) from the exchanged values and the
