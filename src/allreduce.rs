@@ -160,7 +160,7 @@ mod imp {
             let mut words = lanes::pack_slice(x, width, |v| (v as i64 - lo as i64) as u64);
             self.reduce(&mut words, SystemOperation::sum(), collective::codes_bytes(x.len(), lo, hi, self.size));
             let base = lo as i64 * self.size as i64;
-            lanes::unpack_into(&words, width, x, |v| (v as i64 + base) as i32)?;
+            lanes::unpack_codes(&words, width, base, x)?;
             Ok(())
         }
 

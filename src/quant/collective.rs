@@ -104,7 +104,7 @@ pub trait Collective {
     fn sum_packed(&mut self, words: &mut [u64], n: usize, lo: i32, hi: i32, count: u32, width: u32) -> Result<()> {
         let mut codes = vec![0i32; n];
         let base = lo as i64 * count as i64;
-        lanes::unpack_into(words, width, &mut codes, |v| (v as i64 + base) as i32)?;
+        lanes::unpack_codes(words, width, base, &mut codes)?;
         self.sum_codes(&mut codes, lo, hi)?;
         let base = lo as i64 * self.workers() as i64;
         lanes::pack_slice_into_words(&codes, width, |c| (c as i64 - base) as u64, words);

@@ -265,6 +265,12 @@ pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn
     unpack_core(words.len(), |i| words[i], width, out, f)
 }
 
+/// Code sums from lanes that hold `sum - base` (`base`: the lowest code
+/// times the members summed): `out.len()` of them. Errors on a wrong word count.
+pub fn unpack_codes(words: &[u64], width: u32, base: i64, out: &mut [i32]) -> Result<()> {
+    unpack_into(words, width, out, |v| (v as i64 + base) as i32)
+}
+
 /// As `unpack_into`, reading the words' little-endian bytes (the wire form).
 pub fn unpack_bytes_into<T: Send>(bytes: &[u8], width: u32, out: &mut [T], f: impl Fn(u64) -> T + Sync) -> Result<()> {
     if bytes.len() % 8 != 0 {

@@ -63,7 +63,7 @@ impl Part {
             Part::Packed { words, n, lo, hi, count, width } => {
                 let mut codes = vec![0i32; *n];
                 let base = *lo as i64 * *count as i64;
-                lanes::unpack_into(words, *width, &mut codes, |v| (v as i64 + base) as i32)?;
+                lanes::unpack_codes(words, *width, base, &mut codes)?;
                 Ok(Cow::Owned(Part::Codes { codes, lo: *lo, hi: *hi }))
             }
             part => Ok(Cow::Borrowed(part)),
@@ -88,7 +88,7 @@ pub struct State {
 
 impl Clone for State {
     fn clone(&self) -> State {
-        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, spare_codes: Vec::new(), spare_words: Vec::new(), spare_levels: Vec::new() }
+        State { residual: self.residual.clone(), q: self.q.clone(), step: self.step, ..State::default() }
     }
 
     /// Copies into the buffers `self` already has, and keeps its spares:
