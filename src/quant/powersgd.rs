@@ -183,6 +183,39 @@ fn p_times_qt_on(isa: Isa, p: &[f32], q: &[f32], rows: usize, cols: usize, r: us
     }
 }
 
+/// Elements `offset..offset + out.len()` of `p q^T` (row-major, rows x
+/// cols), bit for bit those of `p_times_qt`: a server's slice of a key.
+/// Rows it covers whole are written in place, in parallel; a partly
+/// covered first or last row is made whole and copied from.
+#[allow(clippy::too_many_arguments)]
+pub fn p_times_qt_range(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, offset: usize, out: &mut [f32]) {
+    assert!(cols > 0 && offset + out.len() <= rows * cols, "elements {offset}..+{} of a {rows} x {cols} product", out.len());
+    let isa = Isa::detect();
+    let qt = transposed(q, cols, r);
+    let row = |i: usize, o: &mut [f32]| pqt_row(isa, &p[i * r..(i + 1) * r], &qt, cols, o, false);
+    let part_of_row = |i: usize, from: usize, o: &mut [f32]| {
+        let mut whole = vec![0f32; cols];
+        row(i, &mut whole);
+        o.copy_from_slice(&whole[from..from + o.len()]);
+    };
+    let head = ((cols - offset % cols) % cols).min(out.len());
+    let (head_out, rest) = out.split_at_mut(head);
+    if head > 0 {
+        part_of_row(offset / cols, offset % cols, head_out);
+    }
+    let first = (offset + head) / cols;
+    let whole_rows = rest.len() / cols;
+    let (body, tail) = rest.split_at_mut(whole_rows * cols);
+    if body.len() > PARALLEL {
+        body.par_chunks_mut(cols).enumerate().for_each(|(k, o)| row(first + k, o));
+    } else {
+        body.chunks_mut(cols).enumerate().for_each(|(k, o)| row(first + k, o));
+    }
+    if !tail.is_empty() {
+        part_of_row(first + whole_rows, 0, tail);
+    }
+}
+
 /// One row of `p_times_qt`: `o_row (-)= p_row qt`.
 #[inline(always)]
 fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) {

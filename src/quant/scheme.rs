@@ -18,6 +18,7 @@
 //! All aggregates are sums over workers, as every KVStore push is.
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -69,6 +70,83 @@ impl Part {
             part => Ok(Cow::Borrowed(part)),
         }
     }
+}
+
+impl Part {
+    /// Values held: float32s, scale indices or codes.
+    pub fn len(&self) -> usize {
+        match self {
+            Part::F32(x) => x.len(),
+            Part::Levels { levels, .. } => levels.len(),
+            Part::Codes { codes, .. } => codes.len(),
+            Part::Packed { n, .. } => *n,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values in each of `ranges`, as parts of the same kind: a
+    /// parameter-server worker's pieces of a part for the servers of a key's
+    /// slices (`pieces`). Packed lanes are cut between whole lane groups
+    /// (`lanes::place`) as words; elsewhere they are unpacked first.
+    pub fn split(&self, ranges: &[Range<usize>]) -> Result<Vec<Part>> {
+        let len = self.len();
+        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > len) {
+            return Err(Error::Internal(format!("a piece {r:?} of a part of {len} values")));
+        }
+        Ok(match self {
+            Part::F32(x) => ranges.iter().map(|r| Part::F32(x[r.clone()].to_vec())).collect(),
+            Part::Levels { levels, count } => ranges.iter().map(|r| Part::Levels { levels: levels[r.clone()].to_vec(), count: *count }).collect(),
+            Part::Codes { codes, lo, hi } => ranges.iter().map(|r| Part::Codes { codes: codes[r.clone()].to_vec(), lo: *lo, hi: *hi }).collect(),
+            Part::Packed { words, n, lo, hi, count, width } => {
+                let per = (64 / *width) as usize;
+                let group = lanes::GROUP * per;
+                if !ranges.iter().all(|r| r.start % group == 0 && (r.end % group == 0 || r.end == *n)) {
+                    return self.unpacked()?.split(ranges);
+                }
+                ranges
+                    .iter()
+                    .map(|r| {
+                        let first = r.start / per;
+                        let words = words[first..first + lanes::words_for(r.len(), *width)].to_vec();
+                        Part::Packed { words, n: r.len(), lo: *lo, hi: *hi, count: *count, width: *width }
+                    })
+                    .collect()
+            }
+        })
+    }
+}
+
+/// How a push's parts divide over a key's slices (`slices`: element ranges
+/// in order, covering the key): per slice, the range of the codes and scale
+/// indices that belong to it, its own elements' or, under a random-K
+/// selection, the selected coordinates that fall in it. (Float32 parts go
+/// whole to every slice: the scale, PowerSGD's P and Q; only a float32
+/// final contribution of the whole key, uncompressed PowerSGD, is cut as
+/// the elements are.)
+pub fn pieces(c: &Compression, step: u64, key_hash: u64, slices: &[Range<usize>]) -> Vec<Range<usize>> {
+    let total = slices.last().map_or(0, |r| r.end);
+    match c {
+        Compression::Qsgd(q) => match selection(q, total, step, key_hash) {
+            Some(idx) => slices.iter().map(|r| selected_in(&idx, r.clone())).collect(),
+            None => slices.to_vec(),
+        },
+        _ => slices.to_vec(),
+    }
+}
+
+/// The element multiple at which a key's slices should start so that one
+/// worker's final codes cut between whole lane groups (`Part::split` then
+/// copies words): 1 when there is nothing to align.
+pub fn slice_align(c: &Compression) -> usize {
+    let span = match c {
+        Compression::Qsgd(q) => 2 * q.levels()[0] as u64,
+        Compression::OneBit { .. } => 1,
+        _ => return 1,
+    };
+    lanes::GROUP * (64 / lanes::width_for(span)) as usize
 }
 
 /// One worker's state for one key: error-feedback residual, PowerSGD's
@@ -231,25 +309,31 @@ fn gather(g: &[f32], idx: &[usize]) -> Vec<f32> {
     out
 }
 
-/// `out` all zero but `out[idx[j]] = vals[j]`, for a selection (`idx`
-/// ascending, below `out.len()`): each piece of `idx` zeroes and fills the
-/// stretch of `out` up to the next piece's first coordinate, in parallel.
-fn scatter(idx: &[usize], vals: &[f32], out: &mut [f32]) {
-    debug_assert!(idx.windows(2).all(|w| w[0] < w[1]) && idx.last().is_none_or(|&i| i < out.len()));
+/// `out` all zero but `out[idx[j] - base] = vals[j]`, for a selection's
+/// coordinates in `base..base + out.len()` (`idx` ascending): each piece of
+/// `idx` zeroes and fills the stretch of `out` up to the next piece's first
+/// coordinate, in parallel.
+fn scatter(idx: &[usize], base: usize, vals: &[f32], out: &mut [f32]) {
+    debug_assert!(idx.windows(2).all(|w| w[0] < w[1]) && idx.first().is_none_or(|&i| i >= base) && idx.last().is_none_or(|&i| i < base + out.len()));
     let n = out.len();
     let mut stretches = Vec::with_capacity(idx.len().div_ceil(SPREAD_PIECE));
-    let (mut rest, mut base) = (out, 0);
+    let (mut rest, mut at) = (out, 0);
     for (c, (ix, v)) in idx.chunks(SPREAD_PIECE).zip(vals.chunks(SPREAD_PIECE)).enumerate() {
-        let end = idx.get((c + 1) * SPREAD_PIECE).copied().unwrap_or(n);
-        let (stretch, tail) = std::mem::take(&mut rest).split_at_mut(end - base);
-        stretches.push((stretch, base, ix, v));
-        (rest, base) = (tail, end);
+        let end = idx.get((c + 1) * SPREAD_PIECE).map_or(n, |&i| i - base);
+        let (stretch, tail) = std::mem::take(&mut rest).split_at_mut(end - at);
+        stretches.push((stretch, base + at, ix, v));
+        (rest, at) = (tail, end);
     }
     rest.fill(0.0); // no selection at all: every coordinate
-    stretches.into_par_iter().for_each(|(o, base, ix, v)| {
+    stretches.into_par_iter().for_each(|(o, first, ix, v)| {
         o.fill(0.0);
-        ix.iter().zip(v).for_each(|(&i, &v)| o[i - base] = v);
+        ix.iter().zip(v).for_each(|(&i, &v)| o[i - first] = v);
     });
+}
+
+/// The piece of a selection that falls in `range` of the key's coordinates.
+fn selected_in(idx: &[usize], range: Range<usize>) -> Range<usize> {
+    idx.partition_point(|&i| i < range.start)..idx.partition_point(|&i| i < range.end)
 }
 
 /// Asks the cache for `words[i]` ahead of its use (a hint; no effect on results).
@@ -507,8 +591,20 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
 /// summed final contribution. Checks every length: a server calls this on
 /// what it received.
 pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &mut [f32]) -> Result<()> {
+    decode_slice(c, exchanged, sum, ctx, 0, out)
+}
+
+/// `decode`'s elements `offset..offset + out.len()` of the key (`ctx.shape`),
+/// bit for bit, from one server's slice of the round (`Part::split` by
+/// `pieces`): its piece of the codes and scale indices, and the whole of
+/// the scale and of PowerSGD's float32 parts.
+pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, offset: usize, out: &mut [f32]) -> Result<()> {
     let n = out.len();
+    let total: usize = ctx.shape.iter().product();
     let malformed = |what: &str| Error::Transport(format!("malformed {} exchange: {what}", c.name()));
+    if offset.checked_add(n).is_none_or(|end| end > total) {
+        return Err(malformed(&format!("elements {offset}..+{n} of a key of {total}")));
+    }
     match (c, sum) {
         (Compression::Qsgd(q), Part::Codes { .. } | Part::Packed { .. }) => {
             let levels = q.levels();
@@ -532,12 +628,13 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
                 Part::Codes { codes, .. } => qsgd::decode_at(codes, scale, &levels, level_of, out),
                 _ => unreachable!("matched above"),
             };
-            match selection(q, n, ctx.step, ctx.key_hash) {
+            match selection(q, total, ctx.step, ctx.key_hash) {
                 None => decode_into(out),
                 Some(idx) => {
-                    let mut vals = vec![0f32; idx.len()];
+                    let sel = selected_in(&idx, offset..offset + n);
+                    let mut vals = vec![0f32; sel.len()];
                     decode_into(&mut vals)?;
-                    scatter(&idx, &vals, out);
+                    scatter(&idx[sel], offset, &vals, out);
                     Ok(())
                 }
             }
@@ -547,13 +644,13 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
                 out.copy_from_slice(q_sum);
                 Ok(())
             }
-            Some((rows, cols, r)) if q_sum.len() == cols * r && rows * cols == n => {
+            Some((rows, cols, r)) if q_sum.len() == cols * r && rows * cols == total => {
                 let mut p_hat = match exchanged.first() {
                     Some(Part::F32(p)) if p.len() == rows * r => p.clone(),
                     _ => return Err(malformed("P missing or of the wrong length")),
                 };
                 powersgd::orthogonalize(&mut p_hat, rows, r);
-                powersgd::p_times_qt(&p_hat, q_sum, rows, cols, r, out, false);
+                powersgd::p_times_qt_range(&p_hat, q_sum, rows, cols, r, offset, out);
                 Ok(())
             }
             _ => Err(malformed(&format!("Q of {} values for shape {:?}", q_sum.len(), ctx.shape))),
@@ -578,7 +675,7 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
             out.copy_from_slice(s);
             Ok(())
         }
-        (_, Part::Packed { .. }) if !matches!(c, Compression::Qsgd(_) | Compression::OneBit { .. }) => decode(c, exchanged, &*sum.unpacked()?, ctx, out),
+        (_, Part::Packed { .. }) if !matches!(c, Compression::Qsgd(_) | Compression::OneBit { .. }) => decode_slice(c, exchanged, &*sum.unpacked()?, ctx, offset, out),
         _ => Err(malformed("final sum of the wrong kind or length")),
     }
 }

@@ -445,9 +445,87 @@ fn gather_and_scatter_move_the_selected_coordinates_and_zero_the_rest() {
         let vals = gather(&g, &idx);
         assert_eq!(vals, idx.iter().map(|&i| g[i]).collect::<Vec<_>>(), "n={n} k={k}");
         let mut out = vec![7f32; n];
-        scatter(&idx, &vals, &mut out);
+        scatter(&idx, 0, &vals, &mut out);
         let mut want = vec![0f32; n];
         idx.iter().zip(&vals).for_each(|(&i, &v)| want[i] = v);
         assert_eq!(out, want, "n={n} k={k}");
+    }
+}
+
+/// A key cut over servers: every scheme's round split by `pieces` and
+/// decoded slice by slice (`decode_slice`) gives the bits of the whole
+/// decode, for slices on and off lane-group boundaries, slices holding no
+/// selected coordinate, and PowerSGD slices starting and ending mid-row.
+#[test]
+fn slices_decode_to_the_bits_of_the_whole() {
+    let all: [&[(&str, &str)]; 8] = [
+        &[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "4")],
+        &[("compress", "qsgd_mn"), ("bits", "8")],
+        &[("compress", "qsgd_mn_ts"), ("bits", "[2, 6]")],
+        &[("compress", "qsgd_mn_ms"), ("bits", "[1, 3, 8]")],
+        &[("compress", "grandk_mn"), ("bits", "4"), ("k", "17")],
+        &[("compress", "grandk_mn_ts"), ("bits", "[2, 4]"), ("k", "300")],
+        &[("compress", "powersgd"), ("rank", "3")],
+        &[("compress", "1bit"), ("threshold", "0.1")],
+    ];
+    for p in all {
+        let c = params(p);
+        for shape in [vec![37usize, 91], vec![3000]] {
+            let n: usize = shape.iter().product();
+            let w = 3;
+            let grads: Vec<Vec<f32>> = (0..w).map(|m| grad(n, m as u64 + 5, 1.0 + m as f32)).collect();
+            let views: Vec<&[f32]> = grads.iter().map(|g| &g[..]).collect();
+            let mut states: Vec<State> = (0..w).map(|_| State::default()).collect();
+            let ctx = Ctx { shape: &shape, step: 2, key_hash: 42, member: 0, workers: w };
+            let (exchanged, sum) = encode(&c, &mut states, &views, &ctx, &mut InProcess::new(w)).unwrap();
+            let mut whole = vec![0f32; n];
+            decode(&c, &exchanged, &sum, &ctx, &mut whole).unwrap();
+            let align = slice_align(&c);
+            for cuts in [vec![0, n / 3, n / 2 + 5, n], vec![0, align.min(n), n], vec![0, 1, 2, n - 1, n]] {
+                let slices: Vec<Range<usize>> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
+                let ranges = pieces(&c, ctx.step, ctx.key_hash, &slices);
+                // Float32 parts go whole to every slice but a whole key's float32 final.
+                let cut = |part: &Part| match part {
+                    Part::F32(x) if x.len() != n || matches!(c, Compression::Qsgd(_)) => Ok(vec![part.clone(); slices.len()]),
+                    _ => part.split(if matches!(part, Part::F32(_)) { &slices } else { &ranges }),
+                };
+                let sums = cut(&sum).unwrap();
+                let mut exs: Vec<Vec<Part>> = vec![Vec::new(); slices.len()];
+                for part in &exchanged {
+                    cut(part).unwrap().into_iter().zip(exs.iter_mut()).for_each(|(p, e)| e.push(p));
+                }
+                let mut got = vec![f32::NAN; n];
+                for ((r, s), e) in slices.iter().zip(&sums).zip(&exs) {
+                    decode_slice(&c, e, s, &ctx, r.start, &mut got[r.clone()]).unwrap();
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&whole), "{} {shape:?} cut at {cuts:?}", c.name());
+            }
+            // A slice that claims to run past the key is refused.
+            let mut out = vec![0f32; 2];
+            assert!(decode_slice(&c, &exchanged, &sum, &ctx, n - 1, &mut out).is_err());
+        }
+    }
+}
+
+#[test]
+fn packed_parts_split_as_their_codes_do() {
+    for (span, members) in [(2i32, 1u32), (6, 1), (1, 1), (4, 3)] {
+        let width = collective::sum_width(0, span, members as usize).unwrap();
+        let group = lanes::GROUP * (64 / width) as usize;
+        let n = 5 * group + 7;
+        let codes: Vec<i32> = (0..n).map(|i| ((i * 7919) % (span as usize * members as usize + 1)) as i32).collect();
+        let packed = Part::Packed { words: lanes::pack_slice(&codes, width, |c| c as u64), n, lo: 0, hi: span, count: members, width };
+        let unpacked = packed.unpacked().unwrap().into_owned();
+        for cuts in [vec![0, group, 3 * group, n], vec![0, 5, group + 1, n], vec![0, 0, n, n]] {
+            let ranges: Vec<Range<usize>> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
+            let split = packed.split(&ranges).unwrap();
+            let aligned = ranges.iter().all(|r| r.start % group == 0 && (r.end % group == 0 || r.end == n));
+            for ((p, want), r) in split.iter().zip(unpacked.split(&ranges).unwrap()).zip(&ranges) {
+                assert_eq!(*p.unpacked().unwrap(), want, "span {span} cut {r:?}");
+                assert_eq!(matches!(p, Part::Packed { .. }), aligned, "words are cut only between whole groups");
+            }
+        }
+        assert!(packed.split(&[0..n + 1]).is_err());
     }
 }
