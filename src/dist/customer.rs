@@ -56,6 +56,17 @@ impl Customer {
     /// Waits for every response of request `id`; an error response, a node
     /// failure or the end of the job end the wait with an error.
     pub fn wait(&self, id: u64) -> Result<Vec<Message>> {
+        let got = self.wait_all(id)?;
+        if let Some(bad) = got.iter().find(|m| m.meta.status != 0) {
+            return Err(Error::Store(bad.meta.body.clone()));
+        }
+        Ok(got)
+    }
+
+    /// As `wait`, but error responses are returned with the others (the
+    /// caller tells which node refused); only a node failure or the end of
+    /// the job end the wait with an error.
+    pub fn wait_all(&self, id: u64) -> Result<Vec<Message>> {
         let mut s = self.state.lock().unwrap();
         loop {
             if let Some(reason) = &s.failure {
@@ -66,9 +77,6 @@ impl Customer {
             let (expected, got) = s.pending.get(&id).expect("request id was started");
             if got.len() >= *expected {
                 let (_, got) = s.pending.remove(&id).unwrap();
-                if let Some(bad) = got.iter().find(|m| m.meta.status != 0) {
-                    return Err(Error::Store(bad.meta.body.clone()));
-                }
                 return Ok(got);
             }
             if s.terminated {

@@ -287,6 +287,19 @@ impl Postoffice {
     /// Sends one request per `(node, meta, payload)` under one request id and
     /// waits for every response.
     pub fn request(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
+        let id = self.send_request(parts)?;
+        self.customer.wait(id)
+    }
+
+    /// As `request`, but error responses come back with the others: the
+    /// caller learns which nodes refused (a scheme round over several servers).
+    pub fn request_all(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
+        let id = self.send_request(parts)?;
+        self.customer.wait_all(id)
+    }
+
+    /// Sends the parts of one request; its id.
+    fn send_request(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<u64> {
         if let Some(reason) = self.customer.failure() {
             return Err(Error::JobFailed(reason));
         }
@@ -299,7 +312,7 @@ impl Postoffice {
                 return Err(e);
             }
         }
-        self.customer.wait(id)
+        Ok(id)
     }
 
     /// Waits until every worker reached the barrier.

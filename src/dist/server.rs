@@ -36,20 +36,63 @@ struct SchemeRound {
     started: bool,
 }
 
-/// A reduction being gathered: parts reduced as they come, or final codes
-/// summed in the packed lanes they arrive in (`scheme::LaneSum`).
+/// A reduction being gathered: parts reduced as they come, float32 sums
+/// kept until every worker's is in and then added in rank order (as the
+/// device store adds its devices; every server of a key gets the same
+/// bits), or final codes summed in the packed lanes they arrive in
+/// (`scheme::LaneSum`).
 enum Gathered {
     Part(Part),
+    Ordered(Vec<(i32, Vec<f32>)>),
     Lanes(scheme::LaneSum),
 }
 
-/// `acc = op(acc, part)` elementwise; both from workers of one round.
-/// (Codes come only as a final contribution, summed packed by `LaneSum`.)
+impl Gathered {
+    /// The first worker's part (from node `sender`) of a reduction `op`.
+    fn first(op: Exchange, sender: i32, part: Part) -> Gathered {
+        match (op, part) {
+            (Exchange::Sum | Exchange::Final, Part::F32(x)) => Gathered::Ordered(vec![(sender, x)]),
+            (_, part) => Gathered::Part(part),
+        }
+    }
+
+    /// Adds another worker's part.
+    fn add(&mut self, op: Exchange, sender: i32, part: Part) -> Result<()> {
+        match (self, part) {
+            (Gathered::Ordered(parts), Part::F32(x)) if parts[0].1.len() == x.len() => {
+                parts.push((sender, x));
+                Ok(())
+            }
+            (Gathered::Part(acc), part) => combine(op, acc, part),
+            _ => Err(Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()))),
+        }
+    }
+
+    /// The reduction of every worker's part. Worker node ids grow with rank.
+    fn reduced(self) -> Result<Part> {
+        match self {
+            Gathered::Part(p) => Ok(p),
+            Gathered::Ordered(mut parts) => {
+                parts.sort_by_key(|(sender, _)| *sender);
+                let mut parts = parts.into_iter().map(|(_, x)| x);
+                let mut sum = parts.next().unwrap_or_default();
+                for x in parts {
+                    collective::sum_into(&mut sum, &x)?;
+                }
+                Ok(Part::F32(sum))
+            }
+            Gathered::Lanes(sum) => sum.into_part(),
+        }
+    }
+}
+
+/// `acc = op(acc, part)` elementwise (MAX, MIN); both from workers of one
+/// round. (float32 sums are added in rank order by `Gathered::reduced`;
+/// codes come only as a final contribution, summed packed by `LaneSum`.)
 fn combine(op: Exchange, acc: &mut Part, part: Part) -> Result<()> {
     let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()));
     match (op, acc, part) {
         (Exchange::Max, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::max_into(a, &b),
-        (Exchange::Sum | Exchange::Final, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::sum_into(a, &b),
         (Exchange::Min, Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => collective::min_into(a, &b),
         _ => Err(mismatch()),
     }
@@ -504,9 +547,9 @@ impl Server {
             (_, None) => {
                 round.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
             }
-            (None, Some(Ok(part))) => round.acc = Some((op, Gathered::Part(part))),
+            (None, Some(Ok(part))) => round.acc = Some((op, Gathered::first(op, meta.sender, part))),
             (None, Some(Err(lanes))) => round.acc = Some((op, Gathered::Lanes(scheme::LaneSum::first(lanes, num_workers)?))),
-            (Some((o, Gathered::Part(acc))), Some(Ok(part))) if *o == op => combine(op, acc, part)?,
+            (Some((o, acc @ (Gathered::Part(_) | Gathered::Ordered(_)))), Some(Ok(part))) if *o == op => acc.add(op, meta.sender, part)?,
             (Some((o, Gathered::Lanes(sum))), Some(Err(lanes))) if *o == op => sum.add(lanes)?,
             (Some((o, _)), Some(_)) if *o == op => return Err(Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()))),
             (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' while the workers' '{}' is being gathered", op.name(), o.name()) }),
@@ -522,8 +565,7 @@ impl Server {
             return Ok(answer_all(&meta, self.my_id, waiting, Err(Error::JobFailed(why))));
         }
         let reduced = match round.acc.take() {
-            Some((_, Gathered::Part(p))) => p,
-            Some((_, Gathered::Lanes(sum))) => sum.into_part()?,
+            Some((_, gathered)) => gathered.reduced()?,
             None => return Err(Error::Internal("a completed round without a reduction".into())),
         };
         let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
@@ -533,7 +575,7 @@ impl Server {
             (Ok(()), reply)
         } else {
             let ctx = scheme::Ctx { shape: &slot.shape, step, key_hash: key.stable_hash(), member: 0, workers: num_workers };
-            let decoded = scheme::decode(&compression, &round.exchanged, &reduced, &ctx, &mut slot.merge);
+            let decoded = scheme::decode_slice(&compression, &round.exchanged, &reduced, &ctx, slot.offset as usize, &mut slot.merge);
             slot.pull_cache = None;
             slot.value_counts = None;
             let result = decoded.and_then(|_| match &self.optimizer {

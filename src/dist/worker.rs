@@ -6,11 +6,12 @@
 //! hash of the key that every worker computes alike.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::{Config, Role};
-use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Meta};
+use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta};
 use super::protocol::{Exchange, Flag};
 use super::postoffice::Postoffice;
 use super::counts;
@@ -41,10 +42,13 @@ impl Slice {
     }
 }
 
-/// Where each part of a key of `n` elements lives.
-pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize) -> Vec<Slice> {
+/// Where each part of a key of `n` elements lives: a key of at least
+/// `bigarray_bound` elements in one slice per server, each starting at a
+/// multiple of 16 and of `align`.
+pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize, align: usize) -> Vec<Slice> {
     if n >= bigarray_bound && servers.len() > 1 {
-        let per = n.div_ceil(servers.len()).div_ceil(16) * 16;
+        let step = lcm(16, align.max(1));
+        let per = n.div_ceil(servers.len()).div_ceil(step) * step;
         servers
             .iter()
             .enumerate()
@@ -55,6 +59,16 @@ pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize) -
     } else {
         vec![Slice { server: servers[(key.stable_hash() % servers.len() as u64) as usize], offset: 0, len: n }]
     }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
 }
 
 struct WorkerKey {
@@ -84,34 +98,88 @@ enum PullReply<'a> {
     Scheme { step: u64, exchanged: Vec<Part>, sum: Part },
 }
 
-/// A scheme's exchanges for one key, reduced by the key's server.
+/// A scheme's exchanges for one key, reduced by the servers of its slices:
+/// each gets its piece of the scale indices and codes (`scheme::pieces`)
+/// and the whole of every float32 exchange (the scale, PowerSGD's P), which
+/// every server reduces to the same bits (rank order).
 struct ServerExchange<'a> {
     post: &'a Postoffice,
     key: &'a Key,
-    slice: &'a Slice,
+    slices: &'a [Slice],
+    /// The range of the codes and scale indices each slice's server gets.
+    pieces: Vec<Range<usize>>,
     step: u64,
     phase: usize,
     workers: usize,
-    /// The server answered an exchange with an error: the round already failed there.
-    refused: bool,
+    /// Per slice: its server answered with an error, so the round already
+    /// failed there (no abort is sent to it).
+    refused: Vec<bool>,
 }
 
 impl ServerExchange<'_> {
-    fn exchange(&mut self, op: Exchange, part: Part) -> Result<Part> {
-        let mut m = self.slice.meta(Command::Push, self.key);
-        m.set(Flag::Exchange);
-        m.body = encode_pairs([("op", op.name()), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
-        self.phase += 1;
-        let replies = self.post.request(vec![(self.slice.server, m, scheme::to_wire(&part))]).inspect_err(|_| self.refused = true)?;
-        scheme::from_wire(&replies[0].data)
+    /// Sends `parts[i]` to slice `i`'s server under `meta`'s header and
+    /// returns the replies' payloads in slice order; any server's error is
+    /// the error (and marks that server refused).
+    fn send(&mut self, meta: impl Fn(&Slice) -> Meta, parts: Vec<Vec<u8>>) -> Result<Vec<Message>> {
+        let requests = self.slices.iter().zip(parts).map(|(s, p)| (s.server, meta(s), p)).collect();
+        let replies = self.post.request_all(requests).inspect_err(|_| self.refused.iter_mut().for_each(|r| *r = true))?;
+        let mut ordered: Vec<Option<Message>> = self.slices.iter().map(|_| None).collect();
+        for r in replies {
+            match self.slices.iter().position(|s| s.server == r.meta.sender) {
+                Some(i) if ordered[i].is_none() => ordered[i] = Some(r),
+                _ => return Err(Error::Transport(format!("malformed message: a reply for key {} from node {}, which holds none of it or answered twice", self.key, r.meta.sender))),
+            }
+        }
+        let mut first_error = None;
+        for (i, r) in ordered.iter().enumerate() {
+            match r {
+                Some(r) if r.meta.status != 0 => {
+                    self.refused[i] = true;
+                    first_error.get_or_insert_with(|| Error::Store(r.meta.body.clone()));
+                }
+                Some(_) => {}
+                None => return Err(Error::Transport(format!("no reply for key {} from server node {}", self.key, self.slices[i].server))),
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(ordered.into_iter().map(|r| r.expect("checked above")).collect()),
+        }
     }
 
-    /// `x = op over workers (x)`, for float32 exchanges.
+    /// One exchange of the round: `parts[i]` to slice `i`'s server.
+    fn exchange(&mut self, op: Exchange, parts: Vec<Part>) -> Result<Vec<Part>> {
+        let body = encode_pairs([("op", op.name()), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
+        self.phase += 1;
+        let meta = |s: &Slice| {
+            let mut m = s.meta(Command::Push, self.key);
+            m.set(Flag::Exchange);
+            m.body = body.clone();
+            m
+        };
+        let replies = self.send(meta, parts.iter().map(scheme::to_wire).collect())?;
+        replies.iter().map(|r| scheme::from_wire(&r.data)).collect()
+    }
+
+    /// `x = op over workers (x)` for float32 exchanges, sent whole to every
+    /// server; every server must answer the same.
     fn exchange_f32(&mut self, op: Exchange, x: &mut [f32]) -> Result<()> {
-        match self.exchange(op, Part::F32(x.to_vec()))? {
-            Part::F32(v) if v.len() == x.len() => Ok(x.copy_from_slice(&v)),
+        let replies = self.exchange(op, vec![Part::F32(x.to_vec()); self.slices.len()])?;
+        match &replies[0] {
+            Part::F32(v) if v.len() == x.len() && replies.iter().all(|r| r == &replies[0]) => Ok(x.copy_from_slice(v)),
             _ => Err(self.malformed(op)),
         }
+    }
+
+    /// The reply of each piece, checked, copied into `x`'s pieces.
+    fn gather<T: Copy>(&self, op: Exchange, replies: &[Part], x: &mut [T], of: impl Fn(&Part) -> Option<std::borrow::Cow<'_, [T]>>) -> Result<()> {
+        for (r, piece) in replies.iter().zip(&self.pieces) {
+            match of(r) {
+                Some(v) if v.len() == piece.len() => x[piece.clone()].copy_from_slice(&v),
+                _ => return Err(self.malformed(op)),
+            }
+        }
+        Ok(())
     }
 
     fn malformed(&self, op: Exchange) -> Error {
@@ -133,10 +201,12 @@ impl Collective for ServerExchange<'_> {
     }
 
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
-        match self.exchange(Exchange::Min, Part::Levels { levels: x.to_vec(), count })? {
-            Part::Levels { levels, .. } if levels.len() == x.len() => Ok(x.copy_from_slice(&levels)),
-            _ => Err(self.malformed(Exchange::Min)),
-        }
+        let parts = Part::Levels { levels: x.to_vec(), count }.split(&self.pieces)?;
+        let replies = self.exchange(Exchange::Min, parts)?;
+        self.gather(Exchange::Min, &replies, x, |r| match r {
+            Part::Levels { levels, .. } => Some(std::borrow::Cow::Borrowed(&levels[..])),
+            _ => None,
+        })
     }
 
     /// The server widens each worker's lanes as it sums them (`LaneSum`).
@@ -145,10 +215,12 @@ impl Collective for ServerExchange<'_> {
     }
 
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
-        match self.exchange(Exchange::Sum, Part::Codes { codes: x.to_vec(), lo, hi })?.unpacked()?.as_ref() {
-            Part::Codes { codes, .. } if codes.len() == x.len() => Ok(x.copy_from_slice(codes)),
-            _ => Err(self.malformed(Exchange::Sum)),
-        }
+        let parts = Part::Codes { codes: x.to_vec(), lo, hi }.split(&self.pieces)?;
+        let replies = self.exchange(Exchange::Sum, parts)?;
+        self.gather(Exchange::Sum, &replies, x, |r| match r.unpacked().ok()?.into_owned() {
+            Part::Codes { codes, .. } => Some(std::borrow::Cow::Owned(codes)),
+            _ => None,
+        })
     }
 }
 
@@ -305,9 +377,9 @@ impl DistWorker {
             }
             *str_keys = Some(key.is_str());
         }
-        // A scheme's key lives on one server, which decodes it whole.
-        let bound = if self.compression.read().unwrap().is_scheme() { usize::MAX } else { self.post.config.bigarray_bound };
-        let slices = slices_for(key, data.len(), &self.servers(), bound);
+        // A scheme's key is cut where one worker's final codes fill whole lane groups.
+        let align = scheme::slice_align(&self.compression.read().unwrap());
+        let slices = slices_for(key, data.len(), &self.servers(), self.post.config.bigarray_bound, align);
         if self.rank() == 0 {
             let shape = value.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
             let parts = slices
@@ -336,7 +408,7 @@ impl DistWorker {
         let pushed = self.push_checked(key, e, values, compression, &mut checked);
         if let Err(err) = &pushed {
             if !checked && compression.is_scheme() && !self.asynchronous {
-                self.abort_scheme_round(key, &e.slices[0], e.state.step, 0, err);
+                self.abort_scheme_round(key, &e.slices, &[], e.state.step, 0, err);
             } else if !checked && !self.asynchronous {
                 // The others wait for this worker in the round: its turn
                 // fails the round for all of them, with this error's cause.
@@ -373,7 +445,7 @@ impl DistWorker {
         if compression.is_scheme() {
             *checked = true;
             let merged = single.unwrap_or(&e.merge);
-            return self.push_scheme(key, &e.shape, &e.slices[0], &mut e.state, &mut e.next, merged, compression);
+            return self.push_scheme(key, &e.shape, &e.slices, &mut e.state, &mut e.next, merged, compression);
         }
         let part_of = |s: &Slice| match single {
             Some(g) => &g[s.offset..s.offset + s.len],
@@ -421,42 +493,74 @@ impl DistWorker {
         sent
     }
 
-    /// Tells the key's server that this worker's part of a scheme round
-    /// failed here (before exchange `phase`): the round fails for every
-    /// worker, with `err` as the cause. Waits for the round to end.
-    fn abort_scheme_round(&self, key: &Key, slice: &Slice, step: u64, phase: usize, err: &Error) {
-        let mut m = slice.meta(Command::Push, key);
-        m.set(Flag::Exchange);
-        m.set(Flag::Abort);
+    /// Tells the key's servers (but those in `refused`, where the round
+    /// already failed) that this worker's part of a scheme round failed here
+    /// (before exchange `phase`): the round fails for every worker, with
+    /// `err` as the cause. Waits for the round to end.
+    fn abort_scheme_round(&self, key: &Key, slices: &[Slice], refused: &[bool], step: u64, phase: usize, err: &Error) {
         let cause = err.to_string().replace('\n', " ");
-        m.body = encode_pairs([("op", "abort"), ("step", step.to_string().as_str()), ("phase", phase.to_string().as_str()), ("cause", cause.as_str())]);
-        let _ = self.post.request(vec![(slice.server, m, Vec::new())]);
+        let body = encode_pairs([("op", "abort"), ("step", step.to_string().as_str()), ("phase", phase.to_string().as_str()), ("cause", cause.as_str())]);
+        let parts: Vec<_> = slices
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !refused.get(*i).copied().unwrap_or(false))
+            .map(|(_, s)| {
+                let mut m = s.meta(Command::Push, key);
+                m.set(Flag::Exchange);
+                m.set(Flag::Abort);
+                m.body = body.clone();
+                (s.server, m, Vec::new())
+            })
+            .collect();
+        if !parts.is_empty() {
+            let _ = self.post.request(parts);
+        }
     }
 
-    /// A scheme's push: its exchanges through the key's server, then the
-    /// final contribution, which the server sums, decodes and applies. The
-    /// worker's state changes only when the server accepted the round.
+    /// A scheme's push: its exchanges through the key's servers, then the
+    /// final contribution, which each server sums, decodes and applies for
+    /// its slice. The worker's state changes only when every server
+    /// accepted the round.
     #[allow(clippy::too_many_arguments)]
-    fn push_scheme(&self, key: &Key, shape: &[usize], slice: &Slice, state: &mut scheme::State, next: &mut scheme::State, merged: &[f32], compression: Compression) -> Result<()> {
+    fn push_scheme(&self, key: &Key, shape: &[usize], slices: &[Slice], state: &mut scheme::State, next: &mut scheme::State, merged: &[f32], compression: Compression) -> Result<()> {
         next.clone_from(state);
         let (rank, workers) = (self.rank(), self.num_workers());
         let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
-        let mut exchange = ServerExchange { post: &self.post, key, slice, step: state.step, phase: 0, workers, refused: false };
+        let ranges: Vec<Range<usize>> = slices.iter().map(|s| s.offset..s.offset + s.len).collect();
+        let pieces = scheme::pieces(&compression, state.step, ctx.key_hash, &ranges);
+        let mut exchange = ServerExchange { post: &self.post, key, slices, pieces, step: state.step, phase: 0, workers, refused: vec![false; slices.len()] };
         let encoded = scheme::check_input(&compression, 1, &[merged], workers).and_then(|()| scheme::encode(&compression, std::slice::from_mut(next), &[merged], &ctx, &mut exchange));
-        let (exchanged, part) = match encoded {
-            Ok(encoded) => encoded,
+        let finals = encoded.and_then(|(exchanged, part)| {
+            // The final contribution: codes cut in pieces; PowerSGD's Q whole to every server.
+            let wires: Vec<Vec<u8>> = match &part {
+                _ if slices.len() == 1 => vec![scheme::to_wire(&part)],
+                Part::F32(x) if x.len() != merged.len() => vec![scheme::to_wire(&part); slices.len()],
+                Part::F32(_) => part.split(&ranges)?.iter().map(scheme::to_wire).collect(),
+                _ => part.split(&exchange.pieces)?.iter().map(scheme::to_wire).collect(),
+            };
+            Ok((exchanged, part, wires))
+        });
+        let (exchanged, part, wires) = match finals {
+            Ok(finals) => finals,
             Err(err) => {
-                if !exchange.refused {
-                    self.abort_scheme_round(key, slice, state.step, exchange.phase, &err);
-                }
+                self.abort_scheme_round(key, slices, &exchange.refused, state.step, exchange.phase, &err);
                 return Err(err);
             }
         };
-        let mut m = slice.meta(Command::Push, key);
-        m.set(Flag::Scheme);
-        m.body = encode_pairs([("step", state.step.to_string().as_str())]);
-        let replies = self.post.request(vec![(slice.server, m, scheme::to_wire(&part))])?;
-        let summed = if replies[0].data.is_empty() { part } else { scheme::from_wire(&replies[0].data)? };
+        let body = encode_pairs([("step", state.step.to_string().as_str())]);
+        let meta = |s: &Slice| {
+            let mut m = s.meta(Command::Push, key);
+            m.set(Flag::Scheme);
+            m.body = body.clone();
+            m
+        };
+        let replies = exchange.send(meta, wires)?;
+        // PowerSGD's servers answer with the summed Q, the same from each.
+        let summed = match replies.iter().map(|r| &r.data[..]).find(|d| !d.is_empty()) {
+            None => part,
+            Some(data) if replies.iter().all(|r| r.data[..] == *data) => scheme::from_wire(data)?,
+            Some(_) => return Err(Error::Transport(format!("malformed message: the servers of key {key} answered its round with different sums"))),
+        };
         scheme::finish(&compression, std::slice::from_mut(next), summed);
         scheme::recycle(std::slice::from_mut(next), exchanged);
         std::mem::swap(state, next);
@@ -512,7 +616,7 @@ impl DistWorker {
                     // decode checks every length before it writes
                     let compression = *self.compression.read().unwrap();
                     let ctx = scheme::Ctx { shape: &e.shape, step: *step, key_hash: key.stable_hash(), member: 0, workers: self.num_workers() };
-                    scheme::decode(&compression, exchanged, sum, &ctx, dst)?;
+                    scheme::decode_slice(&compression, exchanged, sum, &ctx, *lo, dst)?;
                 }
             }
         }
@@ -653,18 +757,22 @@ mod tests {
     #[test]
     fn big_keys_split_on_multiples_of_16() {
         let servers = [8, 10, 12];
-        let s = slices_for(&Key::Int(0), 1_000_003, &servers, 1_000_000);
+        let s = slices_for(&Key::Int(0), 1_000_003, &servers, 1_000_000, 1);
         assert_eq!(s.len(), 3);
         assert_eq!(s.iter().map(|x| x.len).sum::<usize>(), 1_000_003);
         for w in s.windows(2) {
             assert_eq!(w[0].offset + w[0].len, w[1].offset);
             assert_eq!(w[1].offset % 16, 0);
         }
-        let small = slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000);
+        let small = slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1);
         assert_eq!(small.len(), 1);
-        assert_eq!(small, slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000));
+        assert_eq!(small, slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1));
         // tiny arrays over many servers: no empty slices
-        let t = slices_for(&Key::Int(1), 20, &servers, 1);
+        let t = slices_for(&Key::Int(1), 20, &servers, 1, 1);
         assert!(t.iter().all(|x| x.len > 0) && t.iter().map(|x| x.len).sum::<usize>() == 20);
+        // A scheme's slices start on its lane groups (168 values at width 3) and on 16.
+        let a = slices_for(&Key::Int(2), 100_000, &servers, 1000, 168);
+        assert_eq!(a.iter().map(|x| x.len).sum::<usize>(), 100_000);
+        assert!(a.len() == 3 && a.iter().all(|x| x.offset % 336 == 0), "{a:?}");
     }
 }
