@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--netns", action="store_true", help="1 Gbit/s link between two namespaces (root)")
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--skip-mxnet", action="store_true")
-    ap.add_argument("--schemes", action="store_true", help="also issue 6's schemes (each key whole on one server)")
+    ap.add_argument("--schemes", action="store_true", help="also issue 6's schemes (a 16 Mi key is cut over both servers, as MXNet cuts keys above MXNET_KVSTORE_BIGARRAY_BOUND)")
     ap.add_argument("--auth", action="store_true", help="also gradpack with GRADPACK_SECRET (authenticated messages)")
     args = ap.parse_args()
     cases = [("gradpack", False), ("gradpack", True)]

@@ -2,8 +2,10 @@
 //! merged gradient with one residual per key and server slice, and sends only
 //! packed bytes; pulls float32 slices back. Keys of at least
 //! `bigarray_bound` elements are split over every server in slices whose
-//! boundaries are multiples of 16; smaller keys live on one server chosen by a
-//! hash of the key that every worker computes alike.
+//! boundaries are multiples of 16 (and, under a scheme, of its lane groups);
+//! smaller keys live on one server chosen by a hash of the key that every
+//! worker computes alike. A scheme's round runs on every server of the key
+//! at once (`ServerExchange`), each decoding its own slice.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -82,7 +84,7 @@ struct WorkerKey {
     /// fails (on the servers or another worker), as if it never happened.
     saved: Vec<Vec<f32>>,
     merge: Vec<f32>,
-    /// A scheme's state (residual, PowerSGD's Q, push count); such keys have one slice.
+    /// A scheme's state (residual, PowerSGD's Q, push count), for the whole key whatever its slices.
     state: scheme::State,
     /// The state of the round in flight, swapped in when the servers accept
     /// it (its buffers are reused push after push).
