@@ -307,6 +307,14 @@ mod kernels {
         }
         // Scales past the last one in use are (0, 0): no pass for them.
         let count = TABLE - st.iter().rev().take_while(|&&s| s == 0.0).count();
+        // A few scales (qsgd_mn_ts, _ms): each element picks its (f, s) in
+        // registers, in the pass that makes its code.
+        match count {
+            2 => return levels_packed_few::<ADD, 2>(g, l, w, k, first, &ft, &st, width),
+            3 => return levels_packed_few::<ADD, 3>(g, l, w, k, first, &ft, &st, width),
+            4 => return levels_packed_few::<ADD, 4>(g, l, w, k, first, &ft, &st, width),
+            _ => {}
+        }
         let (mut fb, mut sb) = ([0f32; BLOCK], [0f32; BLOCK]);
         blocks!(ADD, BLOCK, g.len().min(l.len()), w, width, st[0] as i32, |r, c| {
             // Each element's (f, s), one select pass per scale over the block
@@ -327,6 +335,31 @@ mod kernels {
             let at = first.wrapping_add(r.start as u32);
             for (j, (((c, &g), &f), &s)) in c.iter_mut().zip(g).zip(fb.iter()).zip(sb.iter()).enumerate() {
                 *c = code(g, noise::unit(k, at.wrapping_add(j as u32)), f, s);
+            }
+        });
+    }
+
+    /// `levels_packed_body` for `COUNT` scales in use (`ft`, `st` already
+    /// `sane`): each element's `(f, s)` by `COUNT - 1` selects of values
+    /// held in registers, so no buffer pass; the same bits (an index that
+    /// names no scale in use keeps scale 0's, as the select passes do).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn levels_packed_few<const ADD: bool, const COUNT: usize>(g: &[f32], l: &[u8], w: &mut [u64], k: Keys, first: u32, ft: &[f32; TABLE], st: &[f32; TABLE], width: u32) {
+        let (mut f, mut s) = ([0f32; COUNT], [0f32; COUNT]);
+        f.copy_from_slice(&ft[..COUNT]);
+        s.copy_from_slice(&st[..COUNT]);
+        blocks!(ADD, BLOCK, g.len().min(l.len()), w, width, s[0] as i32, |r, c| {
+            let (g, l) = (&g[r.clone()], &l[r.clone()]);
+            let at = first.wrapping_add(r.start as u32);
+            for (j, ((c, &g), &lv)) in c.iter_mut().zip(g).zip(l).enumerate() {
+                let (mut fe, mut se) = (f[0], s[0]);
+                for m in 1..COUNT {
+                    let hit = lv == m as u8;
+                    fe = if hit { f[m] } else { fe };
+                    se = if hit { s[m] } else { se };
+                }
+                *c = code(g, noise::unit(k, at.wrapping_add(j as u32)), fe, se);
             }
         });
     }
@@ -429,6 +462,12 @@ mod kernels {
         // table lookup per element compiles to gathers). Steps past the
         // last scale are 0 (all of them are when the scale is 0).
         let count = (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1);
+        match count {
+            2 => return decode_levels_few::<2>(c, l, o, steps),
+            3 => return decode_levels_few::<3>(c, l, o, steps),
+            4 => return decode_levels_few::<4>(c, l, o, steps),
+            _ => {}
+        }
         const B: usize = 512;
         let mut sb = [0f64; B];
         for ((c, l), o) in c.chunks(B).zip(l.chunks(B)).zip(o.chunks_mut(B)) {
@@ -443,6 +482,21 @@ mod kernels {
             for ((o, &c), &s) in o.iter_mut().zip(c).zip(sb.iter()) {
                 *o = (c as f64 * s) as f32;
             }
+        }
+    }
+
+    /// `decode_levels_body` for `COUNT` steps in use: each element's step by
+    /// `COUNT - 1` selects of values held in registers (the same bits).
+    #[inline(always)]
+    fn decode_levels_few<const COUNT: usize>(c: &[i32], l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) {
+        let mut st = [0f64; COUNT];
+        st.copy_from_slice(&steps[..COUNT]);
+        for ((o, &c), &lv) in o.iter_mut().zip(c).zip(l) {
+            let mut s = st[0];
+            for (m, &step) in st.iter().enumerate().skip(1) {
+                s = if lv == m as u8 { step } else { s };
+            }
+            *o = (c as f64 * s) as f32;
         }
     }
 
@@ -500,6 +554,13 @@ mod kernels {
                     decode_levels(isa, &want_levels, &want_l, &mut dl, &steps);
                     assert!(d.iter().zip(&want_single).all(|(d, &c)| *d == (c as f64 * steps[0]) as f32), "{isa:?} decode n={n}");
                     assert!(dl.iter().zip(&want_levels).zip(&want_l).all(|((d, &c), &j)| *d == (c as f64 * steps[j as usize]) as f32), "{isa:?} decode n={n}");
+                    // 2 to 4 steps in use (steps in registers) and 5 (select passes)
+                    for count in 2..=5 {
+                        let few: [f64; TABLE] = std::array::from_fn(|j| if j < count { steps[j] } else { 0.0 });
+                        let l: Vec<u8> = (0..n).map(|i| ((i * 7 + i / 3) % count) as u8).collect();
+                        decode_levels(isa, &want_levels, &l, &mut dl, &few);
+                        assert!(dl.iter().zip(&want_levels).zip(&l).all(|((d, &c), &j)| *d == (c as f64 * few[j as usize]) as f32), "{isa:?} decode of {count} steps n={n}");
+                    }
                     let mut x = g.clone();
                     assert_eq!(max_abs(isa, &x), (x.iter().fold(0f32, |m, v| m.max(v.abs())), true), "{isa:?} n={n}");
                     if n > 0 {
@@ -513,32 +574,34 @@ mod kernels {
         #[test]
         fn packed_kernels_write_the_reference_codes_in_the_lane_layout() {
             use crate::quant::lanes;
-            let scales = [3u32, 15, 255];
-            let (ft, st) = tables(&scales, 1.0031);
-            // widths for 1, 2 and 5 members of codes in [-3, 3]; pieces across
-            // a block, and a piece across a noise block (offset near 2^32)
-            for (n, offset) in [(0usize, 10usize), (1, 10), (167, 10), (168, 10), (169, 0), (5000, 10), (100, (1 << 32) - 37)] {
-                let g = grad(n);
-                let mut l = vec![0u8; n];
-                fit(Isa::detect(), &g, &mut l, &ft, scales.len(), 3.0);
-                let want_single = reference::quantize(&g, 1.0031, &scales[..1], None, offset, 77);
-                let want_levels = reference::quantize(&g, 1.0031, &scales, Some(&l), offset, 5);
-                for width in [3u32, 4, 5, 32] {
-                    let lanes_of = |c: &[i32], times: u64| lanes::pack_slice(c, width, |c| (c + 3) as u64 * times);
-                    for isa in Isa::available() {
-                        // adding a second member's codes needs lanes for two (4 bits)
-                        for add in [false, true].into_iter().filter(|&add| !add || width > 3) {
-                            let (mut a, mut b) = (lanes_of(&want_single, 1), lanes_of(&want_levels, 1));
-                            if add {
-                                single_packed::<true>(isa, &g, &mut a, offset, 77, ft[0], st[0], width);
-                                levels_packed::<true>(isa, &g, &l, &mut b, offset, 5, &ft, &st, width);
-                            } else {
-                                single_packed::<false>(isa, &g, &mut a, offset, 77, ft[0], st[0], width);
-                                levels_packed::<false>(isa, &g, &l, &mut b, offset, 5, &ft, &st, width);
+            // 2 to 4 scales (kernels with the scales in registers) and 5 (select passes)
+            for scales in [&[3u32, 15][..], &[3, 15, 255], &[3, 7, 15, 255], &[3, 5, 7, 15, 255]] {
+                let (ft, st) = tables(scales, 1.0031);
+                // widths for 1, 2 and 5 members of codes in [-3, 3]; pieces across
+                // a block, and a piece across a noise block (offset near 2^32)
+                for (n, offset) in [(0usize, 10usize), (1, 10), (167, 10), (168, 10), (169, 0), (5000, 10), (100, (1 << 32) - 37)] {
+                    let g = grad(n);
+                    let mut l = vec![0u8; n];
+                    fit(Isa::detect(), &g, &mut l, &ft, scales.len(), 3.0);
+                    let want_single = reference::quantize(&g, 1.0031, &scales[..1], None, offset, 77);
+                    let want_levels = reference::quantize(&g, 1.0031, scales, Some(&l), offset, 5);
+                    for width in [3u32, 4, 5, 32] {
+                        let lanes_of = |c: &[i32], times: u64| lanes::pack_slice(c, width, |c| (c + 3) as u64 * times);
+                        for isa in Isa::available() {
+                            // adding a second member's codes needs lanes for two (4 bits)
+                            for add in [false, true].into_iter().filter(|&add| !add || width > 3) {
+                                let (mut a, mut b) = (lanes_of(&want_single, 1), lanes_of(&want_levels, 1));
+                                if add {
+                                    single_packed::<true>(isa, &g, &mut a, offset, 77, ft[0], st[0], width);
+                                    levels_packed::<true>(isa, &g, &l, &mut b, offset, 5, &ft, &st, width);
+                                } else {
+                                    single_packed::<false>(isa, &g, &mut a, offset, 77, ft[0], st[0], width);
+                                    levels_packed::<false>(isa, &g, &l, &mut b, offset, 5, &ft, &st, width);
+                                }
+                                let times = if add { 2 } else { 1 };
+                                assert_eq!(a, lanes_of(&want_single, times), "{isa:?} single n={n} width={width} add={add}");
+                                assert_eq!(b, lanes_of(&want_levels, times), "{isa:?} levels {scales:?} n={n} width={width} add={add}");
                             }
-                            let times = if add { 2 } else { 1 };
-                            assert_eq!(a, lanes_of(&want_single, times), "{isa:?} single n={n} width={width} add={add}");
-                            assert_eq!(b, lanes_of(&want_levels, times), "{isa:?} levels n={n} width={width} add={add}");
                         }
                     }
                 }
