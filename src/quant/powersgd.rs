@@ -48,9 +48,17 @@ pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &m
 /// the two steps.
 pub fn add_then_m_times_q(m: &mut [f32], g: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
     assert!(m.len() == rows * cols && g.len() == m.len() && p.len() == rows * r, "PowerSGD: {} + {} values for {rows} x {cols}", m.len(), g.len());
+    add_then_m_times_q_on(Isa::detect(), m, g, q, rows, cols, r, p)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn add_then_m_times_q_on(isa: Isa, m: &mut [f32], g: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
     let qt = transposed(q, cols, r);
-    let isa = Isa::detect();
     let row = |(m_row, g_row): (&mut [f32], &[f32]), p_row: &mut [f32]| {
+        if (1..=MAX_FUSED).contains(&r) {
+            add_dots(isa, m_row, g_row, &qt, p_row);
+            return;
+        }
         add_kernel(isa, m_row, g_row);
         for (j, pj) in p_row.iter_mut().enumerate() {
             *pj = dot(isa, m_row, &qt[j * cols..(j + 1) * cols]);
@@ -122,6 +130,70 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     dot_kernel(isa, a, b)
 }
 
+/// Ranks whose kernels keep every column's running sums in registers
+/// (`add_dots`, `mt_block`, `pqt_row`); larger ranks take the general loops.
+const MAX_FUSED: usize = 4;
+
+/// `m_row += g_row`, then `p_row[j] = dot(m_row, qt_j)` for each of the
+/// `R` rows of `qt` (R x cols), in one pass over the row: each piece of
+/// `LANES` columns is added, stored and multiplied into `R` sets of running
+/// sums at once. The sums and their order are `dot_body`'s, so the bits are.
+#[inline(always)]
+fn add_dots_body<const R: usize>(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p_row: &mut [f32]) {
+    let cols = m_row.len();
+    let q: [&[f32]; R] = std::array::from_fn(|j| &qt[j * cols..(j + 1) * cols]);
+    let mut acc = [[0f32; LANES]; R];
+    let full = cols / LANES * LANES;
+    let (m_full, m_rest) = m_row.split_at_mut(full);
+    let (g_full, g_rest) = g_row.split_at(full);
+    for (c, (m, g)) in m_full.chunks_exact_mut(LANES).zip(g_full.chunks_exact(LANES)).enumerate() {
+        let mut x = [0f32; LANES];
+        for k in 0..LANES {
+            x[k] = m[k] + g[k];
+            m[k] = x[k];
+        }
+        for (a, q) in acc.iter_mut().zip(&q) {
+            let y: &[f32; LANES] = q[c * LANES..(c + 1) * LANES].try_into().unwrap();
+            for k in 0..LANES {
+                a[k] += x[k] * y[k];
+            }
+        }
+    }
+    for (k, (m, &g)) in m_rest.iter_mut().zip(g_rest).enumerate() {
+        *m += g;
+        for (a, q) in acc.iter_mut().zip(&q) {
+            a[k] += *m * q[full + k];
+        }
+    }
+    for (pj, a) in p_row.iter_mut().zip(acc.iter_mut()) {
+        // Pairwise, in `dot_body`'s fixed order.
+        let mut width = LANES;
+        while width > 1 {
+            width /= 2;
+            for k in 0..width {
+                a[k] += a[k + width];
+            }
+        }
+        *pj = a[0];
+    }
+}
+
+#[inline(always)]
+fn add_dots_any(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p_row: &mut [f32]) {
+    match p_row.len() {
+        1 => add_dots_body::<1>(m_row, g_row, qt, p_row),
+        2 => add_dots_body::<2>(m_row, g_row, qt, p_row),
+        3 => add_dots_body::<3>(m_row, g_row, qt, p_row),
+        4 => add_dots_body::<4>(m_row, g_row, qt, p_row),
+        r => unreachable!("rank {r} above MAX_FUSED"),
+    }
+}
+
+crate::isa::multiversion! {
+    /// `add_dots_body` for `p_row.len()` in `1..=MAX_FUSED`.
+    fn add_dots[][](m_row: &mut [f32], g_row: &[f32], qt: &[f32], p_row: &mut [f32]) -> () = add_dots_any;
+}
+
 /// `q = m^T p`: (cols x rows) times (rows x r); blocks of columns in
 /// parallel, each element summed over rows in order (`reference::mt_times_p`,
 /// bit for bit). Within a block the sums are kept transposed (r x width),
@@ -143,6 +215,13 @@ fn mt_times_p_on(isa: Isa, m: &[f32], p: &[f32], rows: usize, cols: usize, r: us
 /// Columns `c0..` of `m^T p` into `q_block` (`mt_times_p`).
 #[inline(always)]
 fn mt_block_body(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, c0: usize, q_block: &mut [f32]) {
+    match r {
+        1 => return mt_block_few::<1, 64>(m, p, rows, cols, c0, q_block),
+        2 => return mt_block_few::<2, 32>(m, p, rows, cols, c0, q_block),
+        3 => return mt_block_few::<3, 16>(m, p, rows, cols, c0, q_block),
+        4 => return mt_block_few::<4, 16>(m, p, rows, cols, c0, q_block),
+        _ => {}
+    }
     let width = q_block.len() / r.max(1);
     let mut acc = vec![0f32; r * width]; // acc[j * width + c]
     for i in 0..rows {
@@ -152,6 +231,48 @@ fn mt_block_body(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, c0: u
         }
     }
     for (c, q_row) in q_block.chunks_exact_mut(r).enumerate() {
+        q_row.iter_mut().enumerate().for_each(|(j, v)| *v = acc[j * width + c]);
+    }
+}
+
+/// `mt_block_body` for rank `R`: the running sums of `CHUNK` columns stay
+/// in registers over a tile of `TILE` rows, then go back to the block's
+/// sums. Every sum still adds its rows in order: the same bits.
+#[inline(always)]
+fn mt_block_few<const R: usize, const CHUNK: usize>(m: &[f32], p: &[f32], rows: usize, cols: usize, c0: usize, q_block: &mut [f32]) {
+    const TILE: usize = 16;
+    let width = q_block.len() / R;
+    let mut acc = vec![0f32; R * width]; // acc[j * width + c]
+    for t0 in (0..rows).step_by(TILE) {
+        let tile = t0..(t0 + TILE).min(rows);
+        let mut c = 0;
+        while c + CHUNK <= width {
+            let mut a = [[0f32; CHUNK]; R];
+            for (j, a) in a.iter_mut().enumerate() {
+                a.copy_from_slice(&acc[j * width + c..j * width + c + CHUNK]);
+            }
+            for i in tile.clone() {
+                let x: &[f32; CHUNK] = m[i * cols + c0 + c..i * cols + c0 + c + CHUNK].try_into().unwrap();
+                let pi: &[f32; R] = p[i * R..(i + 1) * R].try_into().unwrap();
+                for (a, &pj) in a.iter_mut().zip(pi) {
+                    for k in 0..CHUNK {
+                        a[k] += x[k] * pj;
+                    }
+                }
+            }
+            for (j, a) in a.iter().enumerate() {
+                acc[j * width + c..j * width + c + CHUNK].copy_from_slice(a);
+            }
+            c += CHUNK;
+        }
+        for i in tile {
+            let x = &m[i * cols + c0 + c..i * cols + c0 + width];
+            for (j, &pj) in p[i * R..(i + 1) * R].iter().enumerate() {
+                acc[j * width + c..(j + 1) * width].iter_mut().zip(x).for_each(|(a, &x)| *a += x * pj);
+            }
+        }
+    }
+    for (c, q_row) in q_block.chunks_exact_mut(R).enumerate() {
         q_row.iter_mut().enumerate().for_each(|(j, v)| *v = acc[j * width + c]);
     }
 }
@@ -219,6 +340,13 @@ pub fn p_times_qt_range(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize
 /// One row of `p_times_qt`: `o_row (-)= p_row qt`.
 #[inline(always)]
 fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) {
+    match p_row.len() {
+        1 => return pqt_row_few::<1>(p_row, qt, cols, o_row, subtract),
+        2 => return pqt_row_few::<2>(p_row, qt, cols, o_row, subtract),
+        3 => return pqt_row_few::<3>(p_row, qt, cols, o_row, subtract),
+        4 => return pqt_row_few::<4>(p_row, qt, cols, o_row, subtract),
+        _ => {}
+    }
     // What `Iterator::sum` starts from (0.0 or -0.0, by Rust version).
     let start: f32 = std::iter::empty::<f32>().sum();
     // In pieces that stay in the first-level cache.
@@ -236,6 +364,38 @@ fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtr
         } else {
             o.copy_from_slice(v);
         }
+    }
+}
+
+/// `pqt_row_body` for rank `R`: each chunk of `CHUNK` columns is summed
+/// in registers (the same terms in the same order: the same bits) and
+/// written once.
+#[inline(always)]
+fn pqt_row_few<const R: usize>(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) {
+    const CHUNK: usize = 64;
+    let start: f32 = std::iter::empty::<f32>().sum();
+    let pj: &[f32; R] = p_row.try_into().unwrap();
+    let q: [&[f32]; R] = std::array::from_fn(|j| &qt[j * cols..(j + 1) * cols]);
+    let full = o_row.len() / CHUNK * CHUNK;
+    let (o_full, o_rest) = o_row.split_at_mut(full);
+    for (c, o) in o_full.chunks_exact_mut(CHUNK).enumerate() {
+        let mut v = [start; CHUNK];
+        for (&pj, q) in pj.iter().zip(&q) {
+            let y: &[f32; CHUNK] = q[c * CHUNK..(c + 1) * CHUNK].try_into().unwrap();
+            for k in 0..CHUNK {
+                v[k] += pj * y[k];
+            }
+        }
+        for (o, &v) in o.iter_mut().zip(&v) {
+            *o = if subtract { *o - v } else { v };
+        }
+    }
+    for (k, o) in o_rest.iter_mut().enumerate() {
+        let mut v = start;
+        for (&pj, q) in pj.iter().zip(&q) {
+            v += pj * q[full + k];
+        }
+        *o = if subtract { *o - v } else { v };
     }
 }
 
@@ -322,9 +482,11 @@ mod tests {
 
     #[test]
     fn the_products_match_the_plain_loops_bit_for_bit() {
-        // Shapes around the block (256 columns) and piece (1024) sizes, one
-        // large enough to run in parallel; values with every sign, and -0.0.
-        for (rows, cols, r) in [(3, 5, 1), (7, 255, 2), (9, 257, 3), (5, 1025, 4), (300, 300, 4), (17, 2049, 8)] {
+        // Shapes around the block (256 columns), chunk (32, 64), tile (64
+        // rows) and piece (1024) sizes, one large enough to run in
+        // parallel, ranks with kernels of their own (1 to 4) and without;
+        // values with every sign, and -0.0.
+        for (rows, cols, r) in [(3, 5, 1), (7, 255, 2), (9, 257, 3), (5, 1025, 4), (300, 300, 4), (130, 97, 3), (17, 2049, 8), (70, 300, 5)] {
             let m: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
             let mut p: Vec<f32> = (0..rows * r).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
             p[0] = -0.0;
@@ -332,12 +494,15 @@ mod tests {
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             // m += g, then m q: fused as the two steps
             let g: Vec<f32> = (0..rows * cols).map(|i| ((i * 13 % 71) as f32 - 35.0) / 9.0).collect();
-            let (mut m1, mut m2) = (m.clone(), m.clone());
+            let mut m1 = m.clone();
             m1.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
-            let (mut p1, mut p2) = (vec![0f32; rows * r], vec![1f32; rows * r]);
+            let mut p1 = vec![0f32; rows * r];
             m_times_q(&m1, &q, rows, cols, r, &mut p1);
-            add_then_m_times_q(&mut m2, &g, &q, rows, cols, r, &mut p2);
-            assert_eq!((bits(&m2), bits(&p2)), (bits(&m1), bits(&p1)), "m + g, (m + g) q {rows}x{cols} r={r}");
+            for isa in Isa::available() {
+                let (mut m2, mut p2) = (m.clone(), vec![1f32; rows * r]);
+                add_then_m_times_q_on(isa, &mut m2, &g, &q, rows, cols, r, &mut p2);
+                assert_eq!((bits(&m2), bits(&p2)), (bits(&m1), bits(&p1)), "{isa:?} m + g, (m + g) q {rows}x{cols} r={r}");
+            }
             let mut slow = vec![0f32; cols * r];
             reference::mt_times_p(&m, &p, rows, cols, r, &mut slow);
             for isa in Isa::available() {
