@@ -23,6 +23,9 @@ fn main() {
     let reps = 11; // medians: this machine's runs vary by 20-30%
     let threads = rayon::current_num_threads();
     let stream = time(reps, || common::residual_add(&mut residual, &grad));
+    let mut copied = vec![1f32; n];
+    let copy = time(reps, || common::copy(&mut copied, &grad));
+    drop(copied);
     let twobit = Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap();
     let mut compr = gradpack::create_2bit(n);
     residual.fill(0.0);
@@ -36,6 +39,7 @@ fn main() {
         println!("{:<24} {:>10.1} {:>9.3} {:>9.2}x {:>10} {:>9} {:>12.3}", name, enc * 1e3, n as f64 / enc / 1e9, enc / stream, d, dg, wire);
     };
     row("r += g loop (floor)", stream, None, 4.0);
+    println!("{:<24} {:>10} {:>9} {:>10} {:>10.1} {:>9.3} {:>12}", "copy (decode floor)", "-", "-", "-", copy * 1e3, n as f64 / copy / 1e9, "-");
     row("2bit (codec kernel)", codec, None, 0.25);
     let only = std::env::var("GRADPACK_BENCH_ONLY").unwrap_or_default();
     for (name, params) in common::SCHEMES.iter().filter(|(name, _)| name.contains(only.as_str())) {
@@ -65,4 +69,5 @@ fn main() {
         row(name, enc, Some(dec), wire_bytes as f64 / n as f64);
     }
     println!("\nvs r+=g: encode time / the in-place r += g loop's (12 B/element, the memory floor of a residual update).");
+    println!("decode ms beside the copy's (8 B/element, every value read and written).");
 }

@@ -31,6 +31,12 @@ pub fn residual_add(residual: &mut [f32], grad: &[f32]) {
     })
 }
 
+/// `out = src`, pieces in parallel: the floor of a decode (every value written).
+#[allow(dead_code)] // not every benchmark decodes
+pub fn copy(out: &mut [f32], src: &[f32]) {
+    out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, s)| o.copy_from_slice(s))
+}
+
 /// Every scheme the benchmarks measure: a name, and its compress_params
 /// (random-K's "k" is filled in by `compression`).
 #[allow(dead_code)] // not every benchmark measures schemes
