@@ -204,11 +204,13 @@ pub fn mt_times_p(m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &
 
 #[allow(clippy::too_many_arguments)]
 fn mt_times_p_on(isa: Isa, m: &[f32], p: &[f32], rows: usize, cols: usize, r: usize, q: &mut [f32]) {
-    const BLOCK: usize = 256;
+    // Columns per block: long stretches of each row (fewer pages per
+    // block), but two blocks per thread. Blocks never change a sum's order.
+    let block = cols.div_ceil(2 * rayon::current_num_threads()).next_multiple_of(64).clamp(256, 1024);
     if rows * cols > PARALLEL {
-        q.par_chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| mt_block(isa, m, p, rows, cols, r, b * BLOCK, qb));
+        q.par_chunks_mut(block * r).enumerate().for_each(|(b, qb)| mt_block(isa, m, p, rows, cols, r, b * block, qb));
     } else {
-        q.chunks_mut(BLOCK * r).enumerate().for_each(|(b, qb)| mt_block(isa, m, p, rows, cols, r, b * BLOCK, qb));
+        q.chunks_mut(block * r).enumerate().for_each(|(b, qb)| mt_block(isa, m, p, rows, cols, r, b * block, qb));
     }
 }
 
@@ -482,7 +484,7 @@ mod tests {
 
     #[test]
     fn the_products_match_the_plain_loops_bit_for_bit() {
-        // Shapes around the block (256 columns), chunk (32, 64), tile (64
+        // Shapes around the blocks (256 to 1024 columns), chunks (16 to 64), tiles (16
         // rows) and piece (1024) sizes, one large enough to run in
         // parallel, ranks with kernels of their own (1 to 4) and without;
         // values with every sign, and -0.0.
