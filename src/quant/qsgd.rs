@@ -295,6 +295,45 @@ mod kernels {
     #[allow(clippy::too_many_arguments)]
     fn single_packed_body<const ADD: bool>(g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) {
         let off = sane(f0, s0).1 as i32;
+        // Whole groups: two lanes (sixteen consecutive values) are made at
+        // once and shifted into the group's eight words (`lanes::place`).
+        let width = width.clamp(1, 32);
+        let per = (64 / width) as usize;
+        let group = lanes::GROUP * per;
+        let whole = g.len() / group;
+        let (f, s) = sane(f0, s0);
+        const G: usize = lanes::GROUP;
+        for (gi, words) in w.chunks_exact_mut(G).take(whole).enumerate() {
+            let mut acc = [0u64; G];
+            let mut lane = 0;
+            while lane + 2 <= per {
+                let at = gi * group + lane * G;
+                let x: &[f32; 2 * G] = g[at..at + 2 * G].try_into().unwrap();
+                let mut c = [0u32; 2 * G];
+                for t in 0..2 * G {
+                    c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
+                }
+                let (lo, hi) = (lane as u32 * width, (lane as u32 + 1) * width);
+                for t in 0..G {
+                    acc[t] |= ((c[t] as u64) << lo) | ((c[G + t] as u64) << hi);
+                }
+                lane += 2;
+            }
+            if lane < per {
+                let at = gi * group + lane * G;
+                let x: &[f32; G] = g[at..at + G].try_into().unwrap();
+                for t in 0..G {
+                    let c = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
+                    acc[t] |= (c as u64) << (lane as u32 * width);
+                }
+            }
+            for (w, a) in words.iter_mut().zip(acc) {
+                *w = if ADD { w.wrapping_add(a) } else { a };
+            }
+        }
+        let start = whole * group;
+        let (g, w) = (&g[start..], &mut w[whole * G..]);
+        let first = first.wrapping_add(start as u32);
         blocks!(ADD, BLOCK, g.len(), w, width, off, |r, c| single_body::<false>(&g[r.clone()], c, k, first.wrapping_add(r.start as u32), f0, s0));
     }
 
