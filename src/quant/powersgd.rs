@@ -108,7 +108,12 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
         acc[k] += x * y;
     }
-    // Pairwise, in a fixed order.
+    combine(&mut acc)
+}
+
+/// The running sums of a dot product added pairwise, in a fixed order.
+#[inline(always)]
+fn combine(acc: &mut [f32; LANES]) -> f32 {
     let mut width = LANES;
     while width > 1 {
         width /= 2;
@@ -166,15 +171,7 @@ fn add_dots_body<const R: usize>(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p
         }
     }
     for (pj, a) in p_row.iter_mut().zip(acc.iter_mut()) {
-        // Pairwise, in `dot_body`'s fixed order.
-        let mut width = LANES;
-        while width > 1 {
-            width /= 2;
-            for k in 0..width {
-                a[k] += a[k + width];
-            }
-        }
-        *pj = a[0];
+        *pj = combine(a);
     }
 }
 
