@@ -283,8 +283,9 @@ pub fn unpack_bytes_into<T: Send>(bytes: &[u8], width: u32, out: &mut [T], f: im
 /// pass into a buffer that stays in L1, then packed from it in another.
 pub(crate) const BLOCK: usize = 2048;
 
+/// Puts a finished word: written, or (with `ADD`) added lane by lane.
 #[inline(always)]
-fn store<const ADD: bool>(w: &mut u64, v: u64) {
+pub(crate) fn store<const ADD: bool>(w: &mut u64, v: u64) {
     if ADD {
         *w = w.wrapping_add(v)
     } else {

@@ -16,6 +16,7 @@ pub fn quantize<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: 
     crate::par::chunks2(residual, bits, |start, r, b| quantize_piece::<ADD>(&grad[start..start + r.len()], r, threshold, b));
 }
 
+#[inline(always)]
 fn quantize_piece<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: f32, bits: &mut [i32]) {
     for ((g, r), b) in grad.iter().zip(residual.iter_mut()).zip(bits.iter_mut()) {
         let x = *r + *g;
@@ -47,14 +48,7 @@ pub fn quantize_packed<const ADD: bool>(grad: &[f32], residual: &mut [f32], thre
 #[inline(always)]
 fn packed_body<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: f32, words: &mut [u64], width: u32) {
     let n = grad.len().min(residual.len());
-    lanes::blocks!(ADD, lanes::BLOCK, n, words, width, 0, |span, c| {
-        for ((c, &g), r) in c.iter_mut().zip(&grad[span.clone()]).zip(&mut residual[span]) {
-            let x = *r + g;
-            let bit = x > threshold;
-            *r = if bit { x - 1.0 } else { x + 1.0 };
-            *c = bit as i32;
-        }
-    });
+    lanes::blocks!(ADD, lanes::BLOCK, n, words, width, 0, |span, c| quantize_piece::<false>(&grad[span.clone()], &mut residual[span], threshold, c));
 }
 
 crate::isa::multiversion! {

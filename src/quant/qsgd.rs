@@ -294,14 +294,14 @@ mod kernels {
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn single_packed_body<const ADD: bool>(g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) {
-        let off = sane(f0, s0).1 as i32;
+        let (f, s) = sane(f0, s0);
+        let off = s as i32;
         // Whole groups: two lanes (sixteen consecutive values) are made at
         // once and shifted into the group's eight words (`lanes::place`).
         let width = width.clamp(1, 32);
         let per = (64 / width) as usize;
         let group = lanes::GROUP * per;
         let whole = g.len() / group;
-        let (f, s) = sane(f0, s0);
         const G: usize = lanes::GROUP;
         for (gi, words) in w.chunks_exact_mut(G).take(whole).enumerate() {
             let mut acc = [0u64; G];
@@ -327,9 +327,7 @@ mod kernels {
                     acc[t] |= (c as u64) << (lane as u32 * width);
                 }
             }
-            for (w, a) in words.iter_mut().zip(acc) {
-                *w = if ADD { w.wrapping_add(a) } else { a };
-            }
+            words.iter_mut().zip(acc).for_each(|(w, a)| lanes::store::<ADD>(w, a));
         }
         let start = whole * group;
         let (g, w) = (&g[start..], &mut w[whole * G..]);
