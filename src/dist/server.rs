@@ -81,7 +81,7 @@ impl Gathered {
                 }
                 Ok(Part::F32(sum))
             }
-            Gathered::Lanes(sum) => sum.into_part(),
+            Gathered::Lanes(sum) => Ok(sum.into_part()),
         }
     }
 }

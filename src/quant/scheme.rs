@@ -70,9 +70,7 @@ impl Part {
             part => Ok(Cow::Borrowed(part)),
         }
     }
-}
 
-impl Part {
     /// Values held: float32s, scale indices or codes.
     pub fn len(&self) -> usize {
         match self {
@@ -889,8 +887,8 @@ impl LaneSum {
     }
 
     /// The sum as `Part::Packed`, in the lanes it was summed in.
-    pub fn into_part(self) -> Result<Part> {
-        Ok(Part::Packed { words: self.words, n: self.n, lo: self.lo, hi: self.hi, count: self.count, width: self.width })
+    pub fn into_part(self) -> Part {
+        Part::Packed { words: self.words, n: self.n, lo: self.lo, hi: self.hi, count: self.count, width: self.width }
     }
 }
 

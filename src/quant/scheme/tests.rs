@@ -359,7 +359,7 @@ fn a_server_sums_codes_in_packed_lanes_from_the_narrow_wire() {
         sum.add(w).unwrap();
     }
     let want: Vec<i32> = (0..n).map(|i| parts.iter().map(|p| if let Part::Codes { codes, .. } = p { codes[i] } else { 0 }).sum()).collect();
-    let got = sum.into_part().unwrap().unpacked().unwrap().into_owned();
+    let got = sum.into_part().unpacked().unwrap().into_owned();
     assert_eq!(got, Part::Codes { codes: want, lo: -7, hi: 7 });
     // The reply is the sum's usual wire form (lanes widened for 3 workers).
     assert_eq!(*from_wire(&sum_to_wire(&got, workers)).unwrap().unpacked().unwrap(), Part::Codes { codes: if let Part::Codes { codes, .. } = &got { codes.clone() } else { vec![] }, lo: -21, hi: 21 });
