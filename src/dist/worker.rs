@@ -533,12 +533,9 @@ impl DistWorker {
         let mut exchange = ServerExchange { post: &self.post, key, slices, pieces, step: state.step, phase: 0, workers, refused: vec![false; slices.len()] };
         let encoded = scheme::check_input(&compression, 1, &[merged], workers).and_then(|()| scheme::encode(&compression, std::slice::from_mut(next), &[merged], &ctx, &mut exchange));
         let finals = encoded.and_then(|(exchanged, part)| {
-            // The final contribution: codes cut in pieces; PowerSGD's Q whole to every server.
-            let wires: Vec<Vec<u8>> = match &part {
-                _ if slices.len() == 1 => vec![scheme::to_wire(&part)],
-                Part::F32(x) if x.len() != merged.len() => vec![scheme::to_wire(&part); slices.len()],
-                Part::F32(_) => part.split(&ranges)?.iter().map(scheme::to_wire).collect(),
-                _ => part.split(&exchange.pieces)?.iter().map(scheme::to_wire).collect(),
+            let wires: Vec<Vec<u8>> = match slices.len() {
+                1 => vec![scheme::to_wire(&part)],
+                _ => scheme::split_final(&part, &ranges, &exchange.pieces)?.iter().map(scheme::to_wire).collect(),
             };
             Ok((exchanged, part, wires))
         });

@@ -135,6 +135,19 @@ pub fn pieces(c: &Compression, step: u64, key_hash: u64, slices: &[Range<usize>]
     }
 }
 
+/// A worker's final contribution cut for the servers of a key's `slices`
+/// (`decode_slice` reads each piece): codes by `pieces`, a float32 sum of
+/// the whole key (uncompressed PowerSGD) by the slices, and any other
+/// float32 part (PowerSGD's Q) whole to every server.
+pub fn split_final(part: &Part, slices: &[Range<usize>], pieces: &[Range<usize>]) -> Result<Vec<Part>> {
+    let total = slices.last().map_or(0, |r| r.end);
+    match part {
+        Part::F32(x) if x.len() != total => Ok(vec![part.clone(); slices.len()]),
+        Part::F32(_) => part.split(slices),
+        _ => part.split(pieces),
+    }
+}
+
 /// The element multiple at which a key's slices should start so that one
 /// worker's final codes cut between whole lane groups (`Part::split` then
 /// copies words): 1 when there is nothing to align.

@@ -484,15 +484,15 @@ fn slices_decode_to_the_bits_of_the_whole() {
             for cuts in [vec![0, n / 3, n / 2 + 5, n], vec![0, align.min(n), n], vec![0, 1, 2, n - 1, n]] {
                 let slices: Vec<Range<usize>> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
                 let ranges = pieces(&c, ctx.step, ctx.key_hash, &slices);
-                // Float32 parts go whole to every slice but a whole key's float32 final.
-                let cut = |part: &Part| match part {
-                    Part::F32(x) if x.len() != n || matches!(c, Compression::Qsgd(_)) => Ok(vec![part.clone(); slices.len()]),
-                    _ => part.split(if matches!(part, Part::F32(_)) { &slices } else { &ranges }),
-                };
-                let sums = cut(&sum).unwrap();
+                // Exchanged float32 parts (scale, P) go whole to every slice, scale indices in pieces.
+                let sums = split_final(&sum, &slices, &ranges).unwrap();
                 let mut exs: Vec<Vec<Part>> = vec![Vec::new(); slices.len()];
                 for part in &exchanged {
-                    cut(part).unwrap().into_iter().zip(exs.iter_mut()).for_each(|(p, e)| e.push(p));
+                    let cut = match part {
+                        Part::F32(_) => vec![part.clone(); slices.len()],
+                        _ => part.split(&ranges).unwrap(),
+                    };
+                    cut.into_iter().zip(exs.iter_mut()).for_each(|(p, e)| e.push(p));
                 }
                 let mut got = vec![f32::NAN; n];
                 for ((r, s), e) in slices.iter().zip(&sums).zip(&exs) {
