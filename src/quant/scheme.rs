@@ -152,13 +152,22 @@ pub fn split_final(part: &Part, slices: &[Range<usize>], pieces: &[Range<usize>]
 /// worker's final codes cut between whole lane groups (`Part::split` then
 /// copies words): 1 when there is nothing to align.
 pub fn slice_align(c: &Compression) -> usize {
-    let span = match c {
-        Compression::Qsgd(q) => 2 * q.levels()[0] as u64,
-        Compression::OneBit { .. } => 1,
+    let (lo, hi) = match c {
+        Compression::Qsgd(q) => qsgd_codes(q),
+        Compression::OneBit { .. } => ONE_BIT_CODES,
         _ => return 1,
     };
-    lanes::GROUP * (64 / lanes::width_for(span)) as usize
+    lanes::GROUP * (64 / lanes::width_for((hi - lo) as u64)) as usize
 }
+
+/// The range of each member's final QSGD codes: `[-s_0, s_0]`.
+fn qsgd_codes(q: &Qsgd) -> (i32, i32) {
+    let s0 = q.levels()[0] as i32;
+    (-s0, s0)
+}
+
+/// The range of each member's 1-bit codes: the bits.
+const ONE_BIT_CODES: (i32, i32) = (0, 1);
 
 /// One worker's state for one key: error-feedback residual, PowerSGD's
 /// warm-started `Q`, the push count.
@@ -457,7 +466,7 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
         Compression::OneBit { threshold } => {
-            let bits = sum_packed(states, n, (0, 1), coll.lanes_for(), |i, s, words, width, add| {
+            let bits = sum_packed(states, n, ONE_BIT_CODES, coll.lanes_for(), |i, s, words, width, add| {
                 s.residual.resize(n, 0.0);
                 if add {
                     onebit::quantize_packed::<true>(grads[i], &mut s.residual, *threshold, words, width);
@@ -538,7 +547,6 @@ fn sum_packed(states: &mut [State], len: usize, (lo, hi): (i32, i32), lanes_for:
 
 fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
     let levels = q.levels();
-    let s0 = levels[0];
     if ctx.workers as u64 > qsgd::max_workers(q.bits()[0])? {
         return Err(bad("bits", format!("{} workers could overflow the code sum at {} bits", ctx.workers, q.bits()[0])));
     }
@@ -584,7 +592,7 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
         None
     };
     // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
-    let codes = sum_packed(states, len, (-(s0 as i32), s0 as i32), coll.lanes_for(), |i, _, words, width, add| {
+    let codes = sum_packed(states, len, qsgd_codes(q), coll.lanes_for(), |i, _, words, width, add| {
         let (x, seed) = (&xs[i], qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64));
         if add {
             qsgd::quantize_levels_packed::<true>(x, scale[0], &levels, level_of.as_deref(), seed, words, width);
