@@ -220,9 +220,11 @@ mod kernels {
     /// with noise `u`.
     #[inline(always)]
     pub(super) fn code(g: f32, u: f32, f: f32, s: f32) -> i32 {
-        // |g| f is >= 0 or NaN (0 times an infinite factor), and min takes s
-        // over a NaN: l is in [0, s].
-        let l = (g.abs() * f).min(s);
+        // |g| f is >= 0 or NaN (0 times an infinite factor); a NaN compares
+        // false and gives s, as f32::min would: l is in [0, s]. (This form
+        // is one vector min; f32::min adds a NaN test and a blend.)
+        let p = g.abs() * f;
+        let l = if p < s { p } else { s };
         // SAFETY: l is finite and in [0, 2^30] (above), so truncation fits
         // an i32; truncation of l >= 0 is floor. (A plain `as` saturates,
         // which the compiler cannot vectorize.)
@@ -441,25 +443,25 @@ mod kernels {
         }
     }
 
-    /// (max |x|, every element finite), in 8 independent lanes the compiler
-    /// vectorizes. Max is exact whatever the order, so every kernel agrees.
+    /// (max |x|, every element finite), as the largest of the values' bit
+    /// patterns with the sign cleared: for non-negative floats the integer
+    /// order is the float order, and every inf or NaN pattern is at least
+    /// inf's, so one integer max per vector does both jobs. Exact whatever
+    /// the order, so every kernel agrees. (The float max and an is-finite
+    /// test per element compiled to shuffles and scalar compares: a third
+    /// of QSGD's encode.)
     #[inline(always)]
     fn max_abs_body(x: &[f32]) -> (f32, bool) {
-        let (mut m, mut bad) = ([0f32; 16], [0u32; 16]);
-        let mut chunks = x.chunks_exact(16);
-        for c in &mut chunks {
-            for k in 0..16 {
-                let a = c[k].abs();
-                m[k] = if a > m[k] { a } else { m[k] };
-                bad[k] |= ((c[k].to_bits() & 0x7f80_0000) == 0x7f80_0000) as u32;
-            }
-        }
-        for &v in chunks.remainder() {
-            m[0] = if v.abs() > m[0] { v.abs() } else { m[0] };
-            bad[0] |= ((v.to_bits() & 0x7f80_0000) == 0x7f80_0000) as u32;
-        }
-        (m.iter().fold(0f32, |a, &b| a.max(b)), bad.iter().all(|&b| b == 0))
+        // An integer max reduction: vectorized without reassociating
+        // floats. (Sixteen accumulators in an array were vectorized across
+        // chunks instead, with gathers.)
+        let top = x.iter().fold(0u32, |m, &v| m.max(v.to_bits() & ABS));
+        (f32::from_bits(top), top < INF)
     }
+
+    /// All bits but the sign; the pattern of +inf.
+    const ABS: u32 = 0x7fff_ffff;
+    const INF: u32 = 0x7f80_0000;
 
     multiversion! {
         pub fn max_abs[][](x: &[f32]) -> (f32, bool) = max_abs_body;
@@ -599,10 +601,23 @@ mod kernels {
                         assert!(dl.iter().zip(&want_levels).zip(&l).all(|((d, &c), &j)| *d == (c as f64 * few[j as usize]) as f32), "{isa:?} decode of {count} steps n={n}");
                     }
                     let mut x = g.clone();
-                    assert_eq!(max_abs(isa, &x), (x.iter().fold(0f32, |m, v| m.max(v.abs())), true), "{isa:?} n={n}");
-                    if n > 0 {
-                        x[n - 1] = f32::NAN;
-                        assert!(!max_abs(isa, &x).1);
+                    let want = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    assert_eq!(max_abs(isa, &x), (want, true), "{isa:?} n={n}");
+                    // The largest magnitude negative, -0.0, subnormals: still exact.
+                    if n > 2 {
+                        (x[0], x[1], x[n - 1]) = (-0.0, f32::from_bits(1), -2.5);
+                        let want = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        assert_eq!(max_abs(isa, &x), (want, true), "{isa:?} n={n}");
+                        assert_eq!(max_abs(isa, &[-0.0, f32::from_bits(0x8000_0001)]), (f32::from_bits(1), true));
+                    }
+                    // A non-finite value of either sign at any place: a chunk's
+                    // first or last lane, or the remainder.
+                    for at in [0, n / 2, n.saturating_sub(1)].into_iter().filter(|&at| at < n) {
+                        for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                            let mut y = g.clone();
+                            y[at] = bad;
+                            assert!(!max_abs(isa, &y).1, "{isa:?} n={n}: {bad} at {at} missed");
+                        }
                     }
                 }
             }
