@@ -90,6 +90,37 @@ pub fn fill(isa: crate::isa::Isa, seed: u64, offset: usize, out: &mut [f32]) {
     spans(seed, offset, out.len(), |k, first, range| fill_kernel(isa, k, first, &mut out[range]));
 }
 
+/// Below this bound, `floor(u (j + 1))` is an exact integer product: `u`
+/// is `b / 2^24` with `b < 2^24`, so `b (j + 1) < 2^53` and the f64
+/// product of the definition is exact too.
+pub const BELOW_EXACT: usize = 1 << 29;
+
+#[inline(always)]
+fn below_body(k: Keys, first: u32, j0: u32, out: &mut [u32]) {
+    for (d, o) in out.iter_mut().enumerate() {
+        let b = (bits(k, first.wrapping_add(d as u32)) >> 8) as u64;
+        // j0 + d + 1 <= BELOW_EXACT (the caller's bound): no overflow, and
+        // the product of two 32-bit values is one vector multiply.
+        let range = j0.wrapping_add(d as u32).wrapping_add(1) as u64;
+        *o = ((b * range) >> 24) as u32;
+    }
+}
+
+crate::isa::multiversion! {
+    fn below_kernel[][](k: Keys, first: u32, j0: u32, out: &mut [u32]) -> () = below_body;
+}
+
+/// `out[d] = floor(uniform(seed, offset + d) * (j0 + d + 1))`, a uniform
+/// integer in `0..=j0 + d`, exactly as the f64 product computes it:
+/// Floyd's draws for random-K. Needs `j0 + out.len() <= BELOW_EXACT`.
+pub fn below(isa: crate::isa::Isa, seed: u64, offset: usize, j0: usize, out: &mut [u32]) {
+    assert!(j0 + out.len() <= BELOW_EXACT, "noise::below: {} draws from {j0} pass 2^29", out.len());
+    spans(seed, offset, out.len(), |k, first, range| {
+        let j = (j0 + range.start) as u32;
+        below_kernel(isa, k, first, j, &mut out[range])
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +143,21 @@ mod tests {
         fill(Isa::detect(), 9, offset, &mut got);
         assert_eq!(got, want);
         assert_ne!(uniform(9, 5), uniform(9, 5 + (1 << 32)));
+    }
+
+    #[test]
+    fn integer_draws_are_the_f64_products_of_the_definition() {
+        let reference = |seed: u64, offset: usize, j0: usize, d: usize| ((uniform(seed, (offset + d) as u64) as f64 * (j0 + d + 1) as f64) as usize).min(j0 + d);
+        // Small ranges, ranges where the product needs all 53 bits, and the
+        // 2^32 boundary of the stream (keys change there).
+        for (n, offset, j0) in [(0usize, 0usize, 0usize), (1, 0, 0), (17, 3, 5), (1000, 77, 1 << 20), (70_000, 1 << 20, BELOW_EXACT - 70_000), (40, (1 << 32) - 20, 123_456)] {
+            let want: Vec<u32> = (0..n).map(|d| reference(31, offset, j0, d) as u32).collect();
+            for isa in Isa::available() {
+                let mut got = vec![u32::MAX; n];
+                below(isa, 31, offset, j0, &mut got);
+                assert_eq!(got, want, "{isa:?} n={n} offset={offset} j0={j0}");
+            }
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::collective::{self, Collective};
-use super::{lanes, onebit, powersgd, qsgd};
+use super::{lanes, noise, onebit, powersgd, qsgd};
 use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
 use crate::codec;
@@ -182,6 +182,8 @@ pub struct State {
     spare_words: Vec<u64>,
     /// The last push's scale indices (`recycle`).
     spare_levels: Vec<u8>,
+    /// The last push's random-K values (its gradient at the selection).
+    spare_gathered: Vec<f32>,
 }
 
 impl Clone for State {
@@ -268,65 +270,88 @@ impl SelectionCache {
 /// Floyd's sampling of `k < n` distinct indices from the noise stream
 /// `seed`: draw `d` (for `j = n - k + d`) picks `t = floor(u_d (j + 1))`,
 /// or `j` when `t` was picked already; marked in a bitset, read in order.
-/// The draws come from the vector kernels a block at a time, and the bitset
+/// The draws come from the vector kernels a block at a time (as integer
+/// products below `noise::BELOW_EXACT`, the f64 ones above), and the bitset
 /// word of a later draw is fetched ahead while earlier ones are marked.
+/// Marking is sequential (a draw depends on every earlier one); reading the
+/// bitset out runs in parallel pieces, each placed by the counts before it.
 fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
     const BLOCK: usize = 2048;
     const AHEAD: usize = 32;
     thread_local! {
         // The bitset, kept between draws on this thread (cleared, not freed).
-        static CHOSEN: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+        // Taken out while in use: a job rayon runs on this thread while it
+        // waits for the read-out may draw too, into a bitset of its own.
+        static CHOSEN: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
     }
-    CHOSEN.with_borrow_mut(|chosen| {
-        chosen.clear();
-        chosen.resize(n.div_ceil(64), 0);
-        let isa = crate::isa::Isa::detect();
-        let (mut u, mut t) = ([0f32; BLOCK], [0usize; BLOCK]);
-        let mut first = 0;
-        while first < k {
-            let len = BLOCK.min(k - first);
-            super::noise::fill(isa, seed, first, &mut u[..len]);
+    let mut chosen = CHOSEN.take();
+    chosen.clear();
+    chosen.resize(n.div_ceil(64), 0);
+    let isa = crate::isa::Isa::detect();
+    let (mut u, mut t32, mut t) = ([0f32; BLOCK], [0u32; BLOCK], [0usize; BLOCK]);
+    let mut first = 0;
+    while first < k {
+        let (len, j0) = (BLOCK.min(k - first), n - k + first);
+        if n <= noise::BELOW_EXACT {
+            noise::below(isa, seed, first, j0, &mut t32[..len]);
+            t[..len].iter_mut().zip(&t32[..len]).for_each(|(t, &x)| *t = x as usize);
+        } else {
+            noise::fill(isa, seed, first, &mut u[..len]);
             for (d, (t, &u)) in t[..len].iter_mut().zip(&u[..len]).enumerate() {
-                let j = n - k + first + d;
-                *t = ((u as f64 * (j + 1) as f64) as usize).min(j);
+                *t = ((u as f64 * (j0 + d + 1) as f64) as usize).min(j0 + d);
             }
-            for d in 0..len {
-                if d + AHEAD < len {
-                    prefetch(chosen, t[d + AHEAD] / 64);
-                }
-                let (w, b) = (t[d] / 64, 1u64 << (t[d] % 64));
-                if chosen[w] & b == 0 {
-                    chosen[w] |= b;
-                } else {
-                    let j = n - k + first + d; // never picked before: j exceeds every earlier draw's range
-                    chosen[j / 64] |= 1u64 << (j % 64);
-                }
-            }
-            first += len;
         }
-        idx.clear();
-        idx.reserve(k);
-        for (w, &bits) in chosen.iter().enumerate() {
-            let mut b = bits;
+        for d in 0..len {
+            if d + AHEAD < len {
+                prefetch(&chosen, t[d + AHEAD] / 64);
+            }
+            let (w, b) = (t[d] / 64, 1u64 << (t[d] % 64));
+            if chosen[w] & b == 0 {
+                chosen[w] |= b;
+            } else {
+                let j = j0 + d; // never picked before: j exceeds every earlier draw's range
+                chosen[j / 64] |= 1u64 << (j % 64);
+            }
+        }
+        first += len;
+    }
+    let counts: Vec<usize> = chosen.par_chunks(READOUT_WORDS).map(|w| w.iter().map(|b| b.count_ones() as usize).sum()).collect();
+    assert_eq!(counts.iter().sum::<usize>(), k, "Floyd's draws mark k distinct indices");
+    idx.resize(k, 0); // every slot is written below; a recycled vector of k is not touched
+    let mut pieces = Vec::with_capacity(counts.len());
+    let mut rest = &mut idx[..];
+    for &c in &counts {
+        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(c);
+        pieces.push(piece);
+        rest = tail;
+    }
+    pieces.into_par_iter().zip(chosen.par_chunks(READOUT_WORDS)).enumerate().for_each(|(p, (out, words))| {
+        let mut at = 0;
+        for (w, &bits) in words.iter().enumerate() {
+            let (mut b, base) = (bits, (p * READOUT_WORDS + w) * 64);
             while b != 0 {
-                idx.push(w * 64 + b.trailing_zeros() as usize);
+                out[at] = base + b.trailing_zeros() as usize;
+                at += 1;
                 b &= b - 1;
             }
         }
-        if chosen.len() > 1 << 24 {
-            *chosen = Vec::new(); // over 128 MiB: not kept
-        }
     });
+    if chosen.len() <= 1 << 24 {
+        CHOSEN.set(chosen); // up to 128 MiB kept
+    }
 }
+
+/// Bitset words per parallel piece of a selection's read-out.
+const READOUT_WORDS: usize = 1 << 12;
 
 /// Selected coordinates per parallel piece of a gather or scatter.
 const SPREAD_PIECE: usize = 1 << 14;
 
-/// `g` at the coordinates `idx`, pieces in parallel.
-fn gather(g: &[f32], idx: &[usize]) -> Vec<f32> {
-    let mut out = vec![0f32; idx.len()];
+/// `g` at the coordinates `idx` into `out` (resized: a recycled buffer of
+/// the same length is only overwritten), pieces in parallel.
+fn gather(g: &[f32], idx: &[usize], out: &mut Vec<f32>) {
+    out.resize(idx.len(), 0.0);
     out.par_chunks_mut(SPREAD_PIECE).zip(idx.par_chunks(SPREAD_PIECE)).for_each(|(o, ix)| o.iter_mut().zip(ix).for_each(|(o, &i)| *o = g[i]));
-    out
 }
 
 /// `out` all zero but `out[idx[j] - base] = vals[j]`, for a selection's
@@ -553,8 +578,13 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     let idx = selection(q, grads[0].len(), ctx.step, ctx.key_hash);
     let xs: Vec<Cow<[f32]>> = grads
         .iter()
-        .map(|g| match &idx {
-            Some(idx) => Cow::Owned(gather(g, idx)),
+        .zip(states.iter_mut())
+        .map(|(g, s)| match &idx {
+            Some(idx) => {
+                let mut x = std::mem::take(&mut s.spare_gathered);
+                gather(g, idx, &mut x);
+                Cow::Owned(x)
+            }
             None => Cow::Borrowed(*g),
         })
         .collect();
@@ -602,6 +632,11 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     })?;
     if let Some(l) = level_of {
         exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
+    }
+    for (s, x) in states.iter_mut().zip(xs) {
+        if let Cow::Owned(x) = x {
+            s.spare_gathered = x; // fresh pages cost more than the gather
+        }
     }
     Ok((exchanged, codes))
 }

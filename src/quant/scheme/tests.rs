@@ -399,10 +399,16 @@ fn selection_draws_what_floyds_algorithm_draws_one_at_a_time() {
         }
         picked.into_iter().collect()
     }
-    for (n, k) in [(10, 3), (100, 99), (5000, 2047), (5000, 2048), (5000, 2049), (5000, 4097), (100_000, 6250), (1 << 20, 1 << 16)] {
+    for (n, k) in [(10, 3), (100, 99), (5000, 2047), (5000, 2048), (5000, 2049), (5000, 4097), (100_000, 6250), (1 << 20, 1 << 16), (3 * 64 * READOUT_WORDS + 5, 64 * READOUT_WORDS)] {
         let mut idx = vec![1, 2, 3]; // a recycled vector: cleared first
         draw_selection(77, n, k, &mut idx);
         assert_eq!(idx, floyd(77, n, k), "n={n} k={k}");
+    }
+    // Integer draws up to noise::BELOW_EXACT, f64 ones past it: both the definition.
+    for n in [noise::BELOW_EXACT, noise::BELOW_EXACT + 1000] {
+        let mut idx = Vec::new();
+        draw_selection(78, n, 300, &mut idx);
+        assert_eq!(idx, floyd(78, n, 300), "n={n}");
     }
     // Kept for the next call with the same (seed, step, key, n, k): the same allocation.
     let Compression::Qsgd(q) = params(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "300")]) else { unreachable!() };
@@ -442,7 +448,8 @@ fn gather_and_scatter_move_the_selected_coordinates_and_zero_the_rest() {
         let mut idx = Vec::new();
         draw_selection(3, n, k, &mut idx);
         let g: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
-        let vals = gather(&g, &idx);
+        let mut vals = vec![9f32; 3]; // a recycled buffer: resized, every value written
+        gather(&g, &idx, &mut vals);
         assert_eq!(vals, idx.iter().map(|&i| g[i]).collect::<Vec<_>>(), "n={n} k={k}");
         let mut out = vec![7f32; n];
         scatter(&idx, 0, &vals, &mut out);
