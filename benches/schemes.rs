@@ -68,6 +68,22 @@ fn main() {
         let dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
         row(name, enc, Some(dec), wire_bytes as f64 / n as f64);
     }
+    // Two stages of the encodes above, timed alone.
+    println!();
+    let max = time(reps, || {
+        std::hint::black_box(gradpack::quant::qsgd::max_abs(&grad));
+    });
+    println!("{:<40} {:>6.1} ms", "stage: max |g| (QSGD's first pass)", max * 1e3);
+    if let Some((_, params)) = common::SCHEMES.iter().find(|(name, _)| name.starts_with("grandk")) {
+        if let Compression::Qsgd(q) = common::compression(params, n) {
+            let mut step = 1 << 40; // steps no encode above drew: never a cached selection
+            let draw = time(reps, || {
+                step += 1;
+                std::hint::black_box(scheme::selection(&q, n, step, 1));
+            });
+            println!("{:<40} {:>6.1} ms", "stage: random-K's selection (k = n/16)", draw * 1e3);
+        }
+    }
     println!("\nvs r+=g: encode time / the in-place r += g loop's (12 B/element, the memory floor of a residual update).");
     println!("decode ms beside the copy's (8 B/element, every value read and written).");
 }
