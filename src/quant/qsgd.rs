@@ -448,8 +448,8 @@ mod kernels {
     /// order is the float order, and every inf or NaN pattern is at least
     /// inf's, so one integer max per vector does both jobs. Exact whatever
     /// the order, so every kernel agrees. (The float max and an is-finite
-    /// test per element compiled to shuffles and scalar compares: a third
-    /// of QSGD's encode.)
+    /// test per element compiled to shuffles and scalar compares; they kept
+    /// up with memory on this 2-core machine, but with no margin.)
     #[inline(always)]
     fn max_abs_body(x: &[f32]) -> (f32, bool) {
         // An integer max reduction: vectorized without reassociating
