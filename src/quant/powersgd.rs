@@ -294,12 +294,32 @@ pub fn p_times_qt(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out:
 
 #[allow(clippy::too_many_arguments)]
 fn p_times_qt_on(isa: Isa, p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, out: &mut [f32], subtract: bool) {
+    assert!(out.len() == rows * cols && p.len() == rows * r, "PowerSGD: p q^T of {} values into {} for {rows} x {cols}", p.len(), out.len());
     let qt = transposed(q, cols, r);
-    let row = |i: usize, o: &mut [f32]| pqt_row(isa, &p[i * r..(i + 1) * r], &qt, cols, o, subtract);
-    if rows * cols > PARALLEL {
-        out.par_chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
+    pqt_rows(isa, p, &qt, cols, r, 0, out, subtract);
+}
+
+/// Whole rows `first..` of `p q^T` written (or, with `subtract`, taken)
+/// into `out`: pairs of rows share each load of `qt` (`pqt_two`), which
+/// halves what a row pass reads from the second-level cache; rank above
+/// `MAX_FUSED` and a last odd row go a row at a time. In parallel pairs
+/// when large.
+#[allow(clippy::too_many_arguments)]
+fn pqt_rows(isa: Isa, p: &[f32], qt: &[f32], cols: usize, r: usize, first: usize, out: &mut [f32], subtract: bool) {
+    let pair = |k: usize, o: &mut [f32]| {
+        let i = first + 2 * k;
+        if o.len() == 2 * cols && (1..=MAX_FUSED).contains(&r) {
+            pqt_two(isa, &p[i * r..(i + 2) * r], qt, cols, o, subtract);
+        } else {
+            for (d, o) in o.chunks_mut(cols).enumerate() {
+                pqt_row(isa, &p[(i + d) * r..(i + d + 1) * r], qt, cols, o, subtract);
+            }
+        }
+    };
+    if out.len() > PARALLEL {
+        out.par_chunks_mut(2 * cols).enumerate().for_each(|(k, o)| pair(k, o));
     } else {
-        out.chunks_mut(cols).enumerate().for_each(|(i, o)| row(i, o));
+        out.chunks_mut(2 * cols).enumerate().for_each(|(k, o)| pair(k, o));
     }
 }
 
@@ -326,11 +346,7 @@ pub fn p_times_qt_range(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize
     let first = (offset + head) / cols;
     let whole_rows = rest.len() / cols;
     let (body, tail) = rest.split_at_mut(whole_rows * cols);
-    if body.len() > PARALLEL {
-        body.par_chunks_mut(cols).enumerate().for_each(|(k, o)| row(first + k, o));
-    } else {
-        body.chunks_mut(cols).enumerate().for_each(|(k, o)| row(first + k, o));
-    }
+    pqt_rows(isa, p, &qt, cols, r, first, body, false);
     if !tail.is_empty() {
         part_of_row(first + whole_rows, 0, tail);
     }
@@ -396,6 +412,63 @@ fn pqt_row_few<const R: usize>(p_row: &[f32], qt: &[f32], cols: usize, o_row: &m
         }
         *o = if subtract { *o - v } else { v };
     }
+}
+
+/// `pqt_row_few` for two rows at once (`o` holds both, `p2` both rows of
+/// `p`): each chunk of `qt` is loaded once for both. The same terms in the
+/// same order per row: the same bits.
+#[inline(always)]
+fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) {
+    const CHUNK: usize = 32;
+    let start: f32 = std::iter::empty::<f32>().sum();
+    let pa: &[f32; R] = p2[..R].try_into().unwrap();
+    let pb: &[f32; R] = p2[R..2 * R].try_into().unwrap();
+    let q: [&[f32]; R] = std::array::from_fn(|j| &qt[j * cols..(j + 1) * cols]);
+    let (oa, ob) = o.split_at_mut(cols);
+    let full = cols / CHUNK * CHUNK;
+    for c in (0..full).step_by(CHUNK) {
+        let (mut va, mut vb) = ([start; CHUNK], [start; CHUNK]);
+        for j in 0..R {
+            let y: &[f32; CHUNK] = q[j][c..c + CHUNK].try_into().unwrap();
+            for k in 0..CHUNK {
+                va[k] += pa[j] * y[k];
+                vb[k] += pb[j] * y[k];
+            }
+        }
+        let xa: &mut [f32; CHUNK] = (&mut oa[c..c + CHUNK]).try_into().unwrap();
+        for k in 0..CHUNK {
+            xa[k] = if subtract { xa[k] - va[k] } else { va[k] };
+        }
+        let xb: &mut [f32; CHUNK] = (&mut ob[c..c + CHUNK]).try_into().unwrap();
+        for k in 0..CHUNK {
+            xb[k] = if subtract { xb[k] - vb[k] } else { vb[k] };
+        }
+    }
+    for (pr, orow) in [(pa, &mut oa[full..]), (pb, &mut ob[full..])] {
+        for (k, o) in orow.iter_mut().enumerate() {
+            let mut v = start;
+            for (&pj, q) in pr.iter().zip(&q) {
+                v += pj * q[full + k];
+            }
+            *o = if subtract { *o - v } else { v };
+        }
+    }
+}
+
+#[inline(always)]
+fn pqt_two_body(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) {
+    match p2.len() / 2 {
+        1 => pqt_two_few::<1>(p2, qt, cols, o, subtract),
+        2 => pqt_two_few::<2>(p2, qt, cols, o, subtract),
+        3 => pqt_two_few::<3>(p2, qt, cols, o, subtract),
+        4 => pqt_two_few::<4>(p2, qt, cols, o, subtract),
+        r => unreachable!("rank {r} above MAX_FUSED"),
+    }
+}
+
+crate::isa::multiversion! {
+    /// Two rows of `p_times_qt` for ranks 1 to `MAX_FUSED`.
+    fn pqt_two[][](p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) -> () = pqt_two_body;
 }
 
 crate::isa::multiversion! {
@@ -482,10 +555,11 @@ mod tests {
     #[test]
     fn the_products_match_the_plain_loops_bit_for_bit() {
         // Shapes around the blocks (256 to 1024 columns), chunks (16 to 64), tiles (16
-        // rows) and piece (1024) sizes, one large enough to run in
-        // parallel, ranks with kernels of their own (1 to 4) and without;
-        // values with every sign, and -0.0.
-        for (rows, cols, r) in [(3, 5, 1), (7, 255, 2), (9, 257, 3), (5, 1025, 4), (300, 300, 4), (130, 97, 3), (17, 2049, 8), (70, 300, 5)] {
+        // rows) and piece (1024) sizes, two large enough to run in
+        // parallel (one with an odd row count: a last row without a pair),
+        // ranks with kernels of their own (1 to 4) and without; values with
+        // every sign, and -0.0.
+        for (rows, cols, r) in [(3, 5, 1), (7, 255, 2), (9, 257, 3), (5, 1025, 4), (300, 300, 4), (301, 257, 2), (130, 97, 3), (17, 2049, 8), (70, 300, 5)] {
             let m: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
             let mut p: Vec<f32> = (0..rows * r).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
             p[0] = -0.0;
