@@ -101,6 +101,15 @@ fn as_words(bytes: &mut [u8]) -> &mut [[u8; 8]] {
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<[u8; 8]>(), bytes.len() / 8) }
 }
 
+/// The bytes of `words` in memory order: on a little-endian machine, the
+/// wire's little-endian words as they are (one copy, no zero fill first).
+#[cfg(target_endian = "little")]
+pub fn words_as_bytes(words: &[u64]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and every bit pattern is a valid u8; the
+    // bytes cover exactly the words' memory, borrowed shared as `words` is.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+}
+
 /// Packs `f(vals[i])` (each `< 2^width`) into `out`, whole groups in
 /// parallel; `put` stores a finished word. Widths 1 to 32 are compiled each
 /// with its shifts fixed (`pack_kernel`), for every instruction set.

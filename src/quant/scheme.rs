@@ -815,7 +815,7 @@ pub fn allreduce(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &
 /// the narrowest width that holds `hi - lo` (codes) or `count - 1` (scale
 /// indices).
 pub fn to_wire(part: &Part) -> Vec<u8> {
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(wire_hint(part));
     write_part(&mut out, part, 1);
     out
 }
@@ -823,9 +823,22 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
 /// Wire form of a sum over `workers` workers' parts: codes keep each
 /// worker's range in `Part::Codes`, so their lanes are widened for the sum.
 pub fn sum_to_wire(sum: &Part, workers: usize) -> Vec<u8> {
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(wire_hint(sum));
     write_part(&mut out, sum, workers as i32);
     out
+}
+
+/// About the wire form's length, to allocate it once (a hint: a sum's
+/// wider lanes may need more, and the vector then grows).
+fn wire_hint(part: &Part) -> usize {
+    const HEADER: usize = 32;
+    HEADER
+        + match part {
+            Part::F32(x) => 4 * x.len(),
+            Part::Levels { levels, count } => 8 * lanes::words_for(levels.len(), lanes::width_for((*count).max(1) as u64 - 1)),
+            Part::Packed { words, .. } => 8 * words.len(),
+            Part::Codes { codes, lo, hi } => 8 * lanes::words_for(codes.len(), lanes::width_for((*hi as i64 - *lo as i64).max(0) as u64)),
+        }
 }
 
 /// Appends `part`'s wire form, code ranges multiplied by `workers`.
@@ -851,9 +864,10 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
             out.extend((*n as u64).to_le_bytes());
             out.extend((lo * workers).to_le_bytes());
             out.extend((hi * workers).to_le_bytes());
-            let start = out.len();
-            out.resize(start + 8 * words.len(), 0);
-            out[start..].chunks_exact_mut(8).zip(words).for_each(|(b, w)| b.copy_from_slice(&w.to_le_bytes()));
+            #[cfg(target_endian = "little")]
+            out.extend_from_slice(lanes::words_as_bytes(words));
+            #[cfg(not(target_endian = "little"))]
+            words.iter().for_each(|w| out.extend_from_slice(&w.to_le_bytes()));
         }
         Part::Packed { .. } => write_part(out, &part.unpacked().expect("a packed part's own words"), workers),
         Part::Codes { codes, lo, hi } => {
