@@ -301,14 +301,15 @@ fn p_times_qt_on(isa: Isa, p: &[f32], q: &[f32], rows: usize, cols: usize, r: us
 
 /// Whole rows `first..` of `p q^T` written (or, with `subtract`, taken)
 /// into `out`: pairs of rows share each load of `qt` (`pqt_two`), which
-/// halves what a row pass reads from the second-level cache; rank above
+/// halves what a row pass reads from the second-level cache. Rank 1 (a
+/// single row of `qt`, where pairs measured no faster), ranks above
 /// `MAX_FUSED` and a last odd row go a row at a time. In parallel pairs
 /// when large.
 #[allow(clippy::too_many_arguments)]
 fn pqt_rows(isa: Isa, p: &[f32], qt: &[f32], cols: usize, r: usize, first: usize, out: &mut [f32], subtract: bool) {
     let pair = |k: usize, o: &mut [f32]| {
         let i = first + 2 * k;
-        if o.len() == 2 * cols && (1..=MAX_FUSED).contains(&r) {
+        if o.len() == 2 * cols && (2..=MAX_FUSED).contains(&r) {
             pqt_two(isa, &p[i * r..(i + 2) * r], qt, cols, o, subtract);
         } else {
             for (d, o) in o.chunks_mut(cols).enumerate() {
@@ -458,16 +459,15 @@ fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32
 #[inline(always)]
 fn pqt_two_body(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) {
     match p2.len() / 2 {
-        1 => pqt_two_few::<1>(p2, qt, cols, o, subtract),
         2 => pqt_two_few::<2>(p2, qt, cols, o, subtract),
         3 => pqt_two_few::<3>(p2, qt, cols, o, subtract),
         4 => pqt_two_few::<4>(p2, qt, cols, o, subtract),
-        r => unreachable!("rank {r} above MAX_FUSED"),
+        r => unreachable!("rank {r} outside 2..=MAX_FUSED"),
     }
 }
 
 crate::isa::multiversion! {
-    /// Two rows of `p_times_qt` for ranks 1 to `MAX_FUSED`.
+    /// Two rows of `p_times_qt` for ranks 2 to `MAX_FUSED`.
     fn pqt_two[][](p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) -> () = pqt_two_body;
 }
 
