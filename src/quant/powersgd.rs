@@ -406,9 +406,17 @@ fn pqt_row_few<const R: usize>(p_row: &[f32], qt: &[f32], cols: usize, o_row: &m
             *o = if subtract { *o - v } else { v };
         }
     }
+    pqt_rest(pj, &q, full, o_rest, subtract);
+}
+
+/// The columns `full..` of one row of `p q^T` (past the last whole chunk),
+/// one element at a time in the chunks' order of terms.
+#[inline(always)]
+fn pqt_rest<const R: usize>(p_row: &[f32; R], q: &[&[f32]; R], full: usize, o_rest: &mut [f32], subtract: bool) {
+    let start: f32 = std::iter::empty::<f32>().sum();
     for (k, o) in o_rest.iter_mut().enumerate() {
         let mut v = start;
-        for (&pj, q) in pj.iter().zip(&q) {
+        for (&pj, q) in p_row.iter().zip(q) {
             v += pj * q[full + k];
         }
         *o = if subtract { *o - v } else { v };
@@ -445,15 +453,8 @@ fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32
             xb[k] = if subtract { xb[k] - vb[k] } else { vb[k] };
         }
     }
-    for (pr, orow) in [(pa, &mut oa[full..]), (pb, &mut ob[full..])] {
-        for (k, o) in orow.iter_mut().enumerate() {
-            let mut v = start;
-            for (&pj, q) in pr.iter().zip(&q) {
-                v += pj * q[full + k];
-            }
-            *o = if subtract { *o - v } else { v };
-        }
-    }
+    pqt_rest(pa, &q, full, &mut oa[full..], subtract);
+    pqt_rest(pb, &q, full, &mut ob[full..], subtract);
 }
 
 #[inline(always)]
