@@ -42,6 +42,15 @@ impl Slice {
         m.len = self.len as u64;
         m
     }
+
+    /// The header of a scheme round's push about this slice of `key`:
+    /// `flags` (the kind of push) and `body` (the round's step and phase).
+    fn round_meta(&self, key: &Key, flags: &[Flag], body: &str) -> Meta {
+        let mut m = self.meta(Command::Push, key);
+        flags.iter().for_each(|&f| m.set(f));
+        m.body = body.to_string();
+        m
+    }
 }
 
 /// Where each part of a key of `n` elements lives: a key of at least
@@ -153,13 +162,8 @@ impl ServerExchange<'_> {
     fn exchange(&mut self, op: Exchange, parts: Vec<Part>) -> Result<Vec<Part>> {
         let body = encode_pairs([("op", op.name()), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
         self.phase += 1;
-        let meta = |s: &Slice| {
-            let mut m = s.meta(Command::Push, self.key);
-            m.set(Flag::Exchange);
-            m.body = body.clone();
-            m
-        };
-        let replies = self.send(meta, parts.iter().map(scheme::to_wire).collect())?;
+        let key = self.key;
+        let replies = self.send(|s| s.round_meta(key, &[Flag::Exchange], &body), parts.iter().map(scheme::to_wire).collect())?;
         replies.iter().map(|r| scheme::from_wire(&r.data)).collect()
     }
 
@@ -506,13 +510,7 @@ impl DistWorker {
             .iter()
             .enumerate()
             .filter(|(i, _)| !refused.get(*i).copied().unwrap_or(false))
-            .map(|(_, s)| {
-                let mut m = s.meta(Command::Push, key);
-                m.set(Flag::Exchange);
-                m.set(Flag::Abort);
-                m.body = body.clone();
-                (s.server, m, Vec::new())
-            })
+            .map(|(_, s)| (s.server, s.round_meta(key, &[Flag::Exchange, Flag::Abort], &body), Vec::new()))
             .collect();
         if !parts.is_empty() {
             let _ = self.post.request(parts);
@@ -547,13 +545,7 @@ impl DistWorker {
             }
         };
         let body = encode_pairs([("step", state.step.to_string().as_str())]);
-        let meta = |s: &Slice| {
-            let mut m = s.meta(Command::Push, key);
-            m.set(Flag::Scheme);
-            m.body = body.clone();
-            m
-        };
-        let replies = exchange.send(meta, wires)?;
+        let replies = exchange.send(|s| s.round_meta(key, &[Flag::Scheme], &body), wires)?;
         // PowerSGD's servers answer with the summed Q, the same from each.
         let summed = match replies.iter().map(|r| &r.data[..]).find(|d| !d.is_empty()) {
             None => part,
