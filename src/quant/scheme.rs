@@ -815,7 +815,7 @@ pub fn allreduce(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &
 /// the narrowest width that holds `hi - lo` (codes) or `count - 1` (scale
 /// indices).
 pub fn to_wire(part: &Part) -> Vec<u8> {
-    let mut out = Vec::with_capacity(wire_hint(part));
+    let mut out = Vec::new();
     write_part(&mut out, part, 1);
     out
 }
@@ -823,22 +823,9 @@ pub fn to_wire(part: &Part) -> Vec<u8> {
 /// Wire form of a sum over `workers` workers' parts: codes keep each
 /// worker's range in `Part::Codes`, so their lanes are widened for the sum.
 pub fn sum_to_wire(sum: &Part, workers: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(wire_hint(sum));
+    let mut out = Vec::new();
     write_part(&mut out, sum, workers as i32);
     out
-}
-
-/// About the wire form's length, to allocate it once (a hint: a sum's
-/// wider lanes may need more, and the vector then grows).
-fn wire_hint(part: &Part) -> usize {
-    const HEADER: usize = 32;
-    HEADER
-        + match part {
-            Part::F32(x) => 4 * x.len(),
-            Part::Levels { levels, count } => 8 * lanes::words_for(levels.len(), lanes::width_for((*count).max(1) as u64 - 1)),
-            Part::Packed { words, .. } => 8 * words.len(),
-            Part::Codes { codes, lo, hi } => 8 * lanes::words_for(codes.len(), lanes::width_for((*hi as i64 - *lo as i64).max(0) as u64)),
-        }
 }
 
 /// Appends `part`'s wire form, code ranges multiplied by `workers`.
@@ -847,6 +834,7 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
         Part::F32(x) => {
             out.push(0);
             out.extend((x.len() as u64).to_le_bytes());
+            out.reserve(4 * x.len()); // one allocation, as the lanes' resize and extend below make
             x.iter().for_each(|v| out.extend(v.to_le_bytes()));
         }
         Part::Levels { levels, count } => {
