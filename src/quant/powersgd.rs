@@ -353,6 +353,13 @@ pub fn p_times_qt_range(p: &[f32], q: &[f32], rows: usize, cols: usize, r: usize
     }
 }
 
+/// What `Iterator::sum` starts from (0.0 or -0.0, by Rust version): every
+/// element of `p q^T` starts there, as `reference::p_times_qt` does.
+#[inline(always)]
+fn sum_start() -> f32 {
+    std::iter::empty::<f32>().sum()
+}
+
 /// One row of `p_times_qt`: `o_row (-)= p_row qt`.
 #[inline(always)]
 fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) {
@@ -363,8 +370,7 @@ fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtr
         4 => return pqt_row_few::<4>(p_row, qt, cols, o_row, subtract),
         _ => {}
     }
-    // What `Iterator::sum` starts from (0.0 or -0.0, by Rust version).
-    let start: f32 = std::iter::empty::<f32>().sum();
+    let start = sum_start();
     // In pieces that stay in the first-level cache.
     const PIECE: usize = 1024;
     let mut v = [0f32; PIECE];
@@ -389,7 +395,7 @@ fn pqt_row_body(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtr
 #[inline(always)]
 fn pqt_row_few<const R: usize>(p_row: &[f32], qt: &[f32], cols: usize, o_row: &mut [f32], subtract: bool) {
     const CHUNK: usize = 64;
-    let start: f32 = std::iter::empty::<f32>().sum();
+    let start = sum_start();
     let pj: &[f32; R] = p_row.try_into().unwrap();
     let q: [&[f32]; R] = std::array::from_fn(|j| &qt[j * cols..(j + 1) * cols]);
     let full = o_row.len() / CHUNK * CHUNK;
@@ -413,7 +419,7 @@ fn pqt_row_few<const R: usize>(p_row: &[f32], qt: &[f32], cols: usize, o_row: &m
 /// one element at a time in the chunks' order of terms.
 #[inline(always)]
 fn pqt_rest<const R: usize>(p_row: &[f32; R], q: &[&[f32]; R], full: usize, o_rest: &mut [f32], subtract: bool) {
-    let start: f32 = std::iter::empty::<f32>().sum();
+    let start = sum_start();
     for (k, o) in o_rest.iter_mut().enumerate() {
         let mut v = start;
         for (&pj, q) in p_row.iter().zip(q) {
@@ -429,7 +435,7 @@ fn pqt_rest<const R: usize>(p_row: &[f32; R], q: &[&[f32]; R], full: usize, o_re
 #[inline(always)]
 fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) {
     const CHUNK: usize = 32;
-    let start: f32 = std::iter::empty::<f32>().sum();
+    let start = sum_start();
     let pa: &[f32; R] = p2[..R].try_into().unwrap();
     let pb: &[f32; R] = p2[R..2 * R].try_into().unwrap();
     let q: [&[f32]; R] = std::array::from_fn(|j| &qt[j * cols..(j + 1) * cols]);
