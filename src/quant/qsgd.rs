@@ -392,13 +392,7 @@ mod kernels {
             let (g, l) = (&g[r.clone()], &l[r.clone()]);
             let at = first.wrapping_add(r.start as u32);
             for (j, ((c, &g), &lv)) in c.iter_mut().zip(g).zip(l).enumerate() {
-                let (mut fe, mut se) = (f[0], s[0]);
-                for m in 1..COUNT {
-                    let hit = lv == m as u8;
-                    fe = if hit { f[m] } else { fe };
-                    se = if hit { s[m] } else { se };
-                }
-                *c = code(g, noise::unit(k, at.wrapping_add(j as u32)), fe, se);
+                *c = code(g, noise::unit(k, at.wrapping_add(j as u32)), pick(&f, lv), pick(&s, lv));
             }
         });
     }
@@ -524,6 +518,18 @@ mod kernels {
         }
     }
 
+    /// `vals[lv]`, or `vals[0]` for an index past them, by `COUNT - 1`
+    /// selects of values held in registers (a lookup per element compiles
+    /// to gathers): the few-scale kernels' choice of scale or step.
+    #[inline(always)]
+    fn pick<T: Copy, const COUNT: usize>(vals: &[T; COUNT], lv: u8) -> T {
+        let mut v = vals[0];
+        for (m, &x) in vals.iter().enumerate().skip(1) {
+            v = if lv == m as u8 { x } else { v };
+        }
+        v
+    }
+
     /// `decode_levels_body` for `COUNT` steps in use: each element's step by
     /// `COUNT - 1` selects of values held in registers (the same bits).
     #[inline(always)]
@@ -531,11 +537,7 @@ mod kernels {
         let mut st = [0f64; COUNT];
         st.copy_from_slice(&steps[..COUNT]);
         for ((o, &c), &lv) in o.iter_mut().zip(c).zip(l) {
-            let mut s = st[0];
-            for (m, &step) in st.iter().enumerate().skip(1) {
-                s = if lv == m as u8 { step } else { s };
-            }
-            *o = (c as f64 * s) as f32;
+            *o = (c as f64 * pick(&st, lv)) as f32;
         }
     }
 
