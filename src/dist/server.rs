@@ -64,7 +64,7 @@ impl Gathered {
                 Ok(())
             }
             (Gathered::Part(acc), part) => combine(op, acc, part),
-            _ => Err(Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()))),
+            _ => Err(mismatch(op)),
         }
     }
 
@@ -86,15 +86,19 @@ impl Gathered {
     }
 }
 
+/// Workers' parts of one exchange that cannot be reduced together.
+fn mismatch(op: Exchange) -> Error {
+    Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()))
+}
+
 /// `acc = op(acc, part)` elementwise (MAX, MIN); both from workers of one
 /// round. (float32 sums are added in rank order by `Gathered::reduced`;
 /// codes come only as a final contribution, summed packed by `LaneSum`.)
 fn combine(op: Exchange, acc: &mut Part, part: Part) -> Result<()> {
-    let mismatch = || Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()));
     match (op, acc, part) {
         (Exchange::Max, Part::F32(a), Part::F32(b)) if a.len() == b.len() => collective::max_into(a, &b),
         (Exchange::Min, Part::Levels { levels: a, count }, Part::Levels { levels: b, count: c }) if a.len() == b.len() && *count == c => collective::min_into(a, &b),
-        _ => Err(mismatch()),
+        _ => Err(mismatch(op)),
     }
 }
 
@@ -551,7 +555,7 @@ impl Server {
             (None, Some(Err(lanes))) => round.acc = Some((op, Gathered::Lanes(scheme::LaneSum::first(lanes, num_workers)?))),
             (Some((o, acc @ (Gathered::Part(_) | Gathered::Ordered(_)))), Some(Ok(part))) if *o == op => acc.add(op, meta.sender, part)?,
             (Some((o, Gathered::Lanes(sum))), Some(Err(lanes))) if *o == op => sum.add(lanes)?,
-            (Some((o, _)), Some(_)) if *o == op => return Err(Error::Transport(format!("malformed exchange: workers sent different kinds or lengths for '{}'", op.name()))),
+            (Some((o, _)), Some(_)) if *o == op => return Err(mismatch(op)),
             (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' while the workers' '{}' is being gathered", op.name(), o.name()) }),
         }
         round.waiting.push((meta.sender, meta.request_id));
