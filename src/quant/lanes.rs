@@ -274,6 +274,19 @@ pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn
     unpack_core(words.len(), |i| words[i], width, out, f)
 }
 
+/// `v + base` as a double, exactly, for `v < 2^52` and `base` a whole number
+/// with `|base| < 2^52` (the caller's to keep): the double whose bits are
+/// `2^52`'s with `v` in the mantissa is `2^52 + v`, less `2^52 - base`.
+/// The conversion of a decoded lane without one: AVX2 has no 64-bit integer
+/// to float instruction, and `(v as i64 + base) as f64` compiled to a scalar
+/// `vcvtsi2sd` per value there (decodes at twice the copy's time).
+#[inline(always)]
+pub fn exact_plus(v: u64, base: f64) -> f64 {
+    const TWO_52: f64 = (1u64 << 52) as f64;
+    debug_assert!(v < 1 << 52 && base.abs() < TWO_52 && base.fract() == 0.0);
+    f64::from_bits(TWO_52.to_bits() | v) - (TWO_52 - base)
+}
+
 /// Code sums from lanes that hold `sum - base` (`base`: the lowest code
 /// times the members summed): `out.len()` of them. Errors on a wrong word count.
 pub fn unpack_codes(words: &[u64], width: u32, base: i64, out: &mut [i32]) -> Result<()> {
@@ -397,6 +410,21 @@ mod tests {
             words[w] |= v << (lane * width);
         }
         words
+    }
+
+    #[test]
+    fn exact_plus_is_the_integer_sum_at_its_bounds() {
+        let top = (1u64 << 52) - 1;
+        for v in [0, 1, 2, 255, u32::MAX as u64 - 1, u32::MAX as u64, 1 << 32, top] {
+            for base in [0i64, 1, -1, -7, 1 << 31, -(1 << 31), top as i64, -(top as i64)] {
+                let want = v as i128 + base as i128;
+                let got = exact_plus(v, base as f64);
+                assert_eq!(got as i128, want, "v={v} base={base}");
+                assert_eq!(got.to_bits(), (want as f64).to_bits(), "v={v} base={base}");
+            }
+        }
+        // as a decode uses it: one rounding to f32, as from the integer
+        assert_eq!(exact_plus(2 * (u32::MAX as u64), -3.0) as f32, (2 * u32::MAX as i64 - 3) as f32);
     }
 
     #[test]

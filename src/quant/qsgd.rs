@@ -779,7 +779,11 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
             return Err(bad("levels", format!("{} scales without scale indices", levels.len())));
         }
         let step = steps(levels, scale)[0];
-        return super::lanes::unpack_into(words, width, out, |v| ((v as i64 + base) as f64 * step) as f32);
+        if base.unsigned_abs() >= 1 << 52 {
+            return super::lanes::unpack_into(words, width, out, |v| ((v as i64 + base) as f64 * step) as f32);
+        }
+        let base = base as f64;
+        return super::lanes::unpack_into(words, width, out, |v| (super::lanes::exact_plus(v, base) * step) as f32);
     };
     check_levels(l, n, levels)?;
     let steps = steps(levels, scale);

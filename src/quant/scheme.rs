@@ -711,8 +711,9 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
         },
         (Compression::OneBit { .. }, Part::Packed { words, n: len, width, .. }) if *len == n => {
             // lanes count the 1 bits (lo = 0): 2 ones - workers
-            let w = ctx.workers as i64;
-            lanes::unpack_into(words, *width, out, |v| (2 * v as i64 - w) as f32)
+            // (exact in a double, then rounded once, as the integer would be)
+            let w = -(ctx.workers as f64);
+            lanes::unpack_into(words, *width, out, |v| lanes::exact_plus(2 * v, w) as f32)
         }
         (Compression::OneBit { .. }, Part::Codes { codes, .. }) if codes.len() == n => {
             let w = ctx.workers as i32;
