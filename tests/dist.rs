@@ -398,13 +398,17 @@ fn scheme_grad(rank: usize, step: usize, n: usize) -> Vec<f32> {
 /// store's bits, on a key one server holds and on one cut over both
 /// servers (2000 elements, above the big-array bound): each server decodes
 /// its slice, random-K's few coordinates fall unevenly on the two, and
-/// PowerSGD's float32 sums are added in rank order on every server.
+/// PowerSGD's float32 sums are added in rank order on every server. With
+/// 2 workers, qsgd_mn_ms's sums (codes in -1..=1 from 1-bit scales, 5
+/// values) and 1-bit's (3 values) are pulled as base-k digits
+/// (`quant::digits`), and give the same bits.
 #[test]
 fn every_scheme_on_the_servers_matches_the_device_store() {
-    for i in 0..7 {
+    let runs = (0..7).map(|i| (3, i)).chain([(2, 2), (2, 6)]);
+    for (workers, i) in runs {
         for shape in [[6usize, 10], [40, 50]] {
             let n: usize = shape.iter().product();
-            let results = job_with(3, 2, "dist_sync", move |rank, w| {
+            let results = job_with(workers, 2, "dist_sync", move |rank, w| {
                 let params = scheme_params(i);
                 let c = Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap();
                 w.set_compress(c, &params).unwrap();
@@ -419,7 +423,7 @@ fn every_scheme_on_the_servers_matches_the_device_store() {
                 for step in 0..4 {
                     let g = scheme_grad(rank, step, n);
                     w.push(&key, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap();
-                    let all: Vec<Vec<f32>> = (0..3).map(|r| scheme_grad(r, step, n)).collect();
+                    let all: Vec<Vec<f32>> = (0..workers).map(|r| scheme_grad(r, step, n)).collect();
                     let arrays: Vec<Array> = all.iter().map(|g| Array { shape: &shape, data: Grad::F32(g) }).collect();
                     device.push(&key, &arrays).unwrap();
                     w.barrier().unwrap(); // every worker's push is in before anyone pulls
@@ -433,7 +437,7 @@ fn every_scheme_on_the_servers_matches_the_device_store() {
             });
             // Every worker runs the same exchanges and pushes over the rounds, so
             // each hands the transport the same number of bytes.
-            assert!(results[0] > 0 && results.iter().all(|&sent| sent == results[0]), "scheme {i} {shape:?}: bytes sent by each worker {results:?}");
+            assert!(results[0] > 0 && results.iter().all(|&sent| sent == results[0]), "scheme {i}, {workers} workers, {shape:?}: bytes sent by each worker {results:?}");
         }
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! `qsgd`: max-norm QSGD codes (one or several scales) that workers sum as
 //! integers. `onebit`: MXNet 2.0's 1-bit scheme. `powersgd`: low-rank
-//! factors. `lanes`: the packed wire form of codes and masks. `noise`: the
+//! factors. `lanes`: the packed wire form of codes and masks; `digits`: the
+//! denser base-k form of a pulled sum. `noise`: the
 //! counter-based generator behind rounding and random selection. `collective`:
 //! the one implementation of each reduction (MAX, MIN, SUM of floats and
 //! of codes) and the interface a scheme reduces over its job through.
@@ -17,6 +18,7 @@
 
 pub mod collective;
 pub mod compression;
+pub mod digits;
 pub mod lanes;
 pub mod noise;
 pub mod onebit;

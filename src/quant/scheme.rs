@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::collective::{self, Collective};
-use super::{lanes, noise, onebit, powersgd, qsgd};
+use super::{digits, lanes, noise, onebit, powersgd, qsgd};
 use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
 use crate::codec;
@@ -874,6 +874,39 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
     }
 }
 
+/// Appends a summed final contribution: as base-k digits (kind 3) when its
+/// range, `workers` times a worker's, takes fewer bits so than in lanes
+/// (`digits::denser`: 1-bit over 2 or 4 workers, qsgd_mn_ms's 1-bit scale
+/// over 2), else
+/// as `write_part` does. Only a pulled sum goes this way: digits cannot be
+/// added word by word, so what servers sum stays in lanes.
+fn write_sum(out: &mut Vec<u8>, part: &Part, workers: i32) {
+    let (n, lo, hi) = match part {
+        Part::Packed { n, lo, hi, count, .. } if *count as i32 == workers => (*n, *lo, *hi),
+        Part::Codes { codes, lo, hi } => (codes.len(), *lo, *hi),
+        _ => return write_part(out, part, workers),
+    };
+    let (lo, hi) = (lo as i64 * workers as i64, hi as i64 * workers as i64);
+    let radix = hi - lo + 1;
+    if !(lo >= i32::MIN as i64 && hi <= i32::MAX as i64 && radix <= 1 << 16 && digits::denser(radix as u32)) {
+        return write_part(out, part, workers);
+    }
+    let mut vals = vec![0u32; n];
+    match part {
+        Part::Packed { words, width, .. } => lanes::unpack_into(words, *width, &mut vals, |v| v as u32).expect("a packed part's own words"),
+        Part::Codes { codes, .. } => vals.iter_mut().zip(codes).for_each(|(v, &c)| *v = (c as i64 - lo) as u32),
+        _ => unreachable!("matched above"),
+    }
+    let mut words = vec![0u16; digits::words_for(n, radix as u32)];
+    digits::pack(&vals, radix as u32, &mut words);
+    out.push(3);
+    out.extend((n as u64).to_le_bytes());
+    out.extend((lo as i32).to_le_bytes());
+    out.extend((hi as i32).to_le_bytes());
+    out.reserve(2 * words.len());
+    words.iter().for_each(|w| out.extend(w.to_le_bytes()));
+}
+
 /// Whether `bytes` is a part of codes (kind 2): what a server sums packed (`LaneSum`).
 pub fn is_codes_wire(bytes: &[u8]) -> bool {
     bytes.first() == Some(&2)
@@ -959,10 +992,15 @@ pub fn value_to_wire(step: u64, exchanged: &[Part], sum: &Part, workers: usize) 
     out.extend(step.to_le_bytes());
     out.extend((exchanged.len() as u32 + 1).to_le_bytes());
     let parts = exchanged.iter().map(|p| (p, 1)).chain([(sum, workers as i32)]);
-    for (part, workers) in parts {
+    let last = exchanged.len();
+    for (i, (part, workers)) in parts.enumerate() {
         let len_at = out.len();
         out.extend(0u64.to_le_bytes()); // the part's length, filled in below
-        write_part(&mut out, part, workers);
+        if i == last {
+            write_sum(&mut out, part, workers);
+        } else {
+            write_part(&mut out, part, workers);
+        }
         let len = (out.len() - len_at - 8) as u64;
         out[len_at..len_at + 8].copy_from_slice(&len.to_le_bytes());
     }
@@ -1046,6 +1084,29 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
                 return Err(malformed(&format!("a code is outside {lo}..={hi}")));
             }
             Ok(Part::Packed { words, n, lo, hi, count: 1, width })
+        }
+        3 => {
+            // A pulled sum in base-k digits (`write_sum`), brought back to
+            // lanes: every digit is below the radix by construction.
+            if rest.len() < 8 {
+                return Err(malformed("truncated code range"));
+            }
+            let lo = i32::from_le_bytes(rest[0..4].try_into().unwrap());
+            let hi = i32::from_le_bytes(rest[4..8].try_into().unwrap());
+            let span = hi as i64 - lo as i64;
+            if !(1..1 << 16).contains(&span) {
+                return Err(malformed(&format!("digits of the code range {lo}..={hi}")));
+            }
+            let radix = span as u32 + 1;
+            let want = digits::words_for(n, radix).checked_mul(2);
+            if want != Some(rest.len() - 8) {
+                return Err(malformed(&format!("{n} values in base {radix} need {} bytes, the frame carries {}", want.map_or("more than 2^64".to_string(), |w| w.to_string()), rest.len() - 8)));
+            }
+            let words: Vec<u16> = rest[8..].chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            let mut vals = vec![0u32; n];
+            digits::unpack(&words, radix, &mut vals)?;
+            let width = lanes::width_for(span as u64);
+            Ok(Part::Packed { words: lanes::pack_slice(&vals, width, |v| v as u64), n, lo, hi, count: 1, width })
         }
         t => Err(malformed(&format!("unknown exchange kind {t}"))),
     }

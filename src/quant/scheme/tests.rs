@@ -536,3 +536,69 @@ fn packed_parts_split_as_their_codes_do() {
         assert!(packed.split(&[0..n + 1]).is_err());
     }
 }
+
+#[test]
+fn pulled_sums_travel_as_digits_where_that_is_denser() {
+    // Two workers' codes in [-2, 2] summed: 9 values, as base-9 digits (5
+    // to 16 bits) instead of 4-bit lanes. (qsgd_mn 2's codes are in
+    // [-3, 3]: 13 values for two workers, where 4-bit lanes are as dense.)
+    let n = 5000;
+    let codes: Vec<i32> = (0..n).map(|i| (i * 7 % 9) as i32 - 4).collect();
+    let words = lanes::pack_slice(&codes, 4, |c| (c + 4) as u64);
+    let packed = Part::Packed { words, n, lo: -2, hi: 2, count: 2, width: 4 };
+    let want = Part::Codes { codes: codes.clone(), lo: -4, hi: 4 };
+    for sum in [&packed, &Part::Codes { codes: codes.clone(), lo: -2, hi: 2 }] {
+        let wire = value_to_wire(3, &[Part::F32(vec![1.0])], sum, 2);
+        let (_, _, got) = value_from_wire(&wire).unwrap();
+        assert_eq!(*got.unpacked().unwrap(), want);
+        // step and count (12 bytes), the scale (8 + 13), the sum's header
+        // (8 + 17); then 2 bytes per 5 values, where lanes took 8 per 16
+        assert_eq!(wire.len(), 12 + 21 + 25 + 2 * n.div_ceil(5));
+    }
+    // Ranges where lanes are as dense stay lanes: 3 workers (13 values).
+    let three = Part::Codes { codes: vec![6, -6, 0], lo: -2, hi: 2 };
+    let wire = value_to_wire(3, &[], &three, 3);
+    assert_eq!(wire[20], 2, "kind 2, lanes");
+    assert_eq!(*value_from_wire(&wire).unwrap().2.unpacked().unwrap(), Part::Codes { codes: vec![6, -6, 0], lo: -6, hi: 6 });
+    // 1-bit over 2 workers: counts in 0..=2, base 3.
+    let ones = Part::Codes { codes: vec![0, 1, 2, 2, 1], lo: 0, hi: 1 };
+    let wire = value_to_wire(1, &[], &ones, 2);
+    assert_eq!(wire[20], 3, "kind 3, digits");
+    assert_eq!(*value_from_wire(&wire).unwrap().2.unpacked().unwrap(), Part::Codes { codes: vec![0, 1, 2, 2, 1], lo: 0, hi: 2 });
+}
+
+#[test]
+fn digit_parts_from_the_network_are_checked() {
+    let sum = Part::Codes { codes: (0..100).map(|i| i % 9 - 4).collect(), lo: -2, hi: 2 };
+    let value = value_to_wire(0, &[], &sum, 2);
+    let part = value[20..].to_vec(); // kind 3: n, lo, hi, then 20 digit words
+    assert_eq!((part[0], part.len()), (3, 17 + 2 * 20));
+    assert!(from_wire(&part).is_ok());
+    let err = |bytes: &[u8]| from_wire(bytes).unwrap_err().to_string();
+    // a word past 9^5, a short frame, a long one, and claims of 2^40 and 2^64-1 values
+    let mut w = part.clone();
+    w[17..19].copy_from_slice(&60_000u16.to_le_bytes());
+    assert!(err(&w).contains("past 9^5"), "{}", err(&w));
+    assert!(err(&part[..part.len() - 2]).contains("the frame carries"));
+    let mut long = part.clone();
+    long.extend([0, 0]);
+    assert!(err(&long).contains("the frame carries"));
+    for n in [1u64 << 40, u64::MAX] {
+        let mut w = part.clone();
+        w[1..9].copy_from_slice(&n.to_le_bytes());
+        assert!(err(&w).contains("the frame carries"), "{}", err(&w));
+    }
+    // ranges with no digits: empty, reversed, wider than 2^16 values
+    for (lo, hi) in [(4, 4), (4, -4), (0, 1 << 16), (i32::MIN, i32::MAX)] {
+        let mut w = part.clone();
+        w[9..13].copy_from_slice(&lo.to_le_bytes());
+        w[13..17].copy_from_slice(&hi.to_le_bytes());
+        assert!(err(&w).contains("digits of the code range"), "{lo}..={hi}: {}", err(&w));
+    }
+    // a last word holding more digits than its values: 100 values in 20
+    // full words; 98 leave words 18 and 19 (of m = 20) with four digits
+    let sum = Part::Codes { codes: vec![0; 98], lo: -2, hi: 2 };
+    let mut w = value_to_wire(0, &[], &sum, 2)[20..].to_vec();
+    w[17 + 2 * 19..17 + 2 * 20].copy_from_slice(&(4 * 820 + 6561u16).to_le_bytes()); // value 4 in four digits, and a fifth
+    assert!(err(&w).contains("more digits than values"), "{}", err(&w));
+}
