@@ -10,10 +10,12 @@
 //! A word holds `per = per_word(radix)` digits, the largest count with
 //! `radix^per <= 2^16`; digit `d` of a word is worth `radix^d`. Values go in
 //! groups of `GROUP * per`, as `lanes` places them: a full group takes
-//! `GROUP` = 16 consecutive words, its value `j` in word `j % 16`, digit
-//! `j / 16`; the last group, of `c` values, takes `m = ceil(c / per)` words,
-//! value `j` in word `j % m`, digit `j / m`. Sixteen consecutive values share
-//! a digit of sixteen consecutive words, so the loops below vectorize.
+//! `GROUP` = 8 consecutive words, its value `j` in word `j % 8`, digit
+//! `j / 8`; the last group, of `c` values, takes `m = ceil(c / per)` words,
+//! value `j` in word `j % m`, digit `j / m`. Eight consecutive values share
+//! a digit of eight consecutive words, so the loops below vectorize, and in
+//! full groups value `i` sits in row `i / 8` of both layouts: `from_lanes`
+//! and `to_lanes` convert row by row, with no array of values between.
 //!
 //! Unpacking divides in float32, where it is exact: for `x < 2^16`,
 //! `floor((x + 1/2) * fl(1 / radix))` is `floor(x / radix)`. The relative
@@ -24,8 +26,8 @@
 
 use crate::error::{Error, Result};
 
-/// Words of a full group.
-pub const GROUP: usize = 16;
+/// Words of a full group (as in `lanes`).
+pub const GROUP: usize = super::lanes::GROUP;
 
 /// Words per parallel piece: whole groups.
 const TASK_WORDS: usize = 1 << 14;
@@ -183,6 +185,127 @@ crate::isa::multiversion! {
     fn unpack_kernel[][](words: &[u16], radix: u32, per: usize, vals: &mut [u32]) -> bool = unpack_body;
 }
 
+/// Rows (of `GROUP` values) in a group of both layouts: the least common
+/// multiple of their rows per group.
+fn rows_of_both(lanes_per: usize, per: usize) -> usize {
+    let (mut a, mut b) = (lanes_per, per);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    lanes_per / a * per
+}
+
+/// Rows per parallel piece of a conversion: whole groups of both layouts,
+/// so that every piece starts a group of each, of about `TASK_WORDS * 4`
+/// values.
+fn rows_per_piece(lanes_per: usize, per: usize) -> usize {
+    let both = rows_of_both(lanes_per, per);
+    both * (TASK_WORDS * 4 / GROUP / both).max(1)
+}
+
+/// Values that the conversions take row by row: whole groups of both
+/// layouts, all in full groups of each. The rest (the tail) goes through
+/// `pack` or `unpack`.
+fn converted(n: usize, lanes_per: usize, per: usize) -> usize {
+    let full = (n / (GROUP * lanes_per) * lanes_per).min(n / (GROUP * per) * per); // rows in full groups of both
+    let both = rows_of_both(lanes_per, per);
+    full / both * both * GROUP
+}
+
+/// Packs `n` values held in `lanes` of `width` bits (`lanes::place`'s
+/// layout; each value below `radix`, the caller's to keep) into `out`
+/// (`words_for(n, radix)` words), straight from lane to digit.
+pub fn from_lanes(lanes: &[u64], width: u32, n: usize, radix: u32, out: &mut [u16]) {
+    let (per, lanes_per) = (per_word(radix) as usize, (64 / width) as usize);
+    assert!(radix as u64 - 1 < 1 << width && lanes.len() == super::lanes::words_for(n, width), "{n} values below {radix} in lanes of {width} bits");
+    assert_eq!(out.len(), words_for(n, radix), "{n} values in base {radix}");
+    let done = converted(n, lanes_per, per);
+    let (body, tail) = out.split_at_mut(done / per);
+    let isa = crate::isa::Isa::detect();
+    crate::par::chunks_of(body, rows_per_piece(lanes_per, per) / per * GROUP, |first, words| {
+        let rows = first / GROUP * per;
+        let lanes = &lanes[rows / lanes_per * GROUP..(rows + words.len() / GROUP * per).div_ceil(lanes_per) * GROUP];
+        from_lanes_kernel(isa, lanes, width, radix, per, words)
+    });
+    let mut vals = vec![0u32; n - done];
+    super::lanes::unpack_serial(&lanes[done / lanes_per..], width, &mut vals, |v| v as u32).expect("the caller's lanes");
+    pack(&vals, radix, tail);
+}
+
+/// `from_lanes` of one piece: `lanes` from the piece's first row (a group
+/// of both layouts starts there), `words` whole groups of digits.
+#[inline(always)]
+fn from_lanes_body(lanes: &[u64], width: u32, radix: u32, per: usize, words: &mut [u16]) {
+    let (lanes_per, mask) = ((64 / width) as usize, (1u64 << width) - 1);
+    for (g, group) in words.chunks_exact_mut(GROUP).enumerate() {
+        // Horner, from the top digit: row g * per + d of the piece.
+        let mut acc = [0u32; GROUP];
+        for d in (0..per).rev() {
+            let row = g * per + d;
+            let (src, shift) = (&lanes[row / lanes_per * GROUP..][..GROUP], width * (row % lanes_per) as u32);
+            for (a, &w) in acc.iter_mut().zip(src) {
+                *a = *a * radix + ((w >> shift) & mask) as u32;
+            }
+        }
+        group.iter_mut().zip(acc).for_each(|(w, a)| *w = a as u16);
+    }
+}
+
+crate::isa::multiversion! {
+    fn from_lanes_kernel[][](lanes: &[u64], width: u32, radix: u32, per: usize, words: &mut [u16]) -> () = from_lanes_body;
+}
+
+/// Unpacks `n` values in base `radix` from `words` straight into lanes of
+/// `width` bits (`lanes::place`'s layout), checking what `unpack` checks: a
+/// part from the network.
+pub fn to_lanes(words: &[u16], radix: u32, n: usize, width: u32) -> Result<Vec<u64>> {
+    if !(2..=1 << 16).contains(&radix) || words.len() != words_for(n, radix) || !(1..=32).contains(&width) || radix as u64 - 1 >= 1 << width {
+        return Err(Error::Transport(format!("malformed message: {n} values in base {radix} in {} digit words, for lanes of {width} bits", words.len())));
+    }
+    let (per, lanes_per) = (per_word(radix) as usize, (64 / width) as usize);
+    let top = (radix as u64).pow(per as u32);
+    if top < 1 << 16 && words.iter().any(|&w| w as u64 >= top) {
+        return Err(Error::Transport(format!("malformed message: a digit word holds a value past {radix}^{per}")));
+    }
+    let done = converted(n, lanes_per, per);
+    let mut out = vec![0u64; super::lanes::words_for(n, width)];
+    let (body, tail) = out.split_at_mut(done / lanes_per);
+    let isa = crate::isa::Isa::detect();
+    crate::par::chunks_of(body, rows_per_piece(lanes_per, per) / lanes_per * GROUP, |first, lanes| {
+        let rows = first / GROUP * lanes_per;
+        let words = &words[rows / per * GROUP..(rows + lanes.len() / GROUP * lanes_per) / per * GROUP];
+        to_lanes_kernel(isa, words, radix, per, width, lanes)
+    });
+    let mut vals = vec![0u32; n - done];
+    unpack(&words[done / per..], radix, &mut vals)?;
+    super::lanes::pack_slice_into_words(&vals, width, |v| v as u64, tail);
+    Ok(out)
+}
+
+/// `to_lanes` of one piece: `words` whole groups of digits from the piece's
+/// first row, `lanes` (zeroed) whole groups of lanes from the same row.
+#[inline(always)]
+fn to_lanes_body(words: &[u16], radix: u32, per: usize, width: u32, lanes: &mut [u64]) {
+    let (inv, lanes_per) = (1.0 / radix as f32, (64 / width) as usize);
+    for (g, group) in words.chunks_exact(GROUP).enumerate() {
+        let mut x = [0u32; GROUP];
+        x.iter_mut().zip(group).for_each(|(x, &w)| *x = w as u32);
+        for d in 0..per {
+            let row = g * per + d;
+            let (dst, shift) = (&mut lanes[row / lanes_per * GROUP..][..GROUP], width * (row % lanes_per) as u32);
+            for (o, x) in dst.iter_mut().zip(x.iter_mut()) {
+                let q = div(*x, inv);
+                *o |= ((*x - q * radix) as u64) << shift;
+                *x = q;
+            }
+        }
+    }
+}
+
+crate::isa::multiversion! {
+    fn to_lanes_kernel[][](words: &[u16], radix: u32, per: usize, width: u32, lanes: &mut [u64]) -> () = to_lanes_body;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,6 +380,61 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn lanes_convert_to_digits_and_back_as_the_values_would() {
+        use super::super::lanes;
+        for (radix, width) in [(3u32, 2u32), (3, 4), (5, 3), (6, 3), (9, 4), (13, 4), (40, 6), (300, 9), (65536, 17)] {
+            let (per, lanes_per) = (per_word(radix) as usize, (64 / width) as usize);
+            let both = GROUP * rows_of_both(lanes_per, per);
+            let piece = GROUP * rows_per_piece(lanes_per, per);
+            for n in [0, 1, GROUP * per, GROUP * lanes_per + 1, both - 1, both, both + 1, 3 * both + GROUP * per + 2, 2 * piece + both + 5] {
+                let vals: Vec<u32> = (0..n).map(|i| ((i as u64 * 2_654_435_761 >> 7) % radix as u64) as u32).collect();
+                let packed = lanes::pack_slice(&vals, width, |v| v as u64);
+                let mut want = vec![0u16; words_for(n, radix)];
+                pack(&vals, radix, &mut want);
+                let mut words = vec![1u16; want.len()];
+                from_lanes(&packed, width, n, radix, &mut words);
+                assert_eq!(words, want, "radix {radix} width {width} n {n}");
+                assert_eq!(to_lanes(&words, radix, n, width).unwrap(), packed, "radix {radix} width {width} n {n}");
+            }
+            // every kernel on the first pieces
+            let n = piece + both;
+            let vals: Vec<u32> = (0..n).map(|i| (i as u32 * 7 + i as u32 / 3) % radix).collect();
+            let packed = lanes::pack_slice(&vals, width, |v| v as u64);
+            let mut want = vec![0u16; words_for(n, radix)];
+            pack(&vals, radix, &mut want);
+            let rows = n / GROUP;
+            for isa in crate::isa::Isa::available() {
+                let mut words = vec![0u16; rows / per * GROUP];
+                from_lanes_kernel(isa, &packed[..rows / lanes_per * GROUP], width, radix, per, &mut words);
+                assert_eq!(words, want[..words.len()], "{isa:?} radix {radix}");
+                let mut back = vec![0u64; rows / lanes_per * GROUP];
+                to_lanes_kernel(isa, &want[..words.len()], radix, per, width, &mut back);
+                assert_eq!(back, packed[..back.len()], "{isa:?} radix {radix}");
+            }
+        }
+    }
+
+    #[test]
+    fn lanes_from_bad_digits_are_refused() {
+        let n = 3 * GROUP * 5 * 16 + 7; // full groups of both, and a tail
+        let mut words = vec![0u16; words_for(n, 9)];
+        pack(&vec![8; n], 9, &mut words);
+        assert!(to_lanes(&words, 9, n, 4).is_ok());
+        let mut bad = words.clone();
+        bad[3] = 59_049; // in the converted rows
+        assert!(to_lanes(&bad, 9, n, 4).unwrap_err().to_string().contains("past 9^5"));
+        let mut bad = words.clone();
+        let last = bad.len() - 1; // the tail's last word holds fewer than 5 values
+        bad[last] += 9u16.pow(4);
+        assert!(to_lanes(&bad, 9, n, 4).unwrap_err().to_string().contains("more digits than values"));
+        // wrong counts, and lanes too narrow for the radix
+        assert!(to_lanes(&words[1..], 9, n, 4).is_err());
+        assert!(to_lanes(&words, 9, n + 5, 4).is_err());
+        assert!(to_lanes(&words, 9, n, 3).is_err());
+        assert!(to_lanes(&words, 9, n, 0).is_err());
     }
 
     #[test]

@@ -891,20 +891,21 @@ fn write_sum(out: &mut Vec<u8>, part: &Part, workers: i32) {
     if !(lo >= i32::MIN as i64 && hi <= i32::MAX as i64 && radix <= 1 << 16 && digits::denser(radix as u32)) {
         return write_part(out, part, workers);
     }
-    let mut vals = vec![0u32; n];
+    let mut words = vec![0u16; digits::words_for(n, radix as u32)];
     match part {
-        Part::Packed { words, width, .. } => lanes::unpack_into(words, *width, &mut vals, |v| v as u32).expect("a packed part's own words"),
-        Part::Codes { codes, .. } => vals.iter_mut().zip(codes).for_each(|(v, &c)| *v = (c as i64 - lo) as u32),
+        // the lanes of a sum over `workers` hold `sum - lo`, below the radix
+        Part::Packed { words: lanes, width, .. } => digits::from_lanes(lanes, *width, n, radix as u32, &mut words),
+        Part::Codes { codes, .. } => {
+            let vals: Vec<u32> = codes.iter().map(|&c| (c as i64 - lo) as u32).collect();
+            digits::pack(&vals, radix as u32, &mut words)
+        }
         _ => unreachable!("matched above"),
     }
-    let mut words = vec![0u16; digits::words_for(n, radix as u32)];
-    digits::pack(&vals, radix as u32, &mut words);
     out.push(3);
     out.extend((n as u64).to_le_bytes());
     out.extend((lo as i32).to_le_bytes());
     out.extend((hi as i32).to_le_bytes());
-    out.reserve(2 * words.len());
-    words.iter().for_each(|w| out.extend(w.to_le_bytes()));
+    out.extend(words.iter().flat_map(|w| w.to_le_bytes()));
 }
 
 /// Whether `bytes` is a part of codes (kind 2): what a server sums packed (`LaneSum`).
@@ -1103,10 +1104,8 @@ pub fn from_wire(bytes: &[u8]) -> Result<Part> {
                 return Err(malformed(&format!("{n} values in base {radix} need {} bytes, the frame carries {}", want.map_or("more than 2^64".to_string(), |w| w.to_string()), rest.len() - 8)));
             }
             let words: Vec<u16> = rest[8..].chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-            let mut vals = vec![0u32; n];
-            digits::unpack(&words, radix, &mut vals)?;
             let width = lanes::width_for(span as u64);
-            Ok(Part::Packed { words: lanes::pack_slice(&vals, width, |v| v as u64), n, lo, hi, count: 1, width })
+            Ok(Part::Packed { words: digits::to_lanes(&words, radix, n, width)?, n, lo, hi, count: 1, width })
         }
         t => Err(malformed(&format!("unknown exchange kind {t}"))),
     }
