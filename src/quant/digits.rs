@@ -259,7 +259,7 @@ crate::isa::multiversion! {
 /// `width` bits (`lanes::place`'s layout), checking what `unpack` checks: a
 /// part from the network.
 pub fn to_lanes(words: &[u16], radix: u32, n: usize, width: u32) -> Result<Vec<u64>> {
-    if !(2..=1 << 16).contains(&radix) || words.len() != words_for(n, radix) || !(1..=32).contains(&width) || radix as u64 - 1 >= 1 << width {
+    if !(2..=1 << 16).contains(&radix) || words.len() != words_for(n, radix) || !(1..=32).contains(&width) || radix as u64 > 1 << width {
         return Err(Error::Transport(format!("malformed message: {n} values in base {radix} in {} digit words, for lanes of {width} bits", words.len())));
     }
     let (per, lanes_per) = (per_word(radix) as usize, (64 / width) as usize);
@@ -390,7 +390,7 @@ mod tests {
             let both = GROUP * rows_of_both(lanes_per, per);
             let piece = GROUP * rows_per_piece(lanes_per, per);
             for n in [0, 1, GROUP * per, GROUP * lanes_per + 1, both - 1, both, both + 1, 3 * both + GROUP * per + 2, 2 * piece + both + 5] {
-                let vals: Vec<u32> = (0..n).map(|i| ((i as u64 * 2_654_435_761 >> 7) % radix as u64) as u32).collect();
+                let vals: Vec<u32> = (0..n).map(|i| (((i as u64 * 2_654_435_761) >> 7) % radix as u64) as u32).collect();
                 let packed = lanes::pack_slice(&vals, width, |v| v as u64);
                 let mut want = vec![0u16; words_for(n, radix)];
                 pack(&vals, radix, &mut want);

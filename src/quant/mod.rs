@@ -2,7 +2,8 @@
 //! reductions they need, and the schemes built from both.
 //!
 //! `qsgd`: max-norm QSGD codes (one or several scales) that workers sum as
-//! integers. `onebit`: MXNet 2.0's 1-bit scheme. `powersgd`: low-rank
+//! integers. `onebit`: MXNet 2.0's 1-bit scheme. `twobit`: the codec's
+//! 2-bit rule straight into summable lanes. `powersgd`: low-rank
 //! factors. `lanes`: the packed wire form of codes and masks; `digits`: the
 //! denser base-k form of a pulled sum. `noise`: the
 //! counter-based generator behind rounding and random selection. `collective`:
@@ -25,3 +26,4 @@ pub mod onebit;
 pub mod powersgd;
 pub mod qsgd;
 pub mod scheme;
+pub mod twobit;

@@ -24,10 +24,9 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::collective::{self, Collective};
-use super::{digits, lanes, noise, onebit, powersgd, qsgd};
+use super::{digits, lanes, noise, onebit, powersgd, qsgd, twobit};
 use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
-use crate::codec;
 use crate::error::{Error, Result};
 
 /// Where and when a push happens.
@@ -502,31 +501,20 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             Ok((Vec::new(), bits))
         }
         Compression::TwoBit(th) => {
-            // Codes counted, not decoded: n indicators of +pos, then n of neg.
-            // The codec's fast kernels quantize; the store has checked that
-            // every residual + gradient is finite before any worker agreed.
-            let mut compr = codec::create_2bit(n);
-            let codes = sum_codes(states, 2 * n, |s, g, codes, add| {
+            // One lane per element, 1 at +pos and b at neg (`twobit`), with
+            // b above every member count, so a sum holds both counts. The
+            // store has checked that every residual + gradient is finite
+            // before any worker agreed.
+            let b = coll.lanes_for().max(states.len()) as i32 + 1;
+            let codes = sum_packed(states, n, (0, b), coll.lanes_for(), |i, s, words, width, add| {
                 s.residual.resize(n, 0.0);
-                codec::quantize_2bit_finite(g, &mut s.residual, &mut compr, *th)?;
-                let blocks = codec::blocks(&compr);
-                let (pos, neg) = codes.split_at_mut(n);
-                // Pieces start at multiples of 16: whole blocks, a block word
-                // at a time with its 16 shifts fixed (the loop vectorizes).
-                crate::par::chunks2(pos, neg, |start, pos, neg| {
-                    debug_assert_eq!(start % 16, 0);
-                    for ((pos, neg), &w) in pos.chunks_mut(16).zip(neg.chunks_mut(16)).zip(&blocks[start / 16..]) {
-                        let mut codes = [0u32; 16];
-                        codes.iter_mut().enumerate().for_each(|(j, c)| *c = (w >> (30 - 2 * j)) & 0b11);
-                        for ((p, q), &code) in pos.iter_mut().zip(neg.iter_mut()).zip(&codes) {
-                            let (dp, dq) = ((code == 0b01) as i32, (code == 0b10) as i32);
-                            (*p, *q) = if add { (*p + dp, *q + dq) } else { (dp, dq) };
-                        }
-                    }
-                });
-                Ok(())
-            }, grads)?;
-            Ok((Vec::new(), Part::Codes { codes, lo: 0, hi: 1 }))
+                if add {
+                    twobit::quantize_packed::<true>(grads[i], &mut s.residual, *th, b, words, width);
+                } else {
+                    twobit::quantize_packed::<false>(grads[i], &mut s.residual, *th, b, words, width);
+                }
+            })?;
+            Ok((Vec::new(), codes))
         }
         Compression::None => Ok((Vec::new(), Part::F32(sum_of(grads)?))),
     }
@@ -541,22 +529,9 @@ fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
     Ok(sum)
 }
 
-/// The members' codes (`len` of them) summed into the first state's spare
-/// code buffer (kept by `finish` for the next push): `quantize(state, grad,
-/// codes, add)` writes the first member's codes, then adds each other's in
-/// the same pass, so a sum costs no buffer and no pass of its own. The sum
-/// cannot overflow: `check_input` bounds the members by the code range.
-fn sum_codes(states: &mut [State], len: usize, mut quantize: impl FnMut(&mut State, &[f32], &mut [i32], bool) -> Result<()>, grads: &[&[f32]]) -> Result<Vec<i32>> {
-    let mut codes = std::mem::take(&mut states[0].spare_codes);
-    codes.resize(len, 0);
-    for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
-        quantize(s, g, &mut codes, i > 0)?;
-    }
-    Ok(codes)
-}
-
-/// As `sum_codes`, into packed lanes (`Part::Packed`, codes in `lo..=hi`)
-/// kept in the first state's spare words: lanes wide enough for the sums
+/// The members' codes summed into packed lanes (`Part::Packed`, codes in
+/// `lo..=hi`) kept in the first state's spare words (`finish` keeps them
+/// for the next push): lanes wide enough for the sums
 /// of `lanes_for` members (the collective's) and of the members here, so
 /// members add word by word. `quantize(member, state, words, width, add)`.
 fn sum_packed(states: &mut [State], len: usize, (lo, hi): (i32, i32), lanes_for: usize, mut quantize: impl FnMut(usize, &mut State, &mut [u64], u32, bool)) -> Result<Part> {
@@ -720,6 +695,7 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
             out.par_chunks_mut(1 << 16).zip(codes.par_chunks(1 << 16)).for_each(|(o, c)| o.iter_mut().zip(c).for_each(|(o, &c)| *o = (2 * c - w) as f32));
             Ok(())
         }
+        (Compression::TwoBit(th), Part::Packed { words, n: len, lo: 0, hi, width, .. }) if *len == n => twobit::decode_packed(words, *width, *hi, *th, out),
         (Compression::TwoBit(th), Part::Codes { codes, .. }) if codes.len() == 2 * n => {
             // p pos + q neg, as the parameter server's code counts.
             let (p, q) = codes.split_at(n);

@@ -1,4 +1,5 @@
 use super::*;
+use crate::codec;
 use crate::quant::compression::Compression;
 use crate::quant::collective::threads::run_group;
 use crate::quant::collective::InProcess;

@@ -1,0 +1,150 @@
+//! 2-bit compression (the codec's rule, `crate::codec`) straight into
+//! packed lanes, for the stores that sum over a collective: element `i`'s
+//! code is 1 when it sends `+pos`, `b` when it sends `neg`, 0 otherwise.
+//! Summed over fewer than `b` members, a lane holds `P + Q b` with `P`
+//! members at `+pos` and `Q` at `neg`, which decodes to `P pos + Q neg`, as
+//! the codec's counts do (`scheme::decode_slice`). One lane per element:
+//! 3 bits for 2 members (`b` = 3) where a positive and a negative count
+//! took 2 bits each, and no array of codes in between.
+
+use rayon::prelude::*;
+
+use super::lanes;
+use crate::codec::Thresholds;
+use crate::error::{Error, Result};
+use crate::isa::Isa;
+
+/// Words of packed lanes per parallel piece.
+const TASK_WORDS: usize = 1 << 12;
+
+/// The codec's step for one element, in its arithmetic: `x = r + g`; at or
+/// above `pos` the code is 1 and `x - pos` stays, at or below `neg` the
+/// code is `b` and `x - neg` stays.
+#[inline(always)]
+fn step(g: f32, r: &mut f32, th: (f32, f32), b: i32) -> i32 {
+    let x = *r + g;
+    let (ge, le) = (x >= th.1, x <= th.0);
+    *r = if ge {
+        x - th.1
+    } else if le {
+        x - th.0
+    } else {
+        x
+    };
+    ge as i32 + le as i32 * b
+}
+
+/// Quantizes `grad` with error feedback (`residual` in place) into `words`:
+/// lanes of `width` bits (1 to 32, wide enough for every sum the caller
+/// will add; `b` at least 2), written or (with `ADD`) added. The caller has
+/// checked that every `residual + grad` is finite (`codec::check_finite`).
+pub fn quantize_packed<const ADD: bool>(grad: &[f32], residual: &mut [f32], th: Thresholds, b: i32, words: &mut [u64], width: u32) {
+    assert!((1..=32).contains(&width) && b >= 2 && (b as u64) < 1 << width, "2-bit: code {b} in lanes of {width} bits");
+    assert!(grad.len() == residual.len() && words.len() == lanes::words_for(grad.len(), width), "2-bit: {} values, {} residuals, {} words of {width} bits", grad.len(), residual.len(), words.len());
+    let (isa, per, th) = (Isa::detect(), (64 / width) as usize, (th.neg, th.pos));
+    residual.par_chunks_mut(TASK_WORDS * per).zip(words.par_chunks_mut(TASK_WORDS)).enumerate().for_each(|(i, (r, w))| {
+        let start = i * TASK_WORDS * per;
+        packed_kernel::<ADD>(isa, &grad[start..start + r.len()], r, th, b, w, width)
+    });
+}
+
+#[inline(always)]
+fn packed_body<const ADD: bool>(grad: &[f32], residual: &mut [f32], th: (f32, f32), b: i32, words: &mut [u64], width: u32) {
+    let n = grad.len().min(residual.len());
+    lanes::blocks!(ADD, lanes::BLOCK, n, words, width, 0, |span, c| {
+        for ((g, r), c) in grad[span.clone()].iter().zip(residual[span].iter_mut()).zip(c.iter_mut()) {
+            *c = step(*g, r, th, b);
+        }
+    });
+}
+
+crate::isa::multiversion! {
+    fn packed_kernel[const ADD: bool][ADD](grad: &[f32], residual: &mut [f32], th: (f32, f32), b: i32, words: &mut [u64], width: u32) -> () = packed_body;
+}
+
+/// Decodes summed lanes (`P + Q b`, `b` at least 2) into `out`:
+/// `P pos + Q neg` in float32, as the codec's counts decode.
+pub fn decode_packed(words: &[u64], width: u32, b: i32, th: Thresholds, out: &mut [f32]) -> Result<()> {
+    if !(1..=32).contains(&width) || b < 2 || words.len() != lanes::words_for(out.len(), width) {
+        return Err(Error::Transport(format!("malformed 2-bit sum: {} values in {} words of {width} bits, code {b}", out.len(), words.len())));
+    }
+    let value = |v: u64| (v % b as u64) as f32 * th.pos + (v / b as u64) as f32 * th.neg;
+    if width <= 12 {
+        // every lane's value from a table (a division per element does not vectorize)
+        let table: Vec<f32> = (0..1u64 << width).map(value).collect();
+        let mask = (1u64 << width) - 1;
+        lanes::unpack_into(words, width, out, |v| table[(v & mask) as usize])
+    } else {
+        lanes::unpack_into(words, width, out, value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec;
+
+    fn grad(n: usize, salt: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + salt * 31) % 2001) as f32 - 1000.0) / 1400.0).collect()
+    }
+
+    /// The codec's blocks for element `i`: (+pos, neg) indicators.
+    fn codec_code(compr: &[f32], i: usize) -> (i32, i32) {
+        let w = codec::blocks(compr)[i / 16] >> (30 - 2 * (i % 16));
+        ((w & 3 == 1) as i32, (w & 3 == 2) as i32)
+    }
+
+    #[test]
+    fn lanes_hold_the_codecs_codes_and_residuals_on_every_kernel() {
+        let th = Thresholds::new(-0.3, 0.45).unwrap();
+        for n in [0, 1, 15, 16, 17, 8 * 21 - 1, 8 * 21 + 1, lanes::BLOCK + 5, 3 * TASK_WORDS * 21 + 100] {
+            let (g0, g1) = (grad(n, 1), grad(n, 2));
+            let (mut r0, mut r1) = (grad(n, 3).iter().map(|x| x * 0.2).collect::<Vec<_>>(), vec![0.1f32; n]);
+            // the codec, member by member
+            let (mut c0, mut c1) = (codec::create_2bit(n), codec::create_2bit(n));
+            let (mut w0, mut w1) = (r0.clone(), r1.clone());
+            codec::quantize_2bit(&g0, &mut w0, &mut c0, th).unwrap();
+            codec::quantize_2bit(&g1, &mut w1, &mut c1, th).unwrap();
+            let want: Vec<u64> = (0..n).map(|i| {
+                let ((p0, q0), (p1, q1)) = (codec_code(&c0, i), codec_code(&c1, i));
+                (p0 + p1 + 3 * (q0 + q1)) as u64
+            }).collect();
+            let width = lanes::width_for(6);
+            let mut words = vec![0u64; lanes::words_for(n, width)];
+            quantize_packed::<false>(&g0, &mut r0, th, 3, &mut words, width);
+            quantize_packed::<true>(&g1, &mut r1, th, 3, &mut words, width);
+            assert_eq!(words, lanes::pack_slice(&want, width, |v| v), "n {n}");
+            assert_eq!((r0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), r1.iter().map(|x| x.to_bits()).collect::<Vec<_>>()), (w0.iter().map(|x| x.to_bits()).collect(), w1.iter().map(|x| x.to_bits()).collect()), "n {n}");
+            // every instruction set, on a piece
+            for isa in Isa::available() {
+                let mut r = grad(n, 3).iter().map(|x| x * 0.2).collect::<Vec<_>>();
+                let mut w = vec![0u64; lanes::words_for(n, width)];
+                packed_kernel::<false>(isa, &g0, &mut r, (th.neg, th.pos), 3, &mut w, width);
+                let alone: Vec<u64> = (0..n).map(|i| { let (p, q) = codec_code(&c0, i); (p + 3 * q) as u64 }).collect();
+                assert_eq!(w, lanes::pack_slice(&alone, width, |v| v), "{isa:?} n {n}");
+            }
+            // decoded: P pos + Q neg, as the codec's counts
+            let mut out = vec![f32::NAN; n];
+            decode_packed(&words, width, 3, th, &mut out).unwrap();
+            let counts: Vec<f32> = (0..n).map(|i| {
+                let ((p0, q0), (p1, q1)) = (codec_code(&c0, i), codec_code(&c1, i));
+                (p0 + p1) as f32 * th.pos + (q0 + q1) as f32 * th.neg
+            }).collect();
+            assert_eq!(out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), counts.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "n {n}");
+        }
+    }
+
+    #[test]
+    fn wide_lanes_decode_without_the_table_and_bad_sums_are_refused() {
+        let th = Thresholds::new(-0.5, 0.25).unwrap();
+        // 300 members: b = 301, sums up to 300 * 301 in 17 bits
+        let vals = [0u64, 1, 301, 299 + 301, 300 * 301, 17 * 301 + 5];
+        let words = lanes::pack_slice(&vals, 17, |v| v);
+        let mut out = vec![0f32; vals.len()];
+        decode_packed(&words, 17, 301, th, &mut out).unwrap();
+        assert_eq!(out, [0.0, 0.25, -0.5, 299.0 * 0.25 - 0.5, -150.0, 5.0 * 0.25 - 8.5]);
+        assert!(decode_packed(&words[1..], 17, 301, th, &mut out).is_err());
+        assert!(decode_packed(&words, 17, 1, th, &mut out).is_err());
+        assert!(decode_packed(&words, 0, 301, th, &mut out).is_err());
+    }
+}
