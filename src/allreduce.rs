@@ -132,19 +132,10 @@ mod imp {
         fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
             let width = lanes::width_for(count.saturating_sub(1) as u64);
             let mut words = lanes::pack_slice(x, width, |v| v as u64);
-            let mask = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
-            let per = 64 / width;
             let lane_min = UserOperation::commutative(move |a, b| {
                 let a: &[u64] = a.downcast().expect("u64 words");
                 let b: &mut [u64] = b.downcast().expect("u64 words");
-                for (w, &v) in b.iter_mut().zip(a) {
-                    let mut out = 0u64;
-                    for l in 0..per {
-                        let s = l * width;
-                        out |= ((*w >> s) & mask).min((v >> s) & mask) << s;
-                    }
-                    *w = out;
-                }
+                lanes::min_lanes(b, a, width);
             });
             self.reduce(&mut words, &lane_min, collective::levels_bytes(x.len(), count));
             lanes::unpack_into(&words, width, x, |v| v as u8)?;

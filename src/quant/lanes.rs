@@ -396,8 +396,66 @@ pub fn add_widened(acc: &mut [u64], width: u32, src: &[u8], from: u32, n: usize,
     Err(Error::Transport(format!("malformed message: a packed code is above {max}")))
 }
 
+/// Lane by lane, `acc = min(acc, other)`: two arrays of words packed at
+/// `width` bits (1 to 64) whose lanes line up (the same layout and count),
+/// with no unpacking. For the scale indices' MIN over MPI, which runs it on
+/// every word of a 16 Mi-value array at each step.
+pub fn min_lanes(acc: &mut [u64], other: &[u64], width: u32) {
+    assert!((1..=64).contains(&width) && acc.len() == other.len(), "lane MIN of {} and {} words of {width} bits", acc.len(), other.len());
+    let isa = Isa::detect();
+    match width {
+        1 => acc.iter_mut().zip(other).for_each(|(a, &b)| *a &= b), // a bit's MIN is AND
+        2 => min_kernel::<2>(isa, acc, other),
+        3 => min_kernel::<3>(isa, acc, other),
+        4 => min_kernel::<4>(isa, acc, other),
+        _ => min_body_any(acc, other, width),
+    }
+}
+
+#[inline(always)]
+fn min_body<const W: u32>(acc: &mut [u64], other: &[u64]) {
+    min_body_any(acc, other, W)
+}
+
+#[inline(always)]
+fn min_body_any(acc: &mut [u64], other: &[u64], width: u32) {
+    let (per, mask) = (64 / width, if width == 64 { u64::MAX } else { (1u64 << width) - 1 });
+    for (a, &b) in acc.iter_mut().zip(other) {
+        let mut out = 0u64;
+        for lane in 0..per {
+            let s = lane * width;
+            out |= ((*a >> s) & mask).min((b >> s) & mask) << s;
+        }
+        *a = out;
+    }
+}
+
+crate::isa::multiversion! {
+    fn min_kernel[const W: u32][W](acc: &mut [u64], other: &[u64]) -> () = min_body;
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn lane_min_is_the_min_of_every_value() {
+        for width in [1u32, 2, 3, 4, 5, 8, 64] {
+            for n in [0usize, 1, 63, 200, 1000] {
+                let top = if width == 64 { u64::MAX } else { (1u64 << width) - 1 };
+                let a: Vec<u64> = (0..n as u64).map(|i| ((i * 2_654_435_761) >> 3) & top).collect();
+                let b: Vec<u64> = (0..n as u64).map(|i| (i * 40_503 + 7) & top).collect();
+                let want = pack_slice(&a.iter().zip(&b).map(|(x, y)| *x.min(y)).collect::<Vec<_>>(), width, |v| v);
+                let mut acc = pack_slice(&a, width, |v| v);
+                min_lanes(&mut acc, &pack_slice(&b, width, |v| v), width);
+                assert_eq!(acc, want, "width {width} n {n}");
+            }
+        }
+        for isa in Isa::available() {
+            let (mut acc, other) = (vec![0b10_01_11_00u64 << 40 | 0b0111, 5], vec![0b01_10_01_11u64 << 40 | 0b1001, 3]);
+            min_kernel::<2>(isa, &mut acc, &other);
+            assert_eq!(acc, [0b01_01_01_00u64 << 40 | 0b0101, 1], "{isa:?}");
+        }
+    }
     use super::*;
 
     /// The layout by its definition (`place`), one value at a time.
