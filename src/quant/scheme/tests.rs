@@ -603,3 +603,21 @@ fn digit_parts_from_the_network_are_checked() {
     w[17 + 2 * 19..17 + 2 * 20].copy_from_slice(&(4 * 820 + 6561u16).to_le_bytes()); // value 4 in four digits, and a fifth
     assert!(err(&w).contains("more digits than values"), "{}", err(&w));
 }
+
+#[test]
+fn scale_indices_from_the_network_are_below_their_count() {
+    let part = Part::Levels { levels: (0..100).map(|i| (i % 3) as u8).collect(), count: 3 };
+    let wire = to_wire(&part);
+    assert_eq!(from_wire(&wire).unwrap(), part);
+    // 2-bit lanes can hold a 3: refused, whichever lane holds it
+    for byte in [10, 10 + 8 * 3] {
+        let mut bad = wire.clone();
+        bad[byte] |= 0b11 << 4;
+        assert!(from_wire(&bad).unwrap_err().to_string().contains("a scale index is not below 3"), "byte {byte}");
+    }
+    // 1-bit lanes for 2 scales hold nothing else
+    let two = Part::Levels { levels: (0..100).map(|i| (i % 2) as u8).collect(), count: 2 };
+    let mut wire = to_wire(&two);
+    wire[10] = 0xff;
+    assert!(matches!(from_wire(&wire).unwrap(), Part::Levels { count: 2, .. }));
+}
