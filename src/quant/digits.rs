@@ -130,7 +130,7 @@ pub fn unpack(words: &[u16], radix: u32, out: &mut [u32]) -> Result<()> {
     }
     let per = per_word(radix) as usize;
     let top = (radix as u64).pow(per as u32);
-    if top < 1 << 16 && words.iter().any(|&w| w as u64 >= top) {
+    if top < 1 << 16 && words.iter().fold(0, |m, &w| m.max(w)) as u64 >= top {
         return Err(Error::Transport(format!("malformed message: a digit word holds a value past {radix}^{per}")));
     }
     let isa = crate::isa::Isa::detect();
@@ -264,7 +264,7 @@ pub fn to_lanes(words: &[u16], radix: u32, n: usize, width: u32) -> Result<Vec<u
     }
     let (per, lanes_per) = (per_word(radix) as usize, (64 / width) as usize);
     let top = (radix as u64).pow(per as u32);
-    if top < 1 << 16 && words.iter().any(|&w| w as u64 >= top) {
+    if top < 1 << 16 && words.iter().fold(0, |m, &w| m.max(w)) as u64 >= top {
         return Err(Error::Transport(format!("malformed message: a digit word holds a value past {radix}^{per}")));
     }
     let done = converted(n, lanes_per, per);

@@ -361,39 +361,68 @@ pub fn add_widened(acc: &mut [u64], width: u32, src: &[u8], from: u32, n: usize,
         return Err(Error::Transport(format!("malformed message: {n} values of {from} bits need {} bytes, the frame carries {}", 8 * narrow, src.len())));
     }
     let (per, per_from) = ((64 / width) as usize, (64 / from) as usize);
-    // Pieces start at a group of both layouts, so each piece is laid out as
-    // an array of its own: unpack it narrow, check it, pack it wide.
-    let piece_words = GROUP * per_from * (TASK_WORDS / GROUP / per_from).max(1);
+    // Blocks of one group of both layouts (`block` wide words), so each is
+    // laid out as an array of its own: unpacked narrow, checked, and packed
+    // wide into `acc` by one kernel; each block is checked whole before it
+    // is added, and a refusal takes back the blocks that were added.
+    let block = GROUP * per_from;
     let isa = Isa::detect();
-    // The wide words of values from `start` (a piece), or None when a value is above `max`.
-    let widen = |start: usize, len: usize| -> Option<Vec<u64>> {
-        let (first, count) = (start * per, (n - start * per).min(len * per));
-        let mut vals = vec![0u64; count];
-        let w0 = first / per_from;
-        unpack_kernel(isa, &|k| u64::from_le_bytes(src[8 * (w0 + k)..8 * (w0 + k) + 8].try_into().unwrap()), from, &mut vals, &|v| v);
-        if vals.iter().any(|&v| v > max) {
-            return None;
+    let each_block = |start: usize, a: &mut [u64], vals: &mut Vec<u64>, work: &mut BlockWork| {
+        for (j, wide) in a.chunks_mut(block).enumerate() {
+            let s = start + j * block;
+            let (first, count) = (s * per, (n - s * per).min(wide.len() * per));
+            let narrow = &src[8 * (first / per_from)..8 * (first / per_from + words_for(count, from))];
+            vals.resize(count, 0);
+            work(s, narrow, &mut vals[..count], wide);
         }
-        let mut wide = vec![0u64; len];
-        pack_groups(width, &vals, |v| v, &mut wide, |w, v| *w = v);
-        Some(wide)
     };
     let refused = std::sync::Mutex::new(Vec::new());
-    crate::par::chunks_of(acc, piece_words, |start, a| match widen(start, a.len()) {
-        Some(wide) => a.iter_mut().zip(wide).for_each(|(w, x)| *w = w.wrapping_add(x)),
-        None => refused.lock().unwrap().push(start),
+    crate::par::chunks_of(acc, block * (TASK_WORDS / block).max(1), |start, a| {
+        let mut vals = Vec::new(); // (as long as the first block: a short frame allocates little)
+        each_block(start, a, &mut vals, &mut |s, narrow, vals, wide| {
+            if !widen_kernel::<true>(isa, narrow, from, width, max, vals, wide) {
+                refused.lock().unwrap().push(s);
+            }
+        });
     });
     let refused = refused.into_inner().unwrap();
     if refused.is_empty() {
         return Ok(());
     }
-    crate::par::chunks_of(acc, piece_words, |start, a| {
-        if !refused.contains(&start) {
-            let wide = widen(start, a.len()).expect("a piece that was added widens again");
-            a.iter_mut().zip(wide).for_each(|(w, x)| *w = w.wrapping_sub(x));
-        }
+    crate::par::chunks_of(acc, block * (TASK_WORDS / block).max(1), |start, a| {
+        let mut vals = Vec::new(); // (as long as the first block: a short frame allocates little)
+        each_block(start, a, &mut vals, &mut |s, narrow, vals, wide| {
+            if !refused.contains(&s) {
+                assert!(widen_kernel::<false>(isa, narrow, from, width, max, vals, wide), "a block that was added widens again");
+            }
+        });
     });
     Err(Error::Transport(format!("malformed message: a packed code is above {max}")))
+}
+
+/// What `add_widened` does with a block: `(its first wide word, its narrow
+/// bytes, scratch for its values, its wide words)`.
+type BlockWork<'a> = dyn FnMut(usize, &[u8], &mut [u64], &mut [u64]) + 'a;
+
+/// `add_widened` of one block: unpacks `vals.len()` narrow values from the
+/// bytes `narrow`, and unless one is above `max` (then false, nothing
+/// written) adds them (`ADD`) to, or takes them from, the wide lanes `wide`.
+#[inline(always)]
+fn widen_body<const ADD: bool>(narrow: &[u8], from: u32, width: u32, max: u64, vals: &mut [u64], wide: &mut [u64]) -> bool {
+    unpack_body(&|k| u64::from_le_bytes(narrow[8 * k..8 * k + 8].try_into().unwrap()), from, vals, &|v| v);
+    if vals.iter().fold(0, |m, &v| m.max(v)) > max {
+        return false;
+    }
+    if ADD {
+        pack_groups(width, vals, |v| v, wide, store::<true>);
+    } else {
+        pack_groups(width, vals, |v| v, wide, |w: &mut u64, v| *w = w.wrapping_sub(v));
+    }
+    true
+}
+
+crate::isa::multiversion! {
+    fn widen_kernel[const ADD: bool][ADD](narrow: &[u8], from: u32, width: u32, max: u64, vals: &mut [u64], wide: &mut [u64]) -> bool = widen_body;
 }
 
 /// Lane by lane, `acc = min(acc, other)`: two arrays of words packed at
@@ -588,14 +617,27 @@ mod tests {
             let mut sums = vec![0u64; n];
             unpack_into(&acc, width, &mut sums, |v| v).unwrap();
             assert!(sums.iter().enumerate().all(|(i, &s)| s == workers[0][i] + workers[1][i]), "n={n} from={from}");
-            if max + 1 < 1 << from {
+            // a bad value in the first, a middle or the last block: the
+            // blocks added around it are taken back
+            for at in [0, n / 2, n - 1].into_iter().filter(|_| max + 1 < 1 << from) {
                 let before = acc.clone();
                 let mut bad = workers[0].clone();
-                bad[n - 1] = max + 1;
+                bad[at] = max + 1;
                 let mut b = vec![0u8; 8 * words_for(n, from)];
                 pack_into_bytes(n, from, |i| bad[i], &mut b);
                 assert!(add_widened(&mut acc, width, &b, from, n, max).is_err());
-                assert_eq!(acc, before, "n={n}");
+                assert_eq!(acc, before, "n={n} at {at}");
+            }
+            // every kernel on the first block (a group of both layouts)
+            let count = n.min(GROUP * (64 / from as usize) * (64 / width as usize));
+            let mut b = vec![0u8; 8 * words_for(count, from)];
+            pack_into_bytes(count, from, |i| workers[1][i], &mut b);
+            for isa in Isa::available() {
+                let (mut wide, mut vals) = (vec![0u64; words_for(count, width)], vec![0u64; count]);
+                assert!(widen_kernel::<true>(isa, &b, from, width, max, &mut vals, &mut wide));
+                assert_eq!(wide, pack_slice(&workers[1][..count], width, |v| v), "{isa:?} n={n}");
+                assert!(widen_kernel::<false>(isa, &b, from, width, max, &mut vals, &mut wide));
+                assert!(wide.iter().all(|&w| w == 0), "{isa:?} n={n}");
             }
         }
         assert!(add_widened(&mut [0u64; 2], 3, &[0u8; 16], 2, 40, 2).is_ok()); // 40 values: 2 words either way
