@@ -518,6 +518,54 @@ mod kernels {
         }
     }
 
+    /// `decode_levels` straight from lanes (`lanes`' layout, a piece that
+    /// starts a group) of `width` bits holding `code - base`, with 2 to 4
+    /// steps in use (false, nothing written, for any other count): each
+    /// code as a double by `lanes::exact_plus`, times its step, in one
+    /// pass with no buffer of codes. `|base| < 2^52` is the caller's.
+    #[inline(always)]
+    fn decode_levels_packed_body(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) -> bool {
+        match (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1) {
+            2 => decode_packed_few::<2>(words, width, base, l, o, steps),
+            3 => decode_packed_few::<3>(words, width, base, l, o, steps),
+            4 => decode_packed_few::<4>(words, width, base, l, o, steps),
+            _ => return false,
+        }
+        true
+    }
+
+    #[inline(always)]
+    fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) {
+        let mut st = [0f64; COUNT];
+        st.copy_from_slice(&steps[..COUNT]);
+        let (per, mask) = ((64 / width.clamp(1, 32)) as usize, (1u64 << width.clamp(1, 32)) - 1);
+        let g = lanes::GROUP;
+        for ((w, l), o) in words.chunks(g).zip(l.chunks(g * per)).zip(o.chunks_mut(g * per)) {
+            if w.len() == g && o.len() == g * per && l.len() == g * per {
+                let mut ws = [0u64; lanes::GROUP];
+                ws.copy_from_slice(w);
+                for (lane, (l, o)) in l.chunks_exact(g).zip(o.chunks_exact_mut(g)).enumerate() {
+                    let shift = lane as u32 * width;
+                    for ((o, &lv), &x) in o.iter_mut().zip(l).zip(&ws) {
+                        *o = (lanes::exact_plus((x >> shift) & mask, base) * pick(&st, lv)) as f32;
+                    }
+                }
+            } else {
+                // the last group: value j in word j % m, lane j / m
+                let m = w.len();
+                for (j, (o, &lv)) in o.iter_mut().zip(l).enumerate() {
+                    let v = (w[j % m] >> ((j / m) as u32 * width)) & mask;
+                    *o = (lanes::exact_plus(v, base) * pick(&st, lv)) as f32;
+                }
+            }
+        }
+    }
+
+    multiversion! {
+        /// `decode_levels_packed_body`.
+        pub fn decode_levels_packed[][](words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) -> bool = decode_levels_packed_body;
+    }
+
     /// `vals[lv]`, or `vals[0]` for an index past them, by `COUNT - 1`
     /// selects of values held in registers (a lookup per element compiles
     /// to gathers): the few-scale kernels' choice of scale or step.
@@ -596,11 +644,20 @@ mod kernels {
                     assert!(d.iter().zip(&want_single).all(|(d, &c)| *d == (c as f64 * steps[0]) as f32), "{isa:?} decode n={n}");
                     assert!(dl.iter().zip(&want_levels).zip(&want_l).all(|((d, &c), &j)| *d == (c as f64 * steps[j as usize]) as f32), "{isa:?} decode n={n}");
                     // 2 to 4 steps in use (steps in registers) and 5 (select passes)
+                    let lo = want_levels.iter().copied().min().unwrap_or(0);
+                    let width = lanes::width_for(want_levels.iter().map(|&c| (c - lo) as u64).max().unwrap_or(0));
+                    let packed = lanes::pack_slice(&want_levels, width, |c| (c - lo) as u64);
                     for count in 2..=5 {
                         let few: [f64; TABLE] = std::array::from_fn(|j| if j < count { steps[j] } else { 0.0 });
                         let l: Vec<u8> = (0..n).map(|i| ((i * 7 + i / 3) % count) as u8).collect();
                         decode_levels(isa, &want_levels, &l, &mut dl, &few);
                         assert!(dl.iter().zip(&want_levels).zip(&l).all(|((d, &c), &j)| *d == (c as f64 * few[j as usize]) as f32), "{isa:?} decode of {count} steps n={n}");
+                        // and straight from lanes, where 2 to 4 are in use
+                        let mut dp = vec![f32::NAN; n];
+                        assert_eq!(decode_levels_packed(isa, &packed, width, lo as f64, &l, &mut dp, &few), count <= 4);
+                        if count <= 4 {
+                            assert_eq!(dp.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), dl.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{isa:?} packed decode of {count} steps n={n}");
+                        }
                     }
                     let mut x = g.clone();
                     let want = x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -791,6 +848,10 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
     let values = (kernels::BLOCK / (super::lanes::GROUP * per)).max(1) * super::lanes::GROUP * per;
     let failed = std::sync::atomic::AtomicBool::new(false);
     par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
+        let (pw, pl) = (&words[start / per..start / per + super::lanes::words_for(o.len(), width)], &l[start..start + o.len()]);
+        if base.unsigned_abs() < 1 << 52 && kernels::decode_levels_packed(isa, pw, width, base as f64, pl, o, &steps) {
+            return; // 2 to 4 scales: one pass from the lanes
+        }
         let mut buf = [0i32; kernels::BLOCK];
         for (b, o) in o.chunks_mut(values).enumerate() {
             let first = start + b * values;
