@@ -175,9 +175,7 @@ pub struct State {
     pub residual: Vec<f32>,
     pub q: Vec<f32>,
     pub step: u64,
-    /// The last push's code buffer, reused by the next (never cloned).
-    spare_codes: Vec<i32>,
-    /// The same for packed codes.
+    /// The last push's packed codes, reused by the next (never cloned).
     spare_words: Vec<u64>,
     /// The last push's scale indices (`recycle`).
     spare_levels: Vec<u8>,
@@ -696,12 +694,6 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
             Ok(())
         }
         (Compression::TwoBit(th), Part::Packed { words, n: len, lo: 0, hi, width, .. }) if *len == n => twobit::decode_packed(words, *width, *hi, *th, out),
-        (Compression::TwoBit(th), Part::Codes { codes, .. }) if codes.len() == 2 * n => {
-            // p pos + q neg, as the parameter server's code counts.
-            let (p, q) = codes.split_at(n);
-            out.iter_mut().zip(p.iter().zip(q)).for_each(|(o, (&p, &q))| *o = p as f32 * th.pos() + q as f32 * th.neg());
-            Ok(())
-        }
         (Compression::None, Part::F32(s)) if s.len() == n => {
             out.copy_from_slice(s);
             Ok(())
@@ -719,11 +711,6 @@ pub fn finish(c: &Compression, states: &mut [State], sum: Part) {
         (Compression::PowerSgd { .. }, Part::F32(q)) => {
             for s in states.iter_mut().filter(|s| s.q.len() == q.len()) {
                 s.q.copy_from_slice(&q);
-            }
-        }
-        (_, Part::Codes { codes, .. }) => {
-            if let Some(s) = states.first_mut() {
-                s.spare_codes = codes;
             }
         }
         (_, Part::Packed { words, .. }) => {
