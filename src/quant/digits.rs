@@ -84,7 +84,7 @@ fn pack_body(vals: &[u32], radix: u32, per: usize, words: &mut [u16]) {
     for (group, v) in words.chunks_mut(GROUP).zip(vals.chunks(GROUP * per)) {
         let m = group.len();
         if v.len() == GROUP * per && m == GROUP {
-            // Horner, from the top digit: all sixteen words at once.
+            // Horner, from the top digit: all the group's words at once.
             let mut acc = [0u32; GROUP];
             for digit in v.chunks_exact(GROUP).rev() {
                 for (a, &x) in acc.iter_mut().zip(digit) {
@@ -129,10 +129,7 @@ pub fn unpack(words: &[u16], radix: u32, out: &mut [u32]) -> Result<()> {
         return Err(Error::Transport(format!("malformed message: {n} values in base {radix} in {} digit words", words.len())));
     }
     let per = per_word(radix) as usize;
-    let top = (radix as u64).pow(per as u32);
-    if top < 1 << 16 && words.iter().fold(0, |m, &w| m.max(w)) as u64 >= top {
-        return Err(Error::Transport(format!("malformed message: a digit word holds a value past {radix}^{per}")));
-    }
+    check_words(words, radix, per)?;
     let isa = crate::isa::Isa::detect();
     let bad = std::sync::atomic::AtomicBool::new(false);
     crate::par::chunks_of(out, TASK_WORDS * per, |start, vals| {
@@ -143,6 +140,17 @@ pub fn unpack(words: &[u16], radix: u32, out: &mut [u32]) -> Result<()> {
     });
     if bad.into_inner() {
         return Err(Error::Transport(format!("malformed message: the last digit word of {n} values holds more digits than values")));
+    }
+    Ok(())
+}
+
+/// Every word holds no more than its `per` digits: a value past
+/// `radix^per` would decode to a digit `>= radix`. (A max, which
+/// vectorizes, where a search for the first does not.)
+fn check_words(words: &[u16], radix: u32, per: usize) -> Result<()> {
+    let top = (radix as u64).pow(per as u32);
+    if top < 1 << 16 && words.iter().fold(0, |m, &w| m.max(w)) as u64 >= top {
+        return Err(Error::Transport(format!("malformed message: a digit word holds a value past {radix}^{per}")));
     }
     Ok(())
 }
@@ -263,10 +271,7 @@ pub fn to_lanes(words: &[u16], radix: u32, n: usize, width: u32) -> Result<Vec<u
         return Err(Error::Transport(format!("malformed message: {n} values in base {radix} in {} digit words, for lanes of {width} bits", words.len())));
     }
     let (per, lanes_per) = (per_word(radix) as usize, (64 / width) as usize);
-    let top = (radix as u64).pow(per as u32);
-    if top < 1 << 16 && words.iter().fold(0, |m, &w| m.max(w)) as u64 >= top {
-        return Err(Error::Transport(format!("malformed message: a digit word holds a value past {radix}^{per}")));
-    }
+    check_words(words, radix, per)?;
     let done = converted(n, lanes_per, per);
     let mut out = vec![0u64; super::lanes::words_for(n, width)];
     let (body, tail) = out.split_at_mut(done / lanes_per);
