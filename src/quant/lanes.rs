@@ -367,7 +367,9 @@ pub fn add_widened(acc: &mut [u64], width: u32, src: &[u8], from: u32, n: usize,
     // is added, and a refusal takes back the blocks that were added.
     let block = GROUP * per_from;
     let isa = Isa::detect();
-    let each_block = |start: usize, a: &mut [u64], vals: &mut Vec<u64>, work: &mut BlockWork| {
+    let piece = block * (TASK_WORDS / block).max(1);
+    let each_block = |start: usize, a: &mut [u64], work: &mut BlockWork| {
+        let mut vals = Vec::new(); // (as long as the first block: a short frame allocates little)
         for (j, wide) in a.chunks_mut(block).enumerate() {
             let s = start + j * block;
             let (first, count) = (s * per, (n - s * per).min(wide.len() * per));
@@ -377,9 +379,8 @@ pub fn add_widened(acc: &mut [u64], width: u32, src: &[u8], from: u32, n: usize,
         }
     };
     let refused = std::sync::Mutex::new(Vec::new());
-    crate::par::chunks_of(acc, block * (TASK_WORDS / block).max(1), |start, a| {
-        let mut vals = Vec::new(); // (as long as the first block: a short frame allocates little)
-        each_block(start, a, &mut vals, &mut |s, narrow, vals, wide| {
+    crate::par::chunks_of(acc, piece, |start, a| {
+        each_block(start, a, &mut |s, narrow, vals, wide| {
             if !widen_kernel::<true>(isa, narrow, from, width, max, vals, wide) {
                 refused.lock().unwrap().push(s);
             }
@@ -389,9 +390,8 @@ pub fn add_widened(acc: &mut [u64], width: u32, src: &[u8], from: u32, n: usize,
     if refused.is_empty() {
         return Ok(());
     }
-    crate::par::chunks_of(acc, block * (TASK_WORDS / block).max(1), |start, a| {
-        let mut vals = Vec::new(); // (as long as the first block: a short frame allocates little)
-        each_block(start, a, &mut vals, &mut |s, narrow, vals, wide| {
+    crate::par::chunks_of(acc, piece, |start, a| {
+        each_block(start, a, &mut |s, narrow, vals, wide| {
             if !refused.contains(&s) {
                 assert!(widen_kernel::<false>(isa, narrow, from, width, max, vals, wide), "a block that was added widens again");
             }
@@ -465,6 +465,19 @@ crate::isa::multiversion! {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// The layout by its definition (`place`), one value at a time.
+    fn reference(vals: &[u64], width: u32) -> Vec<u64> {
+        let mut words = vec![0u64; words_for(vals.len(), width)];
+        for (i, &v) in vals.iter().enumerate() {
+            let (w, lane) = place(i, vals.len(), width);
+            assert!(lane < 64 / width && (width == 64 || v >> width == 0));
+            assert_eq!(words[w] >> (lane * width) & if width == 64 { u64::MAX } else { (1 << width) - 1 }, 0, "two values in one lane");
+            words[w] |= v << (lane * width);
+        }
+        words
+    }
 
     #[test]
     fn lane_min_is_the_min_of_every_value() {
@@ -484,19 +497,6 @@ mod tests {
             min_kernel::<2>(isa, &mut acc, &other);
             assert_eq!(acc, [0b01_01_01_00u64 << 40 | 0b0101, 1], "{isa:?}");
         }
-    }
-    use super::*;
-
-    /// The layout by its definition (`place`), one value at a time.
-    fn reference(vals: &[u64], width: u32) -> Vec<u64> {
-        let mut words = vec![0u64; words_for(vals.len(), width)];
-        for (i, &v) in vals.iter().enumerate() {
-            let (w, lane) = place(i, vals.len(), width);
-            assert!(lane < 64 / width && (width == 64 || v >> width == 0));
-            assert_eq!(words[w] >> (lane * width) & if width == 64 { u64::MAX } else { (1 << width) - 1 }, 0, "two values in one lane");
-            words[w] |= v << (lane * width);
-        }
-        words
     }
 
     #[test]
