@@ -305,6 +305,57 @@ pub fn unpack_bytes_into<T: Send>(bytes: &[u8], width: u32, out: &mut [T], f: im
 /// pass into a buffer that stays in L1, then packed from it in another.
 pub(crate) const BLOCK: usize = 2048;
 
+/// Packs the whole groups of `$n` values (lanes of `$width` bits, 1 to 32)
+/// straight from a kernel's vectors into the words `$w`, written or (with
+/// `$add`) added, and evaluates to the number of values packed (the caller
+/// packs the rest, the last short group, another way). `$pair` gives the
+/// lanes (`[u32; 16]`) of values `$at..$at + 16`: a lane of the group's
+/// eight words and the lane above it; `$one` those (`[u32; 8]`) of
+/// `$at..$at + 8`; each `< 2^width`. A macro, as `blocks!`: a closure that
+/// is not inlined would run without the kernel's instruction set.
+///
+/// A group's lanes go in top first, Horner's way: its eight words shift
+/// up two lanes and take the next pair. The shifts are the same for every
+/// pair, so a vector kernel holds them in registers, and a pair costs a
+/// shift, two widenings and one three-way OR (each lane at its own offset
+/// cost a shift count, a widening and a shift).
+macro_rules! pack_direct {
+    ($add:ident, $n:expr, $w:expr, $width:expr, |$at:ident| $pair:expr, $one:expr) => {{
+        const G: usize = $crate::quant::lanes::GROUP;
+        let (n, w): (usize, &mut [u64]) = ($n, $w);
+        let width: u32 = ($width).clamp(1, 32);
+        let per = (64 / width) as usize;
+        let group = G * per;
+        let whole = (n / group).min(w.len() / G);
+        // Pairs go in at the top pair's offset and every pair before moves
+        // down two lanes; at width 32 there is one pair (`wrapping_shr`
+        // shifts the words, still 0, by 0 instead of 64).
+        let (pairs, down) = (per / 2, 2 * width);
+        let top = (pairs as u32 - 1) * down;
+        for (gi, words) in w.chunks_exact_mut(G).take(whole).enumerate() {
+            let base = gi * group;
+            let mut acc = [0u64; G];
+            for p in 0..pairs {
+                let $at = base + 2 * p * G;
+                let c: [u32; 2 * G] = $pair;
+                for t in 0..G {
+                    acc[t] = acc[t].wrapping_shr(down) | (c[t] as u64) << top | (c[G + t] as u64) << (top + width);
+                }
+            }
+            if per % 2 == 1 {
+                let $at = base + (per - 1) * G;
+                let c: [u32; G] = $one;
+                for (a, c) in acc.iter_mut().zip(c) {
+                    *a |= (c as u64) << ((per as u32 - 1) * width);
+                }
+            }
+            words.iter_mut().zip(acc).for_each(|(w, a)| $crate::quant::lanes::store::<$add>(w, a));
+        }
+        whole * group
+    }};
+}
+pub(crate) use pack_direct;
+
 /// Puts a finished word: written, or (with `ADD`) added lane by lane.
 #[inline(always)]
 pub(crate) fn store<const ADD: bool>(w: &mut u64, v: u64) {

@@ -48,7 +48,20 @@ pub fn quantize_packed<const ADD: bool>(grad: &[f32], residual: &mut [f32], thre
 #[inline(always)]
 fn packed_body<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: f32, words: &mut [u64], width: u32) {
     let n = grad.len().min(residual.len());
-    lanes::blocks!(ADD, lanes::BLOCK, n, words, width, 0, |span, c| quantize_piece::<false>(&grad[span.clone()], &mut residual[span], threshold, c));
+    // Whole groups straight from the bits' vectors (`lanes::pack_direct!`).
+    let start = lanes::pack_direct!(ADD, n, words, width, |at| bits_of::<16>(grad[at..at + 16].try_into().unwrap(), (&mut residual[at..at + 16]).try_into().unwrap(), threshold), {
+        bits_of::<8>(grad[at..at + 8].try_into().unwrap(), (&mut residual[at..at + 8]).try_into().unwrap(), threshold)
+    });
+    let (grad, residual, words) = (&grad[start..n], &mut residual[start..n], &mut words[lanes::words_for(start, width)..]);
+    lanes::blocks!(ADD, lanes::BLOCK, grad.len(), words, width, 0, |span, c| quantize_piece::<false>(&grad[span.clone()], &mut residual[span], threshold, c));
+}
+
+/// `quantize_piece` of `N` values, the bits returned as lanes.
+#[inline(always)]
+fn bits_of<const N: usize>(grad: &[f32; N], residual: &mut [f32; N], threshold: f32) -> [u32; N] {
+    let mut bits = [0i32; N];
+    quantize_piece::<false>(grad, residual, threshold, &mut bits);
+    bits.map(|b| b as u32)
 }
 
 crate::isa::multiversion! {

@@ -199,7 +199,7 @@ pub(crate) fn quantize_levels_packed<const ADD: bool>(grad: &[f32], scale: f32, 
 /// element from `noise`, inline, so whole vectors of codes come at once.
 mod kernels {
     use super::noise::{self, Keys};
-    use crate::quant::lanes::{self, blocks, pack_codes};
+    use crate::quant::lanes::{self, blocks, pack_codes, pack_direct};
     use crate::isa::{multiversion, Isa};
 
     /// Scales a kernel's table holds.
@@ -229,7 +229,7 @@ mod kernels {
         // an i32; truncation of l >= 0 is floor. (A plain `as` saturates,
         // which the compiler cannot vectorize.)
         let floor: i32 = unsafe { l.to_int_unchecked() };
-        let level = floor + (u < l - floor as f32) as i32;
+        let level = if u < l - floor as f32 { floor + 1 } else { floor };
         if g < 0.0 {
             -level
         } else {
@@ -298,41 +298,23 @@ mod kernels {
     fn single_packed_body<const ADD: bool>(g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) {
         let (f, s) = sane(f0, s0);
         let off = s as i32;
-        // Whole groups: two lanes (sixteen consecutive values) are made at
-        // once and shifted into the group's eight words (`lanes::place`).
-        let width = width.clamp(1, 32);
-        let per = (64 / width) as usize;
-        let group = lanes::GROUP * per;
-        let whole = g.len() / group;
-        const G: usize = lanes::GROUP;
-        for (gi, words) in w.chunks_exact_mut(G).take(whole).enumerate() {
-            let mut acc = [0u64; G];
-            let mut lane = 0;
-            while lane + 2 <= per {
-                let at = gi * group + lane * G;
-                let x: &[f32; 2 * G] = g[at..at + 2 * G].try_into().unwrap();
-                let mut c = [0u32; 2 * G];
-                for t in 0..2 * G {
-                    c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
-                }
-                let (lo, hi) = (lane as u32 * width, (lane as u32 + 1) * width);
-                for t in 0..G {
-                    acc[t] |= ((c[t] as u64) << lo) | ((c[G + t] as u64) << hi);
-                }
-                lane += 2;
+        // Whole groups straight from the codes' vectors (`lanes::pack_direct!`).
+        let start = pack_direct!(ADD, g.len(), w, width, |at| {
+            let x: &[f32; 2 * G] = g[at..at + 2 * G].try_into().unwrap();
+            let mut c = [0u32; 2 * G];
+            for t in 0..2 * G {
+                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
             }
-            if lane < per {
-                let at = gi * group + lane * G;
-                let x: &[f32; G] = g[at..at + G].try_into().unwrap();
-                for t in 0..G {
-                    let c = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
-                    acc[t] |= (c as u64) << (lane as u32 * width);
-                }
+            c
+        }, {
+            let x: &[f32; G] = g[at..at + G].try_into().unwrap();
+            let mut c = [0u32; G];
+            for t in 0..G {
+                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
             }
-            words.iter_mut().zip(acc).for_each(|(w, a)| lanes::store::<ADD>(w, a));
-        }
-        let start = whole * group;
-        let (g, w) = (&g[start..], &mut w[whole * G..]);
+            c
+        });
+        let (g, w) = (&g[start..], &mut w[lanes::words_for(start, width)..]);
         let first = first.wrapping_add(start as u32);
         blocks!(ADD, BLOCK, g.len(), w, width, off, |r, c| single_body::<false>(&g[r.clone()], c, k, first.wrapping_add(r.start as u32), f0, s0));
     }
@@ -388,7 +370,27 @@ mod kernels {
         let (mut f, mut s) = ([0f32; COUNT], [0f32; COUNT]);
         f.copy_from_slice(&ft[..COUNT]);
         s.copy_from_slice(&st[..COUNT]);
-        blocks!(ADD, BLOCK, g.len().min(l.len()), w, width, s[0] as i32, |r, c| {
+        let off = s[0] as i32;
+        let n = g.len().min(l.len());
+        // Whole groups straight from the codes' vectors (`lanes::pack_direct!`).
+        let start = pack_direct!(ADD, n, w, width, |at| {
+            let (x, lv): (&[f32; 2 * G], &[u8; 2 * G]) = (g[at..at + 2 * G].try_into().unwrap(), l[at..at + 2 * G].try_into().unwrap());
+            let mut c = [0u32; 2 * G];
+            for t in 0..2 * G {
+                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), pick(&f, lv[t]), pick(&s, lv[t])).wrapping_add(off) as u32;
+            }
+            c
+        }, {
+            let (x, lv): (&[f32; G], &[u8; G]) = (g[at..at + G].try_into().unwrap(), l[at..at + G].try_into().unwrap());
+            let mut c = [0u32; G];
+            for t in 0..G {
+                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), pick(&f, lv[t]), pick(&s, lv[t])).wrapping_add(off) as u32;
+            }
+            c
+        });
+        let (g, l, w) = (&g[start..n], &l[start..n], &mut w[lanes::words_for(start, width)..]);
+        let first = first.wrapping_add(start as u32);
+        blocks!(ADD, BLOCK, g.len(), w, width, off, |r, c| {
             let (g, l) = (&g[r.clone()], &l[r.clone()]);
             let at = first.wrapping_add(r.start as u32);
             for (j, ((c, &g), &lv)) in c.iter_mut().zip(g).zip(l).enumerate() {
@@ -696,7 +698,7 @@ mod kernels {
                     fit(Isa::detect(), &g, &mut l, &ft, scales.len(), 3.0);
                     let want_single = reference::quantize(&g, 1.0031, &scales[..1], None, offset, 77);
                     let want_levels = reference::quantize(&g, 1.0031, scales, Some(&l), offset, 5);
-                    for width in [3u32, 4, 5, 32] {
+                    for width in [3u32, 4, 5, 7, 9, 16, 21, 22, 32] {
                         let lanes_of = |c: &[i32], times: u64| lanes::pack_slice(c, width, |c| (c + 3) as u64 * times);
                         for isa in Isa::available() {
                             // adding a second member's codes needs lanes for two (4 bits)

@@ -51,11 +51,26 @@ pub fn quantize_packed<const ADD: bool>(grad: &[f32], residual: &mut [f32], th: 
 #[inline(always)]
 fn packed_body<const ADD: bool>(grad: &[f32], residual: &mut [f32], th: (f32, f32), b: i32, words: &mut [u64], width: u32) {
     let n = grad.len().min(residual.len());
-    lanes::blocks!(ADD, lanes::BLOCK, n, words, width, 0, |span, c| {
+    // Whole groups straight from the codes' vectors (`lanes::pack_direct!`).
+    let start = lanes::pack_direct!(ADD, n, words, width, |at| codes_of::<16>(grad[at..at + 16].try_into().unwrap(), (&mut residual[at..at + 16]).try_into().unwrap(), th, b), {
+        codes_of::<8>(grad[at..at + 8].try_into().unwrap(), (&mut residual[at..at + 8]).try_into().unwrap(), th, b)
+    });
+    let (grad, residual, words) = (&grad[start..n], &mut residual[start..n], &mut words[lanes::words_for(start, width)..]);
+    lanes::blocks!(ADD, lanes::BLOCK, grad.len(), words, width, 0, |span, c| {
         for ((g, r), c) in grad[span.clone()].iter().zip(residual[span].iter_mut()).zip(c.iter_mut()) {
             *c = step(*g, r, th, b);
         }
     });
+}
+
+/// `step` of `N` values, the codes returned as lanes.
+#[inline(always)]
+fn codes_of<const N: usize>(grad: &[f32; N], residual: &mut [f32; N], th: (f32, f32), b: i32) -> [u32; N] {
+    let mut c = [0u32; N];
+    for ((g, r), c) in grad.iter().zip(residual.iter_mut()).zip(c.iter_mut()) {
+        *c = step(*g, r, th, b) as u32;
+    }
+    c
 }
 
 crate::isa::multiversion! {
