@@ -26,6 +26,8 @@ fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
         heartbeat_timeout: Duration::from_secs(3),
         verbose: 0,
         bigarray_bound: 1000,
+        // Scheme keys of 1500 elements and more take several slices per server.
+        partition_bytes: 6000,
         secret: None,
     }
 }
@@ -395,8 +397,10 @@ fn scheme_grad(rank: usize, step: usize, n: usize) -> Vec<f32> {
 }
 
 /// Every scheme on dist_sync (3 workers, 2 servers) gives the device
-/// store's bits, on a key one server holds and on one cut over both
-/// servers (2000 elements, above the big-array bound): each server decodes
+/// store's bits, on a key one server holds, on one cut over both servers
+/// (2000 elements, above the big-array bound) and on one cut into slices
+/// dealt twice round them (6000 elements, 4 partitions; PowerSGD keeps
+/// one slice per server): each server decodes
 /// its slice, random-K's few coordinates fall unevenly on the two, and
 /// PowerSGD's float32 sums are added in rank order on every server. With
 /// 2 workers, qsgd_mn_ms's sums (codes in -1..=1 from 1-bit scales, 5
@@ -406,7 +410,7 @@ fn scheme_grad(rank: usize, step: usize, n: usize) -> Vec<f32> {
 fn every_scheme_on_the_servers_matches_the_device_store() {
     let runs = (0..7).map(|i| (3, i)).chain([(2, 2), (2, 6)]);
     for (workers, i) in runs {
-        for shape in [[6usize, 10], [40, 50]] {
+        for shape in [[6usize, 10], [40, 50], [60, 100]] {
             let n: usize = shape.iter().product();
             let results = job_with(workers, 2, "dist_sync", move |rank, w| {
                 let params = scheme_params(i);
@@ -427,7 +431,10 @@ fn every_scheme_on_the_servers_matches_the_device_store() {
                     let arrays: Vec<Array> = all.iter().map(|g| Array { shape: &shape, data: Grad::F32(g) }).collect();
                     device.push(&key, &arrays).unwrap();
                     w.barrier().unwrap(); // every worker's push is in before anyone pulls
+                    let local = w.local_pulls();
                     let (got, want) = (pull(w, &key, &shape), device.value(&key).unwrap());
+                    // The servers sent the value with their answer to the round (PowerSGD's: its Q).
+                    assert_eq!(w.local_pulls() - local, !matches!(c, Compression::PowerSgd { .. }) as u64, "{} {shape:?}", c.name());
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "{} {shape:?} step {step}", c.name());
                     assert!(got.iter().any(|&x| x != 0.0), "{} {shape:?}: nothing arrived", c.name());

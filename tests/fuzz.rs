@@ -271,6 +271,7 @@ fn a_live_server_survives_mutated_frames() {
         heartbeat_timeout: Duration::from_secs(10),
         verbose: 0,
         bigarray_bound: 1000,
+        partition_bytes: 4 << 20,
         secret: None,
     };
     let sched = { let c = config(Role::Scheduler); thread::spawn(move || serve(c)) };

@@ -14,6 +14,7 @@
 //! | `PS_HEARTBEAT_TIMEOUT` | seconds of silence after which a node is dead | 10 |
 //! | `PS_VERBOSE` | 1: log membership events, 2: every message | 0 |
 //! | `MXNET_KVSTORE_BIGARRAY_BOUND` | keys of at least this many elements are split over all servers | 1000000 |
+//! | `GRADPACK_PARTITION_BYTES` | a split scheme key (not PowerSGD) is cut into slices of at most this many float32 bytes, dealt round the servers, so one slice's reply overlaps the next slice's push (BytePS's `BYTEPS_PARTITION_BYTES`) | 4194304 |
 //! | `GRADPACK_SECRET` | the job's shared secret: every message is authenticated (`auth`) | none (a warning) |
 //! | `GRADPACK_SECRET_FILE` | a file holding the secret, so it need not appear in the environment | none |
 
@@ -61,6 +62,8 @@ pub struct Config {
     pub heartbeat_timeout: Duration,
     pub verbose: u32,
     pub bigarray_bound: usize,
+    /// The most float32 bytes in one slice of a split scheme key.
+    pub partition_bytes: usize,
     /// The job's shared secret; None: messages are not authenticated.
     pub secret: Option<Secret>,
 }
@@ -113,6 +116,13 @@ impl Config {
             Some(t) => number::<usize>("MXNET_KVSTORE_BIGARRAY_BOUND", &t)?.max(1),
             None => 1_000_000,
         };
+        let partition_bytes = match var("GRADPACK_PARTITION_BYTES") {
+            Some(t) => number::<usize>("GRADPACK_PARTITION_BYTES", &t)?,
+            None => 4 << 20,
+        };
+        if partition_bytes < 4 {
+            return Err(config_error("GRADPACK_PARTITION_BYTES", &format!("must hold at least one float32 (4 bytes), got {partition_bytes}")));
+        }
         Ok(Config {
             role,
             root_uri: required("DMLC_PS_ROOT_URI")?,
@@ -124,6 +134,7 @@ impl Config {
             heartbeat_timeout,
             verbose: var("PS_VERBOSE").map(|v| number::<u32>("PS_VERBOSE", &v)).transpose()?.unwrap_or(0),
             bigarray_bound,
+            partition_bytes,
             secret: Secret::from_env()?,
         })
     }
@@ -131,6 +142,6 @@ impl Config {
     /// What every node of one job must agree on; a node whose fingerprint
     /// differs from the scheduler's is refused.
     pub fn job_fingerprint(&self) -> String {
-        format!("workers={} servers={} bigarray_bound={}", self.num_workers, self.num_servers, self.bigarray_bound)
+        format!("workers={} servers={} bigarray_bound={} partition_bytes={}", self.num_workers, self.num_servers, self.bigarray_bound, self.partition_bytes)
     }
 }

@@ -142,7 +142,9 @@ struct Slot {
 pub struct Server {
     num_workers: usize,
     my_id: i32,
-    slots: HashMap<Key, Slot>,
+    /// Every slice this server holds, by key and the slice's first element
+    /// (a worker may deal one key's slices to a server several times).
+    slots: HashMap<(Key, u64), Slot>,
     optimizer: Option<Optimizer>,
     compression: Compression,
     /// Set when a handler panicked (a bug): the state is unknown from then
@@ -275,7 +277,7 @@ impl Server {
             }
             Command::Init => {
                 let key = Self::key_of(meta)?;
-                if self.slots.contains_key(&key) {
+                if self.slots.contains_key(&(key.clone(), meta.offset)) {
                     return Err(Error::Key { key: key.to_string(), problem: "already initialized".into() });
                 }
                 let value = bytes_to_f32s(&msg.data)?;
@@ -293,8 +295,23 @@ impl Server {
                     Some((_, v)) => v.split(',').map(|d| d.trim().parse::<usize>().map_err(|_| Error::Transport(format!("malformed message: shape '{v}'")))).collect::<Result<Vec<_>>>()?,
                     None => vec![n],
                 };
+                // The slice lies in the key's shape, which every slice of the key
+                // here shares, and shares no element with another of them.
+                let total = shape.iter().try_fold(1u64, |t, &d| t.checked_mul(d as u64));
+                let end = meta.offset.checked_add(meta.len).filter(|&end| total.is_some_and(|t| end <= t));
+                let Some(end) = end else {
+                    return Err(Error::Transport(format!("malformed message: init of elements {}..+{} of key {key} of shape {shape:?}", meta.offset, meta.len)));
+                };
+                for ((_, at), other) in self.slots.iter().filter(|((k, _), _)| *k == key) {
+                    if other.shape != shape {
+                        return Err(Error::Key { key: key.to_string(), problem: format!("init with shape {shape:?}, but this server holds a slice of it with shape {:?}", other.shape) });
+                    }
+                    if *at < end && meta.offset < *at + other.value.len() as u64 {
+                        return Err(Error::Key { key: key.to_string(), problem: format!("init of elements {}..{end}, but this server holds {at}..{} of it", meta.offset, at + other.value.len() as u64) });
+                    }
+                }
                 self.slots.insert(
-                    key,
+                    (key, meta.offset),
                     Slot {
                         offset: meta.offset,
                         shape,
@@ -326,7 +343,7 @@ impl Server {
     fn pull(&mut self, meta: &Meta) -> Result<(Vec<u8>, u16)> {
         let key = Self::key_of(meta)?;
         self.slot(&key, meta)?;
-        let slot = self.slots.get_mut(&key).unwrap();
+        let slot = self.slots.get_mut(&(key.clone(), meta.offset)).unwrap();
         if slot.pull_cache.is_none() {
             slot.pull_cache = Some(match slot.value_counts {
                 Some((th, pushes)) if pushes <= 255 => (counts::encode(&slot.value_pos, &slot.value_neg, th, counts::bits_for(pushes)), Flag::CodeCounts.bit()),
@@ -337,7 +354,12 @@ impl Server {
     }
 
     fn slot(&self, key: &Key, meta: &Meta) -> Result<&Slot> {
-        let slot = self.slots.get(key).ok_or_else(|| Error::Key { key: key.to_string(), problem: "not initialized on this server".into() })?;
+        let Some(slot) = self.slots.get(&(key.clone(), meta.offset)) else {
+            let mut held: Vec<String> = self.slots.iter().filter(|((k, _), _)| k == key).map(|((_, at), s)| format!("{at}..{}", at + s.value.len() as u64)).collect();
+            held.sort();
+            let problem = if held.is_empty() { "not initialized on this server".to_string() } else { format!("request for {} elements at offset {} but this server holds elements {} of it", meta.len, meta.offset, held.join(", ")) };
+            return Err(Error::Key { key: key.to_string(), problem });
+        };
         if slot.offset != meta.offset || slot.value.len() as u64 != meta.len {
             return Err(Error::Key {
                 key: key.to_string(),
@@ -355,7 +377,7 @@ impl Server {
             self.closed.push(node);
         }
         let mut replies = Vec::new();
-        for (key, slot) in self.slots.iter_mut() {
+        for ((key, _), slot) in self.slots.iter_mut() {
             // A request of this slot, as the waiting pushes were (answer_all sets sender and id).
             let mut meta = Meta::new(Command::Push, 0);
             (meta.key, meta.offset, meta.len) = (Some(key.clone()), slot.offset, slot.value.len() as u64);
@@ -399,7 +421,7 @@ impl Server {
         self.slot(&key, &meta)?;
         let num_workers = self.num_workers;
         let asynchronous = meta.has(Flag::Async);
-        let slot = self.slots.get_mut(&key).unwrap();
+        let slot = self.slots.get_mut(&(key.clone(), meta.offset)).unwrap();
         if slot.pushed.iter().any(|(s, _)| *s == meta.sender) {
             return Err(Error::Key { key: key.to_string(), problem: format!("node {} pushed twice in one sync round", meta.sender) });
         }
@@ -525,7 +547,7 @@ impl Server {
         };
         let cause: String = get("cause").unwrap_or("").chars().take(1000).collect();
         let num_workers = self.num_workers;
-        let slot = self.slots.get_mut(&key).unwrap();
+        let slot = self.slots.get_mut(&(key.clone(), meta.offset)).unwrap();
         let round = &mut slot.scheme;
         if !round.started {
             round.step = step; // a fresh key: the workers' step (0, or where a checkpoint left them)
@@ -593,9 +615,18 @@ impl Server {
             });
             round.exchanged.clear();
             round.step += 1;
-            // PowerSGD's workers warm-start from the summed Q.
-            let payload = if matches!(compression, Compression::PowerSgd { .. }) { scheme::to_wire(&reduced) } else { Vec::new() };
-            (result, payload)
+            // PowerSGD's workers warm-start from the summed Q. Other
+            // schemes' workers get the slice's new value as a pull would
+            // (when it is the decoded sum, with no optimizer), so the reply
+            // to one slice's round travels while the next slice is pushed.
+            let (payload, flags) = match (&compression, &slot.pull_cache) {
+                (Compression::PowerSgd { .. }, _) => (scheme::to_wire(&reduced), 0),
+                (_, Some((value, flags))) if result.is_ok() && *flags == Flag::SchemeValue.bit() => (value.clone(), *flags),
+                _ => (Vec::new(), 0),
+            };
+            let mut replies = answer_all(&meta, self.my_id, waiting, result.map(|_| payload));
+            replies.iter_mut().filter(|(_, r)| r.meta.status == 0).for_each(|(_, r)| r.meta.flags = flags);
+            return Ok(replies);
         };
         Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| payload)))
     }
@@ -636,6 +667,7 @@ pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dist::message::encode_pairs;
 
     #[test]
     fn a_panicking_handler_answers_then_refuses_and_reports_once() {
@@ -655,5 +687,38 @@ mod tests {
         assert_eq!(server.take_broken(), None); // once
         let later = server.handle(request("w"));
         assert!(later[0].1.meta.body.contains("stopped serving"), "{}", later[0].1.meta.body);
+    }
+
+    #[test]
+    fn slices_of_one_key_are_held_apart_and_may_not_overlap() {
+        let mut server = Server::new(1, 8);
+        let send = |server: &mut Server, command: Command, offset: u64, len: u64| {
+            let mut m = Meta::new(command, 9);
+            (m.key, m.offset, m.len, m.request_id) = (Some(Key::Int(3)), offset, len, 1);
+            if command == Command::Init {
+                m.body = encode_pairs([("shape", "30")]);
+            }
+            let data = if command == Command::Init { f32s_to_bytes(&vec![offset as f32; len as usize]) } else { Vec::new() };
+            let replies = server.handle(Message { meta: m, data: Payload::from(data) });
+            let (_, r) = &replies[0];
+            (r.meta.status, r.meta.body.clone(), r.data.to_vec())
+        };
+        // two slices of key 3 on this server, as a key cut into several per server is dealt
+        assert_eq!(send(&mut server, Command::Init, 0, 10).0, 0);
+        assert_eq!(send(&mut server, Command::Init, 20, 10).0, 0);
+        for (offset, len) in [(5, 10), (15, 10), (1, 28), (29, 1)] {
+            let (status, body, _) = send(&mut server, Command::Init, offset, len);
+            assert!(status == -1 && body.contains("this server holds"), "{offset}+{len}: {body}");
+        }
+        // past the key's 30 elements, or past 2^64
+        for offset in [30, u64::MAX] {
+            let (status, body, _) = send(&mut server, Command::Init, offset, 1);
+            assert!(status == -1 && body.contains("malformed message: init of elements"), "{body}");
+        }
+        // each pull gets its own slice; an offset between them names both
+        assert_eq!(send(&mut server, Command::Pull, 0, 10).2, f32s_to_bytes(&[0.0; 10]));
+        assert_eq!(send(&mut server, Command::Pull, 20, 10).2, f32s_to_bytes(&[20.0; 10]));
+        let (status, body, _) = send(&mut server, Command::Pull, 10, 10);
+        assert!(status == -1 && body.contains("holds elements 0..10, 20..30"), "{body}");
     }
 }

@@ -5,11 +5,15 @@
 //! boundaries are multiples of 16 (and, under a scheme, of its lane groups);
 //! smaller keys live on one server chosen by a hash of the key that every
 //! worker computes alike. A scheme's round runs on every server of the key
-//! at once (`ServerExchange`), each decoding its own slice.
+//! at once (`ServerExchange`), each decoding its own slice. A split scheme
+//! key (but PowerSGD's) is cut into slices of at most `partition_bytes`,
+//! dealt round the servers, and each server answers a slice's round with
+//! its new value: one slice's value comes back while the next is pushed,
+//! and the pull that follows asks no server.
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::{Config, Role};
@@ -54,22 +58,33 @@ impl Slice {
 }
 
 /// Where each part of a key of `n` elements lives: a key of at least
-/// `bigarray_bound` elements in one slice per server, each starting at a
-/// multiple of 16 and of `align`.
-pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize, align: usize) -> Vec<Slice> {
+/// `bigarray_bound` elements in `per_server` slices per server (dealt round
+/// the servers in order), each starting at a multiple of 16 and of `align`.
+pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize, align: usize, per_server: usize) -> Vec<Slice> {
     if n >= bigarray_bound && servers.len() > 1 {
         let step = lcm(16, align.max(1));
-        let per = n.div_ceil(servers.len()).div_ceil(step) * step;
-        servers
-            .iter()
-            .enumerate()
-            .map(|(i, &server)| (server, (i * per).min(n), ((i + 1) * per).min(n)))
+        let parts = servers.len() * per_server.max(1);
+        let per = n.div_ceil(parts).div_ceil(step) * step;
+        (0..parts)
+            .map(|i| (servers[i % servers.len()], (i * per).min(n), ((i + 1) * per).min(n)))
             .filter(|(_, lo, hi)| hi > lo)
             .map(|(server, lo, hi)| Slice { server, offset: lo, len: hi - lo })
             .collect()
     } else {
         vec![Slice { server: servers[(key.stable_hash() % servers.len() as u64) as usize], offset: 0, len: n }]
     }
+}
+
+/// Slices per server of a split key of `n` elements: several for a scheme
+/// whose final codes dominate its traffic (every one but PowerSGD), so that
+/// the servers answer one slice's round while the next slice is pushed;
+/// slices of at most `partition_bytes` of float32. One otherwise.
+pub fn slices_per_server(compression: &Compression, n: usize, servers: usize, partition_bytes: usize) -> usize {
+    if !compression.is_scheme() || matches!(compression, Compression::PowerSgd { .. }) || servers == 0 {
+        return 1;
+    }
+    let parts = (n as u128 * 4).div_ceil(partition_bytes.max(4) as u128);
+    (parts.div_ceil(servers as u128) as usize).clamp(1, 1 << 10)
 }
 
 fn lcm(a: usize, b: usize) -> usize {
@@ -98,6 +113,10 @@ struct WorkerKey {
     /// The state of the round in flight, swapped in when the servers accept
     /// it (its buffers are reused push after push).
     next: scheme::State,
+    /// The value each slice's server sent with its answer to this worker's
+    /// last scheme round (slice order): what a pull would fetch, until this
+    /// worker pushes again (no round can end without it). None: pull asks.
+    pulled: Option<Vec<Message>>,
 }
 
 /// One server's answer to a pull, checked before any output is written.
@@ -136,9 +155,10 @@ impl ServerExchange<'_> {
         let replies = self.post.request_all(requests).inspect_err(|_| self.refused.iter_mut().for_each(|r| *r = true))?;
         let mut ordered: Vec<Option<Message>> = self.slices.iter().map(|_| None).collect();
         for r in replies {
-            match self.slices.iter().position(|s| s.server == r.meta.sender) {
+            // A server may hold several slices: the reply names its slice's offset.
+            match self.slices.iter().position(|s| s.server == r.meta.sender && s.offset as u64 == r.meta.offset && s.len as u64 == r.meta.len) {
                 Some(i) if ordered[i].is_none() => ordered[i] = Some(r),
-                _ => return Err(Error::Transport(format!("malformed message: a reply for key {} from node {}, which holds none of it or answered twice", self.key, r.meta.sender))),
+                _ => return Err(Error::Transport(format!("malformed message: a reply for key {} from node {} about elements {}..+{}, which it does not hold, or a second answer", self.key, r.meta.sender, r.meta.offset, r.meta.len))),
             }
         }
         let mut first_error = None;
@@ -238,6 +258,8 @@ pub struct DistWorker {
     keys: RwLock<HashMap<Key, Arc<Mutex<WorkerKey>>>>,
     str_keys: Mutex<Option<bool>>,
     closed: AtomicBool,
+    /// Pulls answered from the values a round brought back (`WorkerKey::pulled`).
+    local_pulls: AtomicU64,
 }
 
 impl DistWorker {
@@ -259,6 +281,7 @@ impl DistWorker {
             keys: RwLock::default(),
             str_keys: Mutex::default(),
             closed: AtomicBool::new(false),
+            local_pulls: AtomicU64::new(0),
         })
     }
 
@@ -281,6 +304,13 @@ impl DistWorker {
     /// (bytes sent, bytes received) by this node's transport.
     pub fn stats(&self) -> (u64, u64) {
         (self.post.bytes_sent(), self.post.bytes_received())
+    }
+
+    /// Pulls answered without asking the servers: a scheme round's servers
+    /// send each slice's new value with their answer (when they keep the
+    /// decoded sum, with no optimizer), and pulls until the next push use it.
+    pub fn local_pulls(&self) -> u64 {
+        self.local_pulls.load(Ordering::Relaxed)
     }
 
     /// Messages this worker received and dropped: unauthenticated, replayed,
@@ -384,8 +414,11 @@ impl DistWorker {
             *str_keys = Some(key.is_str());
         }
         // A scheme's key is cut where one worker's final codes fill whole lane groups.
-        let align = scheme::slice_align(&self.compression.read().unwrap());
-        let slices = slices_for(key, data.len(), &self.servers(), self.post.config.bigarray_bound, align);
+        let compression = *self.compression.read().unwrap();
+        let align = scheme::slice_align(&compression);
+        let servers = self.servers();
+        let per_server = slices_per_server(&compression, data.len(), servers.len(), self.post.config.partition_bytes);
+        let slices = slices_for(key, data.len(), &servers, self.post.config.bigarray_bound, align, per_server);
         if self.rank() == 0 {
             let shape = value.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
             let parts = slices
@@ -398,7 +431,7 @@ impl DistWorker {
                 .collect();
             self.post.request(parts)?;
         }
-        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default() };
+        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default(), pulled: None };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
         self.post.barrier()
     }
@@ -410,6 +443,7 @@ impl DistWorker {
         let compression = *self.compression.read().unwrap();
         let mut guard = entry.lock().unwrap();
         let e = &mut *guard;
+        e.pulled = None; // the value this push's round makes is not the last one's
         let mut checked = false;
         let pushed = self.push_checked(key, e, values, compression, &mut checked);
         if let Err(err) = &pushed {
@@ -451,7 +485,7 @@ impl DistWorker {
         if compression.is_scheme() {
             *checked = true;
             let merged = single.unwrap_or(&e.merge);
-            return self.push_scheme(key, &e.shape, &e.slices, &mut e.state, &mut e.next, merged, compression);
+            return self.push_scheme(key, &e.shape, &e.slices, &mut e.state, &mut e.next, &mut e.pulled, merged, compression);
         }
         let part_of = |s: &Slice| match single {
             Some(g) => &g[s.offset..s.offset + s.len],
@@ -522,7 +556,7 @@ impl DistWorker {
     /// its slice. The worker's state changes only when every server
     /// accepted the round.
     #[allow(clippy::too_many_arguments)]
-    fn push_scheme(&self, key: &Key, shape: &[usize], slices: &[Slice], state: &mut scheme::State, next: &mut scheme::State, merged: &[f32], compression: Compression) -> Result<()> {
+    fn push_scheme(&self, key: &Key, shape: &[usize], slices: &[Slice], state: &mut scheme::State, next: &mut scheme::State, pulled: &mut Option<Vec<Message>>, merged: &[f32], compression: Compression) -> Result<()> {
         next.clone_from(state);
         let (rank, workers) = (self.rank(), self.num_workers());
         let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
@@ -546,8 +580,14 @@ impl DistWorker {
         };
         let body = encode_pairs([("step", state.step.to_string().as_str())]);
         let replies = exchange.send(|s| s.round_meta(key, &[Flag::Scheme], &body), wires)?;
-        // PowerSGD's servers answer with the summed Q, the same from each.
-        let summed = match replies.iter().map(|r| &r.data[..]).find(|d| !d.is_empty()) {
+        // Each server may answer with its slice's new value (kept for the
+        // pull, which checks it as it checks a pull's reply); PowerSGD's
+        // answer with the summed Q, the same from each.
+        let values = replies.iter().filter(|r| r.meta.has(Flag::SchemeValue)).count();
+        if values > 0 && matches!(compression, Compression::PowerSgd { .. }) {
+            return Err(Error::Transport(format!("malformed message: a server of key {key} answered a PowerSGD round with a value instead of the summed Q")));
+        }
+        let summed = match replies.iter().filter(|r| !r.meta.has(Flag::SchemeValue)).map(|r| &r.data[..]).find(|d| !d.is_empty()) {
             None => part,
             Some(data) if replies.iter().all(|r| r.data[..] == *data) => scheme::from_wire(data)?,
             Some(_) => return Err(Error::Transport(format!("malformed message: the servers of key {key} answered its round with different sums"))),
@@ -555,6 +595,7 @@ impl DistWorker {
         scheme::finish(&compression, std::slice::from_mut(next), summed);
         scheme::recycle(std::slice::from_mut(next), exchanged);
         std::mem::swap(state, next);
+        *pulled = (values == replies.len()).then_some(replies);
         Ok(())
     }
 
@@ -563,20 +604,30 @@ impl DistWorker {
         let entry = self.entry(key)?;
         let e = entry.lock().unwrap();
         check_outputs(key, "pull", outs, &e.shape)?;
-        let parts = e
-            .slices
-            .iter()
-            .map(|s| (s.server, s.meta(Command::Pull, key), Vec::new()))
-            .collect();
-        let replies = self.post.request(parts)?;
+        // The values this worker's last round brought back, else ask.
+        let fetched;
+        let replies = match &e.pulled {
+            Some(values) => {
+                self.local_pulls.fetch_add(1, Ordering::Relaxed);
+                values
+            }
+            None => {
+                let parts = e.slices.iter().map(|s| (s.server, s.meta(Command::Pull, key), Vec::new())).collect();
+                fetched = self.post.request(parts)?;
+                &fetched
+            }
+        };
         let n: usize = e.shape.iter().product();
         // Check every reply before writing any output.
         let mut views = Vec::with_capacity(replies.len());
         let mut covered = 0;
-        for r in &replies {
+        let mut seen = vec![false; e.slices.len()];
+        for r in replies {
+            // Each reply is one slice's, from its server, once: together they cover the key.
             let (lo, len) = (r.meta.offset as usize, r.meta.len as usize);
-            if lo + len > n {
-                return Err(Error::Transport(format!("malformed message: pull reply for key {key} covers {lo}..{} of {n}", lo + len)));
+            match e.slices.iter().position(|s| s.server == r.meta.sender && s.offset as u64 == r.meta.offset && s.len as u64 == r.meta.len) {
+                Some(i) if !seen[i] => seen[i] = true,
+                _ => return Err(Error::Transport(format!("malformed message: pull reply for key {key} from node {} about elements {}..+{} of {n}, which is no slice of it or was answered twice", r.meta.sender, r.meta.offset, r.meta.len))),
             }
             let reply = if r.meta.has(Flag::SchemeValue) {
                 let (step, exchanged, sum) = scheme::value_from_wire(&r.data)?;
@@ -659,7 +710,7 @@ impl DistWorker {
             let slices = e.slices.len();
             match by_key.remove(key) {
                 Some(mut s) => {
-                    e.residuals = if s.residuals.is_empty() { vec![Vec::new(); slices] } else { s.residuals };
+                    e.residuals = if s.residuals.iter().all(Vec::is_empty) { vec![Vec::new(); slices] } else { s.residuals };
                     e.state = s.states.pop().unwrap_or_default();
                 }
                 None => {
@@ -748,22 +799,42 @@ mod tests {
     #[test]
     fn big_keys_split_on_multiples_of_16() {
         let servers = [8, 10, 12];
-        let s = slices_for(&Key::Int(0), 1_000_003, &servers, 1_000_000, 1);
+        let s = slices_for(&Key::Int(0), 1_000_003, &servers, 1_000_000, 1, 1);
         assert_eq!(s.len(), 3);
         assert_eq!(s.iter().map(|x| x.len).sum::<usize>(), 1_000_003);
         for w in s.windows(2) {
             assert_eq!(w[0].offset + w[0].len, w[1].offset);
             assert_eq!(w[1].offset % 16, 0);
         }
-        let small = slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1);
+        let small = slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1, 1);
         assert_eq!(small.len(), 1);
-        assert_eq!(small, slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1));
+        assert_eq!(small, slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1, 1));
         // tiny arrays over many servers: no empty slices
-        let t = slices_for(&Key::Int(1), 20, &servers, 1, 1);
+        let t = slices_for(&Key::Int(1), 20, &servers, 1, 1, 1);
         assert!(t.iter().all(|x| x.len > 0) && t.iter().map(|x| x.len).sum::<usize>() == 20);
         // A scheme's slices start on its lane groups (168 values at width 3) and on 16.
-        let a = slices_for(&Key::Int(2), 100_000, &servers, 1000, 168);
+        let a = slices_for(&Key::Int(2), 100_000, &servers, 1000, 168, 1);
         assert_eq!(a.iter().map(|x| x.len).sum::<usize>(), 100_000);
         assert!(a.len() == 3 && a.iter().all(|x| x.offset % 336 == 0), "{a:?}");
+        // Several slices per server, dealt round them in order, still whole and aligned.
+        let p = slices_for(&Key::Int(3), 1_000_003, &servers, 1000, 168, 4);
+        assert_eq!(p.len(), 12);
+        assert_eq!(p.iter().map(|x| x.server).collect::<Vec<_>>(), [8, 10, 12].repeat(4));
+        assert_eq!((p[0].offset, p.last().map(|x| x.offset + x.len)), (0, Some(1_000_003)));
+        assert!(p.windows(2).all(|w| w[0].offset + w[0].len == w[1].offset && w[1].offset % 336 == 0), "{p:?}");
+    }
+
+    #[test]
+    fn only_split_scheme_keys_but_powersgd_take_several_slices_per_server() {
+        let qsgd = Compression::from_params([("compress", "qsgd_mn"), ("bits", "2")]).unwrap();
+        let n = 16 << 20;
+        // 64 MiB of float32 in 4 MiB slices over 2 servers; a partial slice counts
+        assert_eq!(slices_per_server(&qsgd, n, 2, 4 << 20), 8);
+        assert_eq!(slices_per_server(&qsgd, n + 1, 2, 4 << 20), 9);
+        assert_eq!(slices_per_server(&qsgd, n, 2, usize::MAX), 1);
+        assert_eq!(slices_per_server(&qsgd, n, 2, 0), 1 << 10);
+        for other in [Compression::None, Compression::from_params([("compress", "powersgd"), ("rank", "4")]).unwrap(), Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap()] {
+            assert_eq!(slices_per_server(&other, n, 2, 4 << 20), 1, "{other:?}");
+        }
     }
 }

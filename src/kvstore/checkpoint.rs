@@ -159,7 +159,8 @@ pub(crate) fn check(
         // 2-bit residuals: one per device of the whole value, or (dist) one per server slice.
         let fits = match &slices_of(&k.key) {
             None => k.residuals.iter().all(|r| r.is_empty() || r.len() == n),
-            Some(lens) => k.residuals.is_empty() || (k.residuals.len() == lens.len() && k.residuals.iter().zip(lens).all(|(r, &len)| r.is_empty() || r.len() == len)),
+            // (a scheme key's are all empty, one per slice: nothing to fit)
+            Some(lens) => k.residuals.iter().all(Vec::is_empty) || (k.residuals.len() == lens.len() && k.residuals.iter().zip(lens).all(|(r, &len)| r.is_empty() || r.len() == len)),
         };
         if !fits {
             let lens: Vec<usize> = k.residuals.iter().map(Vec::len).collect();
