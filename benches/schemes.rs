@@ -18,7 +18,7 @@ fn main() {
     let mi: usize = std::env::var("GRADPACK_BENCH_MI").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
     let n = mi << 20;
     // PowerSGD's matrix: the squarest whose sides divide n (4096 x 4096 at 16 Mi)
-    let side = (1..=(n as f64).sqrt() as usize).rev().find(|d| n % d == 0).unwrap_or(1);
+    let side = (1..=(n as f64).sqrt() as usize).rev().find(|&d| n.is_multiple_of(d)).unwrap_or(1);
     let grad: Vec<f32> = (0..n).map(|i| ((i.wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5) * 1.4).collect();
     let mut residual = vec![0f32; n];
     let reps = 11; // medians: this machine's runs vary by 20-30%

@@ -61,6 +61,39 @@ impl Isa {
     }
 }
 
+/// The largest data or unified cache this CPU reports (Linux's
+/// `/sys/devices/system/cpu/cpu0/cache`), in bytes; read once. None where
+/// the system does not say. Kernels that would write past it stream their
+/// output (non-temporal stores); below it, their output stays in cache.
+pub fn last_level_cache() -> Option<usize> {
+    static FOUND: OnceLock<Option<usize>> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+        dir.filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("index"))
+            .filter(|e| std::fs::read_to_string(e.path().join("type")).is_ok_and(|t| t.trim() != "Instruction"))
+            .filter_map(|e| cache_size(&std::fs::read_to_string(e.path().join("size")).ok()?))
+            .max()
+    })
+}
+
+/// A cache size as sysfs writes it ("48K", "300M", "1G"; a bare number is bytes).
+fn cache_size(text: &str) -> Option<usize> {
+    let t = text.trim();
+    let (digits, unit) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((at, _)) => t.split_at(at),
+        None => (t, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return None,
+    };
+    digits.parse::<usize>().ok()?.checked_mul(1 << shift)
+}
+
 /// `multiversion! { pub fn name[<generics>][<generic args>](args) -> R = body; }`
 /// defines `name(isa: Isa, args) -> R`, which runs `body` (an
 /// `#[inline(always)]` function of safe Rust) compiled for `isa`. It asserts
@@ -99,7 +132,20 @@ pub(crate) use multiversion;
 
 #[cfg(test)]
 mod tests {
-    use super::Isa;
+    use super::{cache_size, last_level_cache, Isa};
+
+    #[test]
+    fn cache_sizes_read_as_sysfs_writes_them() {
+        assert_eq!(cache_size("48K\n"), Some(48 << 10));
+        assert_eq!(cache_size("307200K"), Some(300 << 20));
+        assert_eq!(cache_size("32M"), Some(32 << 20));
+        assert_eq!(cache_size("1G"), Some(1 << 30));
+        assert_eq!(cache_size("4096"), Some(4096));
+        for bad in ["", "K", "12Q", "-3K", "99999999999999999999G", "1.5M"] {
+            assert_eq!(cache_size(bad), None, "{bad:?}");
+        }
+        eprintln!("last-level cache here: {:?} bytes", last_level_cache());
+    }
 
     #[test]
     fn the_detected_set_is_supported_and_the_baseline_always_is() {

@@ -15,13 +15,22 @@ use crate::error::Result;
 pub use crate::par::CHUNK;
 const CHUNK_BLOCKS: usize = CHUNK / 16;
 
-/// Residuals of at least this many elements (16 MiB) are written with
-/// non-temporal stores by the out-of-place kernels: they would not stay in
-/// cache anyway, and streaming saves the read for ownership.
+/// Residuals of at least this many elements (16 MiB) may be written with
+/// non-temporal stores by the out-of-place kernels: streaming saves the
+/// read for ownership of lines that would not stay in cache anyway.
 const STREAM_ELEMS: usize = 4 << 20;
 
+/// Whether an out-of-place quantization of `n` elements streams its next
+/// residual: when its working set (gradient, residual and next, 12 B an
+/// element) exceeds the last-level cache too. Below that, the residual would
+/// stay in cache for the next push, and streaming it out cost 35% (16 Mi
+/// elements in a 300 MiB L3: 6.6 ms against 4.1-4.3).
 fn streams(n: usize) -> bool {
-    n >= STREAM_ELEMS
+    streams_with(n, crate::isa::last_level_cache())
+}
+
+fn streams_with(n: usize, last_level_cache: Option<usize>) -> bool {
+    n >= STREAM_ELEMS && last_level_cache.is_none_or(|llc| n as u128 * 12 > llc as u128)
 }
 
 fn parallel(n: usize) -> bool {
@@ -145,5 +154,22 @@ pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &[&[f32]],
         tasks.into_par_iter().map(run).try_reduce(|| true, |a, b| Ok(a && b))
     } else {
         tasks.into_iter().try_fold(true, |acc, t| run(t).map(|ok| acc && ok))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{streams_with, STREAM_ELEMS};
+
+    #[test]
+    fn the_next_residual_streams_only_past_the_last_level_cache() {
+        let mib = 1usize << 20;
+        // small arrays never; big ones when the cache is unknown (as before)
+        assert!(!streams_with(STREAM_ELEMS - 1, None) && streams_with(STREAM_ELEMS, None));
+        // 16 Mi elements (192 MiB of traffic): streamed past a 32 MiB L3, kept in a 300 MiB one
+        assert!(streams_with(16 * mib, Some(32 * mib)));
+        assert!(!streams_with(16 * mib, Some(300 * mib)));
+        assert!(streams_with(26 * mib, Some(300 * mib)));
+        assert!(!streams_with(STREAM_ELEMS - 1, Some(0)));
     }
 }
