@@ -753,8 +753,9 @@ fn a_push_that_fails_on_one_worker_fails_the_round_for_all() {
 /// the next round is exact.
 #[test]
 fn a_scheme_push_that_fails_on_one_worker_fails_the_round_for_all() {
-    // A key on one server, and one cut over two (its round aborted on both).
-    for (servers, n) in [(1usize, 64usize), (2, 2048)] {
+    // A key on one server, one cut over two (its round aborted on both), and
+    // one cut into 4 slices dealt round them (aborted in every slice).
+    for (servers, n) in [(1usize, 64usize), (2, 2048), (2, 4096)] {
         let results = job_with(2, servers, "dist_sync", move |rank, w: &DistWorker| {
             let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
             w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
