@@ -607,8 +607,10 @@ impl Server {
             let result = decoded.and_then(|_| match &self.optimizer {
                 Some(o) => o.update(&key, &slot.merge, &mut slot.value).map(|()| settle(&mut slot.value, slot.half, Some(o))),
                 None => {
-                    // The value is exactly this decoded sum: pulls send what it was decoded from.
-                    slot.value.copy_from_slice(&slot.merge);
+                    // The value is exactly this decoded sum (merge is scratch,
+                    // rewritten whole by the next decode): pulls send what it
+                    // was decoded from.
+                    std::mem::swap(&mut slot.value, &mut slot.merge);
                     slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers), Flag::SchemeValue.bit()));
                     Ok(())
                 }
