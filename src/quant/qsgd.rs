@@ -293,27 +293,38 @@ mod kernels {
     /// a buffer that stays in L1, then packed from it (`lanes::blocks!`).
     pub const BLOCK: usize = lanes::BLOCK;
 
+    /// Words of a group of lanes (eight values share a lane of them).
+    const G: usize = lanes::GROUP;
+
+    /// The lanes (`code + off`) of the `N` values `x`, elements `index..` of
+    /// the noise stream `k`, each at the scale of the `COUNT` in use that its
+    /// `lv` names (`pick`; with one scale `lv` is not read): one vector's
+    /// worth for `pack_direct!`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn lanes_of<const N: usize, const COUNT: usize>(x: &[f32; N], lv: &[u8; N], k: Keys, index: u32, f: &[f32; COUNT], s: &[f32; COUNT], off: i32) -> [u32; N] {
+        let mut c = [0u32; N];
+        for t in 0..N {
+            c[t] = code(x[t], noise::unit(k, index.wrapping_add(t as u32)), pick(f, lv[t]), pick(s, lv[t])).wrapping_add(off) as u32;
+        }
+        c
+    }
+
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn single_packed_body<const ADD: bool>(g: &[f32], w: &mut [u64], k: Keys, first: u32, f0: f32, s0: f32, width: u32) {
         let (f, s) = sane(f0, s0);
         let off = s as i32;
         // Whole groups straight from the codes' vectors (`lanes::pack_direct!`).
-        let start = pack_direct!(ADD, g.len(), w, width, |at| {
-            let x: &[f32; 2 * G] = g[at..at + 2 * G].try_into().unwrap();
-            let mut c = [0u32; 2 * G];
-            for t in 0..2 * G {
-                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
-            }
-            c
-        }, {
-            let x: &[f32; G] = g[at..at + G].try_into().unwrap();
-            let mut c = [0u32; G];
-            for t in 0..G {
-                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), f, s).wrapping_add(off) as u32;
-            }
-            c
-        });
+        let (fs, ss, none) = ([f], [s], [0u8; 2 * G]);
+        let start = pack_direct!(
+            ADD,
+            g.len(),
+            w,
+            width,
+            |at| lanes_of::<{ 2 * G }, 1>(g[at..at + 2 * G].try_into().unwrap(), &none, k, first.wrapping_add(at as u32), &fs, &ss, off),
+            lanes_of::<G, 1>(g[at..at + G].try_into().unwrap(), none[..G].try_into().unwrap(), k, first.wrapping_add(at as u32), &fs, &ss, off)
+        );
         let (g, w) = (&g[start..], &mut w[lanes::words_for(start, width)..]);
         let first = first.wrapping_add(start as u32);
         blocks!(ADD, BLOCK, g.len(), w, width, off, |r, c| single_body::<false>(&g[r.clone()], c, k, first.wrapping_add(r.start as u32), f0, s0));
@@ -373,21 +384,14 @@ mod kernels {
         let off = s[0] as i32;
         let n = g.len().min(l.len());
         // Whole groups straight from the codes' vectors (`lanes::pack_direct!`).
-        let start = pack_direct!(ADD, n, w, width, |at| {
-            let (x, lv): (&[f32; 2 * G], &[u8; 2 * G]) = (g[at..at + 2 * G].try_into().unwrap(), l[at..at + 2 * G].try_into().unwrap());
-            let mut c = [0u32; 2 * G];
-            for t in 0..2 * G {
-                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), pick(&f, lv[t]), pick(&s, lv[t])).wrapping_add(off) as u32;
-            }
-            c
-        }, {
-            let (x, lv): (&[f32; G], &[u8; G]) = (g[at..at + G].try_into().unwrap(), l[at..at + G].try_into().unwrap());
-            let mut c = [0u32; G];
-            for t in 0..G {
-                c[t] = code(x[t], noise::unit(k, first.wrapping_add((at + t) as u32)), pick(&f, lv[t]), pick(&s, lv[t])).wrapping_add(off) as u32;
-            }
-            c
-        });
+        let start = pack_direct!(
+            ADD,
+            n,
+            w,
+            width,
+            |at| lanes_of::<{ 2 * G }, COUNT>(g[at..at + 2 * G].try_into().unwrap(), l[at..at + 2 * G].try_into().unwrap(), k, first.wrapping_add(at as u32), &f, &s, off),
+            lanes_of::<G, COUNT>(g[at..at + G].try_into().unwrap(), l[at..at + G].try_into().unwrap(), k, first.wrapping_add(at as u32), &f, &s, off)
+        );
         let (g, l, w) = (&g[start..n], &l[start..n], &mut w[lanes::words_for(start, width)..]);
         let first = first.wrapping_add(start as u32);
         blocks!(ADD, BLOCK, g.len(), w, width, off, |r, c| {
