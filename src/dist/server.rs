@@ -3,7 +3,7 @@
 //! async: each push), then runs the optimizer or stores the sum. A bad request
 //! gets an error response and changes nothing.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use super::config::Config;
 use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, Payload};
@@ -143,8 +143,9 @@ pub struct Server {
     num_workers: usize,
     my_id: i32,
     /// Every slice this server holds, by key and the slice's first element
-    /// (a worker may deal one key's slices to a server several times).
-    slots: HashMap<(Key, u64), Slot>,
+    /// (a worker may deal one key's slices to a server several times);
+    /// ordered, so a key's slices are one range (`slices_of`).
+    slots: BTreeMap<(Key, u64), Slot>,
     optimizer: Option<Optimizer>,
     compression: Compression,
     /// Set when a handler panicked (a bug): the state is unknown from then
@@ -195,7 +196,7 @@ fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec
 
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
-        Server { num_workers, my_id, slots: HashMap::new(), optimizer: None, compression: Compression::None, broken: None, report_broken: false, closed: Vec::new() }
+        Server { num_workers, my_id, slots: BTreeMap::new(), optimizer: None, compression: Compression::None, broken: None, report_broken: false, closed: Vec::new() }
     }
 
     /// Handles one request; returns the responses to send (a sync push is
@@ -302,7 +303,7 @@ impl Server {
                 let Some(end) = end else {
                     return Err(Error::Transport(format!("malformed message: init of elements {}..+{} of key {key} of shape {shape:?}", meta.offset, meta.len)));
                 };
-                for ((_, at), other) in self.slots.iter().filter(|((k, _), _)| *k == key) {
+                for ((_, at), other) in Self::slices_of(&self.slots, &key) {
                     if other.shape != shape {
                         return Err(Error::Key { key: key.to_string(), problem: format!("init with shape {shape:?}, but this server holds a slice of it with shape {:?}", other.shape) });
                     }
@@ -353,10 +354,14 @@ impl Server {
         Ok(slot.pull_cache.clone().unwrap())
     }
 
+    /// The slices of `key` this server holds, in order of their first element.
+    fn slices_of<'a>(slots: &'a BTreeMap<(Key, u64), Slot>, key: &Key) -> impl Iterator<Item = (&'a (Key, u64), &'a Slot)> {
+        slots.range((key.clone(), 0)..=(key.clone(), u64::MAX))
+    }
+
     fn slot(&self, key: &Key, meta: &Meta) -> Result<&Slot> {
         let Some(slot) = self.slots.get(&(key.clone(), meta.offset)) else {
-            let mut held: Vec<String> = self.slots.iter().filter(|((k, _), _)| k == key).map(|((_, at), s)| format!("{at}..{}", at + s.value.len() as u64)).collect();
-            held.sort();
+            let held: Vec<String> = Self::slices_of(&self.slots, key).map(|((_, at), s)| format!("{at}..{}", at + s.value.len() as u64)).collect();
             let problem = if held.is_empty() { "not initialized on this server".to_string() } else { format!("request for {} elements at offset {} but this server holds elements {} of it", meta.len, meta.offset, held.join(", ")) };
             return Err(Error::Key { key: key.to_string(), problem });
         };
