@@ -2,8 +2,8 @@
 MLP trained by 2 and 4 MPI workers on gradpack's 'dist_sync_allreduce' store
 (benches/convergence_worker.py under mpirun), printing final accuracy, bytes
 each worker sent per epoch and time per epoch, and plotting accuracy against
-epochs into docs/convergence.png (needs matplotlib: pip install 'matplotlib<3.8',
-as newer ones pull numpy 2, which MXNet 1.9.1 refuses).
+epochs into docs/convergence.png (needs matplotlib: pip install 'matplotlib<3.8'
+'numpy<1.24', as matplotlib alone pulls a newer numpy, which MXNet 1.9.1 refuses).
 
 Run: python benches/convergence.py [--epochs N] [--workers 2 4]"""
 import argparse

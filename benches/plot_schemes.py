@@ -6,7 +6,8 @@ file holds, with the issue-15 targets drawn across.
   cargo bench --bench schemes > after.txt    # as many runs as you like, appended
   python benches/plot_schemes.py before.txt after.txt --out docs/schemes.png
 
-Needs matplotlib (pip install 'matplotlib<3.8', not part of the project's
+Needs matplotlib (pip install 'matplotlib<3.8' 'numpy<1.24': without the numpy
+pin pip upgrades numpy past what MXNet 1.9.1 imports; not part of the project's
 environment); without it the averaged table is printed and no plot made."""
 import argparse
 import os
