@@ -142,6 +142,12 @@ fn careless_store_calls_fail_and_change_nothing() {
         let ins = outs.each_ref().map(|o| gp_array_t { data: o.data.cast_const().cast(), dtype: 0, ndim: 1, shape: shape.as_ptr() });
         assert_eq!(gp_kvstore_pushpull(kv, key, ins.as_ptr(), 2, outs.as_ptr(), 2), 0, "{}", last_error());
         assert_eq!((a, b), ([0.0; N as usize], [0.0; N as usize])); // 0.3 < 0.5: residuals 0.3
+        // A local store pulls from itself: no pull is answered from a round's values.
+        let mut local = 7u64;
+        assert_eq!(gp_kvstore_local_pulls(kv, &mut local), 0);
+        assert_eq!(local, 0);
+        assert_eq!(gp_kvstore_local_pulls(kv, ptr::null_mut()), -1);
+        assert!(last_error().contains("out"), "{}", last_error());
         let mut r = [9f32; N as usize];
         assert_eq!(gp_kvstore_residual(kv, key, 5, r.as_mut_ptr(), N), -1);
         assert_eq!(last_error(), "key 3: has no residual on device 5: 2 device(s) pushed it with compression (devices 0 to 1)");

@@ -236,6 +236,11 @@ int gp_kvstore_stats(const gp_kvstore_t* store, uint64_t* a, uint64_t* b);
  * GRADPACK_SECRET), replayed, malformed or unexpected. 0 for other stores. */
 int gp_kvstore_dropped(const gp_kvstore_t* store, uint64_t* out);
 
+/* Pulls a distributed worker answered from the values its last scheme rounds
+ * brought back (the servers answer each slice's round with its new value),
+ * without asking the servers; 0 for other stores. */
+int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
+
 /* ---------------------------------------------------------------- CUDA --
  * gradpack's kernels on GPU memory (docs/cuda.md). `device` is a GPU ordinal
  * and `stream` a CUstream of that GPU's primary context (the one CuPy,

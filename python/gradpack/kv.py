@@ -69,6 +69,7 @@ LIB.gp_buffer_free.restype = None
 LIB.gp_kvstore_residual.argtypes = [_p, _Key, ctypes.c_uint64, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64]
 LIB.gp_kvstore_stats.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_dropped.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64)]
+LIB.gp_kvstore_local_pulls.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_rank.argtypes = [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
 LIB.gp_kvstore_barrier.argtypes = [_p]
 LIB.gp_dist_serve.argtypes = []
@@ -479,11 +480,13 @@ class KVStore(object):
         same for what this worker handed to MPI. Parameter-server workers: this
         node's transport payload bytes ('bytes_sent', 'bytes_received') and
         the messages it dropped ('dropped': unauthenticated, replayed,
-        malformed or unexpected)."""
+        malformed or unexpected) and the pulls it answered from the values its
+        last scheme rounds brought back, asking no server ('local_pulls')."""
         a, b = ctypes.c_uint64(), ctypes.c_uint64()
         self._call(LIB.gp_kvstore_stats(self.handle, ctypes.byref(a), ctypes.byref(b)))
         if self._dist:
-            dropped = ctypes.c_uint64()
+            dropped, local = ctypes.c_uint64(), ctypes.c_uint64()
             self._call(LIB.gp_kvstore_dropped(self.handle, ctypes.byref(dropped)))
-            return {"bytes_sent": a.value, "bytes_received": b.value, "dropped": dropped.value}
+            self._call(LIB.gp_kvstore_local_pulls(self.handle, ctypes.byref(local)))
+            return {"bytes_sent": a.value, "bytes_received": b.value, "dropped": dropped.value, "local_pulls": local.value}
         return {"raw_bytes": a.value, "wire_bytes": b.value}

@@ -142,8 +142,12 @@ def test_killing_a_node_stops_the_job_within_the_timeout(tmp_path, victim):
     {"compress": "powersgd", "rank": 2},
     {"compress": "1bit"},
 ], ids=lambda p: p["compress"])
-def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params):
-    out = launch(2, 2, "scheme_pushes.py", tmp_path, GRADPACK_TEST_PARAMS=json.dumps(params))
+@pytest.mark.parametrize("cut", ["whole", "partitioned"])
+def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params, cut):
+    # partitioned: a 40 x 100 key above the big-array bound in 4000-byte
+    # slices, 4 of them dealt round the 2 servers (PowerSGD keeps one each)
+    env = {} if cut == "whole" else {"GRADPACK_TEST_SHAPE": "40,100", "MXNET_KVSTORE_BIGARRAY_BOUND": "1000", "GRADPACK_PARTITION_BYTES": "4000"}
+    out = launch(2, 2, "scheme_pushes.py", tmp_path, GRADPACK_TEST_PARAMS=json.dumps(params), **env)
     assert out.returncode == 0, out.stderr[-4000:]
     sent = []
     for rank in range(2):
@@ -152,6 +156,9 @@ def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params):
         # integer code sums decoded once on the server: the same bits; PowerSGD's
         # float32 sums in arrival order: equal to rounding
         assert res["max_diff"] <= (1e-5 if params["compress"] == "powersgd" else 0.0), res
+        # every pull after a round used the values the servers answered it with
+        # (PowerSGD's servers answer with the summed Q: its pulls ask)
+        assert res["local_pulls"] == (0 if params["compress"] == "powersgd" else 3), res
         sent.append(res["bytes_sent"])
     # Both workers run the same exchanges and pushes: the same bytes to the transport.
     assert sent[0] > 0 and sent[0] == sent[1], sent

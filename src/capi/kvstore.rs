@@ -228,6 +228,23 @@ pub unsafe extern "C" fn gp_kvstore_dropped(store: *const gp_kvstore_t, out: *mu
     })
 }
 
+/// Pulls a distributed worker answered from the values its last scheme
+/// rounds brought back, without asking the servers, into `*out`; 0 for
+/// other stores.
+///
+/// # Safety
+/// `store` is live; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_local_pulls(store: *const gp_kvstore_t, out: *mut u64) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Error::NullPointer { what: "out" });
+        }
+        *out = self::store(store)?.0.local_pulls();
+        Ok(())
+    })
+}
+
 /// Every store type gradpack serves, as a static string of `name:kind`
 /// entries joined by commas; kind `local`, `allreduce` (MPI) or `dist`
 /// (parameter server).

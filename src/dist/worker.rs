@@ -756,6 +756,9 @@ impl Store for DistWorker {
     fn dropped(&self) -> u64 {
         DistWorker::dropped(self)
     }
+    fn local_pulls(&self) -> u64 {
+        DistWorker::local_pulls(self)
+    }
     fn close(&self) -> Result<()> {
         DistWorker::close(self);
         Ok(())

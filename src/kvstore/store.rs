@@ -30,6 +30,11 @@ pub trait Store: Send + Sync {
     fn dropped(&self) -> u64 {
         0
     }
+    /// Pulls answered without asking the servers, from the values a scheme
+    /// round's servers sent back with their answers; 0 on other stores.
+    fn local_pulls(&self) -> u64 {
+        0
+    }
     /// Leaves the job (distributed stores, with every other worker); later
     /// calls fail. A no-op on a local store and after the first call.
     fn close(&self) -> Result<()>;

@@ -1,7 +1,8 @@
 """A worker of test_dist.py: the compression scheme in $GRADPACK_TEST_PARAMS
 (JSON) on a dist_sync store, against a 'device' store in this process with
-one device per worker; writes the largest difference it saw and the bytes it
-sent over the rounds."""
+one device per worker; writes the largest difference it saw, the bytes it
+sent over the rounds and the pulls answered without asking the servers.
+$GRADPACK_TEST_SHAPE (rows,cols) sets the key's shape (8 x 12 by default)."""
 import json
 import os
 
@@ -15,7 +16,7 @@ rank, workers = kv.rank, kv.num_workers
 kv.set_compress(params)
 device = gradpack.kv.create("device")
 device.set_compress(params)
-shape = (8, 12)
+shape = tuple(int(d) for d in os.environ.get("GRADPACK_TEST_SHAPE", "8,12").split(","))
 kv.init("w", np.zeros(shape, np.float32))
 device.init("w", np.zeros(shape, np.float32))
 kv.barrier()  # rank 0's init is sent before the count starts
@@ -36,4 +37,5 @@ for step in range(3):
     worst = max(worst, float(np.abs(got - want).max()))
     kv.barrier()
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
-    json.dump({"max_diff": worst, "bytes_sent": kv.stats()["bytes_sent"] - sent_before}, f)
+    stats = kv.stats()
+    json.dump({"max_diff": worst, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"]}, f)
