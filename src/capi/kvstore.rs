@@ -212,6 +212,20 @@ pub unsafe extern "C" fn gp_kvstore_close(store: *mut gp_kvstore_t) -> c_int {
     guard(|| self::store(store)?.0.close())
 }
 
+/// `*out = count(store)`: a counter of the store's (the exports below).
+///
+/// # Safety
+/// `store` is live or NULL (an error); `out` is writable or NULL (an error).
+unsafe fn write_count(store: *const gp_kvstore_t, out: *mut u64, count: impl Fn(&dyn Store) -> u64) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Error::NullPointer { what: "out" });
+        }
+        *out = count(&*self::store(store)?.0);
+        Ok(())
+    })
+}
+
 /// Messages a distributed worker received and dropped (unauthenticated,
 /// replayed, malformed or unexpected) into `*out`; 0 for other stores.
 ///
@@ -219,13 +233,7 @@ pub unsafe extern "C" fn gp_kvstore_close(store: *mut gp_kvstore_t) -> c_int {
 /// `store` is live; `out` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_dropped(store: *const gp_kvstore_t, out: *mut u64) -> c_int {
-    guard(|| {
-        if out.is_null() {
-            return Err(Error::NullPointer { what: "out" });
-        }
-        *out = self::store(store)?.0.dropped();
-        Ok(())
-    })
+    write_count(store, out, |s| s.dropped())
 }
 
 /// Pulls a distributed worker answered from the values its last scheme
@@ -236,13 +244,7 @@ pub unsafe extern "C" fn gp_kvstore_dropped(store: *const gp_kvstore_t, out: *mu
 /// `store` is live; `out` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn gp_kvstore_local_pulls(store: *const gp_kvstore_t, out: *mut u64) -> c_int {
-    guard(|| {
-        if out.is_null() {
-            return Err(Error::NullPointer { what: "out" });
-        }
-        *out = self::store(store)?.0.local_pulls();
-        Ok(())
-    })
+    write_count(store, out, |s| s.local_pulls())
 }
 
 /// Every store type gradpack serves, as a static string of `name:kind`
