@@ -24,10 +24,43 @@ fn zmq_error(what: &str, e: zmq::Error) -> Error {
 /// A connection being watched (`Van::connect_watched`).
 pub struct Watch {
     events: zmq::Socket,
-    up: bool,
-    ever_up: bool,
-    /// When an accepted connection went down, unless it came back since.
+    link: LinkState,
+}
+
+/// What a connection's monitor events say. Each accepted connection brings
+/// one CONNECTED and, when it ends, one DISCONNECTED, but libzmq (4.3.4) does
+/// not keep them in order: its connecter emits CONNECTED after handing the
+/// new connection to the session, whose engine may already have failed the
+/// handshake and emitted DISCONNECTED (seen when MXNet's ps-lite scheduler
+/// aborted at once on a registration). So the events are counted, not
+/// taken as transitions.
+#[derive(Default, Debug, Clone, Copy, PartialEq)]
+struct LinkState {
+    connected: u64,
+    disconnected: u64,
+    /// When every accepted connection had ended, unless one came up since.
     down_since: Option<std::time::Instant>,
+}
+
+impl LinkState {
+    fn connected(&mut self) {
+        self.connected += 1;
+        if self.connected > self.disconnected {
+            self.down_since = None;
+        }
+    }
+
+    fn disconnected(&mut self, now: std::time::Instant) {
+        self.disconnected += 1;
+        if self.disconnected >= self.connected {
+            self.down_since.get_or_insert(now);
+        }
+    }
+
+    /// A DISCONNECTED proves a connection was accepted, even before its CONNECTED arrives.
+    fn ever_up(&self) -> bool {
+        self.connected + self.disconnected > 0
+    }
 }
 
 impl Watch {
@@ -39,9 +72,9 @@ impl Watch {
             let Some(head) = frames.first().filter(|f| f.len() >= 2) else { continue };
             let event = u16::from_le_bytes([head[0], head[1]]);
             if event == zmq::SocketEvent::CONNECTED.to_raw() {
-                (self.up, self.ever_up, self.down_since) = (true, true, None);
-            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() && self.up {
-                (self.up, self.down_since) = (false, Some(std::time::Instant::now()));
+                self.link.connected();
+            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                self.link.disconnected(std::time::Instant::now());
             }
         }
     }
@@ -49,7 +82,7 @@ impl Watch {
     /// True once the peer has accepted the connection.
     pub fn ever_up(&mut self) -> bool {
         self.update();
-        self.ever_up
+        self.link.ever_up()
     }
 
     /// How long an accepted connection has been down without coming back
@@ -57,7 +90,7 @@ impl Watch {
     /// peer that closed it and stays unreachable has died).
     pub fn down_for(&mut self) -> Option<Duration> {
         self.update();
-        self.down_since.map(|t| t.elapsed())
+        self.link.down_since.map(|t| t.elapsed())
     }
 }
 
@@ -112,6 +145,37 @@ impl Traffic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_link_is_down_once_every_accepted_connection_ended_whatever_the_order_of_the_events() {
+        let t0 = std::time::Instant::now();
+        let later = t0 + Duration::from_secs(1);
+        // In order: up, down (at t0), back up, down again (from `later`).
+        let mut l = LinkState::default();
+        assert!(!l.ever_up());
+        l.connected();
+        assert!(l.ever_up() && l.down_since.is_none());
+        l.disconnected(t0);
+        assert_eq!(l.down_since, Some(t0));
+        l.connected();
+        assert_eq!(l.down_since, None);
+        l.disconnected(later);
+        assert_eq!(l.down_since, Some(later));
+        // libzmq's order when the peer fails the handshake at once: DISCONNECTED, then CONNECTED.
+        let mut l = LinkState::default();
+        l.disconnected(t0);
+        assert!(l.ever_up());
+        l.connected();
+        assert_eq!(l.down_since, Some(t0), "the connection that ended is not up again");
+        // A second connection up before the first one's CONNECTED arrives, then that CONNECTED.
+        let mut l = LinkState::default();
+        l.disconnected(t0);
+        l.connected();
+        l.connected();
+        assert_eq!(l.down_since, None);
+        l.disconnected(later);
+        assert_eq!(l.down_since, Some(later));
+    }
 
     #[test]
     fn a_flood_of_drops_is_counted_in_full_and_logged_in_few_lines() {
@@ -228,7 +292,7 @@ impl Van {
         let watch = self.ctx.socket(zmq::PAIR).map_err(|e| zmq_error("creating a socket", e))?;
         watch.connect(&endpoint).map_err(|e| zmq_error("monitoring a connection", e))?;
         self.connect_socket(id, socket, host, port)?;
-        Ok(Watch { events: watch, up: false, ever_up: false, down_since: None })
+        Ok(Watch { events: watch, link: LinkState::default() })
     }
 
     /// Sends a message to node `to`; the payload buffer is handed to ZeroMQ without a copy.
