@@ -56,7 +56,6 @@ fn main() {
     for (name, params) in common::SCHEMES.iter().filter(|(name, _)| name.contains(only.as_str())) {
         let c = common::compression(params, n);
         let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
-        let reps = if matches!(c, Compression::PowerSgd { .. }) { 5 } else { reps };
         let mut member = InProcess::new(1);
         let mut states = [State::default()];
         let mut out = vec![0f32; n];

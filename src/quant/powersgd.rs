@@ -300,8 +300,11 @@ fn p_times_qt_on(isa: Isa, p: &[f32], q: &[f32], rows: usize, cols: usize, r: us
 }
 
 /// Whole rows `first..` of `p q^T` written (or, with `subtract`, taken)
-/// into `out`: pairs of rows share each load of `qt` (`pqt_two`), which
-/// halves what a row pass reads from the second-level cache. Rank 1 (a
+/// into `out`. Taken, pairs of rows share each load of `qt` (`pqt_two`),
+/// which halves what a row pass reads from the second-level cache. Written,
+/// rows go one at a time: pairs writing two rows' lines they had not read
+/// measured 1.5x slower than rows (2.66 ms against 1.75 at rank 4, 4096 x
+/// 4096, where taking them in pairs is 1.39 against 1.80). Rank 1 (a
 /// single row of `qt`, where pairs measured no faster), ranks above
 /// `MAX_FUSED` and a last odd row go a row at a time. In parallel pairs
 /// when large.
@@ -309,8 +312,8 @@ fn p_times_qt_on(isa: Isa, p: &[f32], q: &[f32], rows: usize, cols: usize, r: us
 fn pqt_rows(isa: Isa, p: &[f32], qt: &[f32], cols: usize, r: usize, first: usize, out: &mut [f32], subtract: bool) {
     let pair = |k: usize, o: &mut [f32]| {
         let i = first + 2 * k;
-        if o.len() == 2 * cols && (2..=MAX_FUSED).contains(&r) {
-            pqt_two(isa, &p[i * r..(i + 2) * r], qt, cols, o, subtract);
+        if subtract && o.len() == 2 * cols && (2..=MAX_FUSED).contains(&r) {
+            pqt_two(isa, &p[i * r..(i + 2) * r], qt, cols, o);
         } else {
             for (d, o) in o.chunks_mut(cols).enumerate() {
                 pqt_row(isa, &p[(i + d) * r..(i + d + 1) * r], qt, cols, o, subtract);
@@ -429,11 +432,11 @@ fn pqt_rest<const R: usize>(p_row: &[f32; R], q: &[&[f32]; R], full: usize, o_re
     }
 }
 
-/// `pqt_row_few` for two rows at once (`o` holds both, `p2` both rows of
-/// `p`): each chunk of `qt` is loaded once for both. The same terms in the
-/// same order per row: the same bits.
+/// `pqt_row_few`, subtracting, for two rows at once (`o` holds both, `p2`
+/// both rows of `p`): each chunk of `qt` is loaded once for both. The same
+/// terms in the same order per row: the same bits.
 #[inline(always)]
-fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) {
+fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32]) {
     const CHUNK: usize = 32;
     let start = sum_start();
     let pa: &[f32; R] = p2[..R].try_into().unwrap();
@@ -452,30 +455,30 @@ fn pqt_two_few<const R: usize>(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32
         }
         let xa: &mut [f32; CHUNK] = (&mut oa[c..c + CHUNK]).try_into().unwrap();
         for k in 0..CHUNK {
-            xa[k] = if subtract { xa[k] - va[k] } else { va[k] };
+            xa[k] -= va[k];
         }
         let xb: &mut [f32; CHUNK] = (&mut ob[c..c + CHUNK]).try_into().unwrap();
         for k in 0..CHUNK {
-            xb[k] = if subtract { xb[k] - vb[k] } else { vb[k] };
+            xb[k] -= vb[k];
         }
     }
-    pqt_rest(pa, &q, full, &mut oa[full..], subtract);
-    pqt_rest(pb, &q, full, &mut ob[full..], subtract);
+    pqt_rest(pa, &q, full, &mut oa[full..], true);
+    pqt_rest(pb, &q, full, &mut ob[full..], true);
 }
 
 #[inline(always)]
-fn pqt_two_body(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) {
+fn pqt_two_body(p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32]) {
     match p2.len() / 2 {
-        2 => pqt_two_few::<2>(p2, qt, cols, o, subtract),
-        3 => pqt_two_few::<3>(p2, qt, cols, o, subtract),
-        4 => pqt_two_few::<4>(p2, qt, cols, o, subtract),
+        2 => pqt_two_few::<2>(p2, qt, cols, o),
+        3 => pqt_two_few::<3>(p2, qt, cols, o),
+        4 => pqt_two_few::<4>(p2, qt, cols, o),
         r => unreachable!("rank {r} outside 2..=MAX_FUSED"),
     }
 }
 
 crate::isa::multiversion! {
-    /// Two rows of `p_times_qt` for ranks 2 to `MAX_FUSED`.
-    fn pqt_two[][](p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32], subtract: bool) -> () = pqt_two_body;
+    /// Two rows of `p_times_qt`, subtracted, for ranks 2 to `MAX_FUSED`.
+    fn pqt_two[][](p2: &[f32], qt: &[f32], cols: usize, o: &mut [f32]) -> () = pqt_two_body;
 }
 
 crate::isa::multiversion! {
