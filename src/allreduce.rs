@@ -131,7 +131,7 @@ mod imp {
 
         fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
             let width = lanes::width_for(count.saturating_sub(1) as u64);
-            let mut words = lanes::pack_slice(x, width, |v| v as u64);
+            let mut words = lanes::pack_bytes(x, width);
             let lane_min = UserOperation::commutative(move |a, b| {
                 let a: &[u64] = a.downcast().expect("u64 words");
                 let b: &mut [u64] = b.downcast().expect("u64 words");

