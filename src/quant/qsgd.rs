@@ -606,10 +606,11 @@ mod kernels {
 
     /// `o[i] = (exact_plus(lane i, base) * step) as f32` for the values of
     /// `words` (lanes of `width` bits, a piece that starts a group; `o.len()`
-    /// of them): the decode of one scale. AVX2 decodes the whole groups by
-    /// hand (`avx2::decode_single`); the rest, and the other sets, go
-    /// through `lanes::unpack_serial`. Errors on a wrong word count.
-    pub fn decode_single_packed(isa: Isa, words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32]) -> crate::error::Result<()> {
+    /// of them; with `twice`, of twice each lane): the decode of one scale.
+    /// AVX2 decodes the whole groups by hand (`avx2::decode_single`); the
+    /// rest, and the other sets, go through `lanes::unpack_serial`. Errors
+    /// on a wrong word count.
+    pub fn decode_single_packed(isa: Isa, words: &[u64], width: u32, base: f64, step: f64, twice: bool, o: &mut [f32]) -> crate::error::Result<()> {
         let mut groups = 0;
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx2 && isa.is_supported() && (1..=32).contains(&width) && words.len() == lanes::words_for(o.len(), width) {
@@ -617,10 +618,21 @@ mod kernels {
             groups = (words.len() / lanes::GROUP).min(o.len() / (lanes::GROUP * per));
             // SAFETY: `is_supported` checked AVX2 on this CPU, `width` is in
             // 1..=32, and `groups` whole groups lie within `words` and `o`.
-            unsafe { avx2::decode_single(words, width, base, step, o, groups) };
+            unsafe {
+                if twice {
+                    avx2::decode_single::<true>(words, width, base, step, o, groups)
+                } else {
+                    avx2::decode_single::<false>(words, width, base, step, o, groups)
+                }
+            };
         }
         let (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * (64 / width.clamp(1, 64)) as usize);
-        lanes::unpack_serial(&words[done_w..], width, &mut o[done..], |v| (lanes::exact_plus(v, base) * step) as f32)
+        let (w, o) = (&words[done_w..], &mut o[done..]);
+        if twice {
+            lanes::unpack_serial(w, width, o, |v| (lanes::exact_plus(2 * v, base) * step) as f32)
+        } else {
+            lanes::unpack_serial(w, width, o, |v| (lanes::exact_plus(v, base) * step) as f32)
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -633,8 +645,12 @@ mod kernels {
         /// ORed into 2^52's bits, less `2^52 - base` (`less`).
         #[inline]
         #[target_feature(enable = "avx2")]
-        fn codes(lo: __m256i, hi: __m256i, shift: __m128i, mask: __m256i, two_52: __m256i, less: __m256d) -> (__m256d, __m256d) {
-            let at = |w: __m256i| _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(_mm256_srl_epi64(w, shift), mask), two_52)), less);
+        fn codes<const TWICE: bool>(lo: __m256i, hi: __m256i, shift: __m128i, mask: __m256i, two_52: __m256i, less: __m256d) -> (__m256d, __m256d) {
+            let at = |w: __m256i| {
+                let v = _mm256_and_si256(_mm256_srl_epi64(w, shift), mask);
+                let v = if TWICE { _mm256_add_epi64(v, v) } else { v };
+                _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(v, two_52)), less)
+            };
             (at(lo), at(hi))
         }
 
@@ -658,7 +674,7 @@ mod kernels {
         /// The CPU has AVX2; `width` is in 1..=32; `words` holds at least
         /// `8 * groups` words and `o` at least `8 * groups * (64 / width)`.
         #[target_feature(enable = "avx2")]
-        pub(super) unsafe fn decode_single(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize) {
+        pub(super) unsafe fn decode_single<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize) {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(words.len() >= g * groups && o.len() >= g * per * groups);
             let mask = _mm256_set1_epi64x(((1u64 << width) - 1) as i64);
@@ -668,7 +684,7 @@ mod kernels {
                 // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
                 let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
                 for lane in 0..per {
-                    let (a, b) = codes(lo, hi, _mm_cvtsi32_si128((lane as u32 * width) as i32), mask, two_52, less);
+                    let (a, b) = codes::<TWICE>(lo, hi, _mm_cvtsi32_si128((lane as u32 * width) as i32), mask, two_52, less);
                     // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the caller's bound).
                     unsafe { store(o.as_mut_ptr().add((gi * per + lane) * g), _mm256_mul_pd(a, st), _mm256_mul_pd(b, st)) };
                 }
@@ -701,7 +717,7 @@ mod kernels {
                 // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
                 let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
                 for lane in 0..per {
-                    let (a, b) = codes(lo, hi, _mm_cvtsi32_si128((lane as u32 * width) as i32), mask, two_52, less);
+                    let (a, b) = codes::<false>(lo, hi, _mm_cvtsi32_si128((lane as u32 * width) as i32), mask, two_52, less);
                     let at = (gi * per + lane) * g;
                     // SAFETY: elements at..at+8 of l and o exist (the caller's bound).
                     let lv = unsafe { _mm_loadl_epi64(l.as_ptr().add(at).cast()) };
@@ -856,9 +872,12 @@ mod kernels {
                         let width = lanes::width_for(codes.iter().map(|&c| (c - lo) as u64).max().unwrap_or(0));
                         let packed = lanes::pack_slice(&codes, width, |c| (c - lo) as u64);
                         let mut ds = vec![f32::NAN; n];
-                        decode_single_packed(isa, &packed, width, lo as f64, steps[0], &mut ds).unwrap();
+                        decode_single_packed(isa, &packed, width, lo as f64, steps[0], false, &mut ds).unwrap();
                         assert!(ds.iter().zip(&codes).all(|(d, &c)| d.to_bits() == ((c as f64 * steps[0]) as f32).to_bits()), "{isa:?} single packed decode n={n} width={width}");
-                        assert!(decode_single_packed(isa, &packed[..packed.len().saturating_sub(1)], width, lo as f64, steps[0], &mut ds).is_err() || n == 0);
+                        assert!(decode_single_packed(isa, &packed[..packed.len().saturating_sub(1)], width, lo as f64, steps[0], false, &mut ds).is_err() || n == 0);
+                        // twice each lane, step 1 (1-bit's 2 ones - workers, here with 7 workers)
+                        decode_single_packed(isa, &packed, width, -7.0, 1.0, true, &mut ds).unwrap();
+                        assert!(ds.iter().zip(&codes).all(|(d, &c)| d.to_bits() == ((2 * (c - lo) as i64 - 7) as f32).to_bits()), "{isa:?} twice packed decode n={n} width={width}");
                     }
                     // 2 to 4 steps in use (steps in registers) and 5 (select passes)
                     let lo = want_levels.iter().copied().min().unwrap_or(0);
@@ -1062,18 +1081,7 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
         if base.unsigned_abs() >= 1 << 52 {
             return super::lanes::unpack_into(words, width, out, |v| ((v as i64 + base) as f64 * step) as f32);
         }
-        let (isa, per, base) = (Isa::detect(), (64 / width) as usize, base as f64);
-        let failed = std::sync::atomic::AtomicBool::new(false);
-        par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
-            let w = &words[start / per..start / per + super::lanes::words_for(o.len(), width)];
-            if kernels::decode_single_packed(isa, w, width, base, step, o).is_err() {
-                failed.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-        });
-        if failed.into_inner() {
-            return Err(Error::Internal("packed codes split off a group".into()));
-        }
-        return Ok(());
+        return decode_lanes(words, width, base as f64, step, false, out);
     };
     check_levels(l, n, levels)?;
     let steps = steps(levels, scale);
@@ -1095,6 +1103,38 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
                 return;
             }
             kernels::decode_levels(isa, c, &l[first..first + o.len()], o, &steps);
+        }
+    });
+    if failed.into_inner() {
+        return Err(Error::Internal("packed codes split off a group".into()));
+    }
+    Ok(())
+}
+
+/// `out[i] = (lanes::exact_plus(v, base) * step) as f32` for the lanes `v`
+/// of `words` (`width` bits; with `twice`, of `2 v`), in parallel pieces
+/// that start a group (`kernels::decode_single_packed`): QSGD's one scale
+/// (`2 v` with step 1: 1-bit's `2 ones - workers`). `|base| < 2^52` is the
+/// caller's. Errors on a wrong word count.
+pub(crate) fn decode_lanes(words: &[u64], width: u32, base: f64, step: f64, twice: bool, out: &mut [f32]) -> Result<()> {
+    if !(1..=32).contains(&width) || words.len() != super::lanes::words_for(out.len(), width) {
+        return Err(Error::SizeMismatch { what: "packed codes (words)", expected: super::lanes::words_for(out.len(), width.clamp(1, 32)), got: words.len() });
+    }
+    let (isa, per) = (Isa::detect(), (64 / width) as usize);
+    if isa != Isa::Avx2 {
+        // The compiled loop is as fast as the copy there: `lanes`' own split.
+        // (`x * 1.0` is `x`: 1-bit's step 1 costs no multiply.)
+        return match (twice, step == 1.0) {
+            (true, true) => super::lanes::unpack_into(words, width, out, |v| super::lanes::exact_plus(2 * v, base) as f32),
+            (true, false) => super::lanes::unpack_into(words, width, out, |v| (super::lanes::exact_plus(2 * v, base) * step) as f32),
+            (false, _) => super::lanes::unpack_into(words, width, out, |v| (super::lanes::exact_plus(v, base) * step) as f32),
+        };
+    }
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
+        let w = &words[start / per..start / per + super::lanes::words_for(o.len(), width)];
+        if kernels::decode_single_packed(isa, w, width, base, step, twice, o).is_err() {
+            failed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     });
     if failed.into_inner() {

@@ -685,8 +685,7 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
         (Compression::OneBit { .. }, Part::Packed { words, n: len, width, .. }) if *len == n => {
             // lanes count the 1 bits (lo = 0): 2 ones - workers
             // (exact in a double, then rounded once, as the integer would be)
-            let w = -(ctx.workers as f64);
-            lanes::unpack_into(words, *width, out, |v| lanes::exact_plus(2 * v, w) as f32)
+            qsgd::decode_lanes(words, *width, -(ctx.workers as f64), 1.0, true, out)
         }
         (Compression::OneBit { .. }, Part::Codes { codes, .. }) if codes.len() == n => {
             let w = ctx.workers as i32;
