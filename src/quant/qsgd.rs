@@ -577,7 +577,10 @@ mod kernels {
     /// `avx2::decode_packed_few`, written by hand: what the compiler made of
     /// the loop shuffled each lane's scale indices and spilled, and decoded
     /// 2 scales at 1.3x the copy's time on AVX-512, 2.5-2.8x on AVX2.
-    pub fn decode_levels_packed(isa: Isa, words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) -> bool {
+    ///
+    /// With `stream`, the hand-written kernels write past the caches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_levels_packed(isa: Isa, words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], stream: bool) -> bool {
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Baseline && isa.is_supported() && (1..=32).contains(&width) {
             let count = (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1);
@@ -598,7 +601,7 @@ mod kernels {
             // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
             // 1..=32, and `groups` whole groups lie within `words`, `l` and
             // `o` (above).
-            unsafe { kernel(words, width, base, l, o, steps, groups) };
+            unsafe { kernel(words, width, base, l, o, steps, groups, stream) };
             return decode_levels_packed_auto(isa, &words[done_w..], width, base, &l[done..], &mut o[done..], steps);
         }
         decode_levels_packed_auto(isa, words, width, base, l, o, steps)
@@ -607,24 +610,26 @@ mod kernels {
     /// `o[i] = (exact_plus(lane i, base) * step) as f32` for the values of
     /// `words` (lanes of `width` bits, a piece that starts a group; `o.len()`
     /// of them; with `twice`, of twice each lane): the decode of one scale.
-    /// AVX2 decodes the whole groups by hand (`avx2::decode_single`); the
-    /// rest, and the other sets, go through `lanes::unpack_serial`. Errors
-    /// on a wrong word count.
-    pub fn decode_single_packed(isa: Isa, words: &[u64], width: u32, base: f64, step: f64, twice: bool, o: &mut [f32]) -> crate::error::Result<()> {
+    /// AVX-512 and AVX2 decode the whole groups by hand (`decode_single`;
+    /// with `stream`, writing past the caches); the rest, and the baseline,
+    /// go through `lanes::unpack_serial`. Errors on a wrong word count.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_single_packed(isa: Isa, words: &[u64], width: u32, base: f64, step: f64, twice: bool, stream: bool, o: &mut [f32]) -> crate::error::Result<()> {
         let mut groups = 0;
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 && isa.is_supported() && (1..=32).contains(&width) && words.len() == lanes::words_for(o.len(), width) {
+        if isa != Isa::Baseline && isa.is_supported() && (1..=32).contains(&width) && words.len() == lanes::words_for(o.len(), width) {
             let per = (64 / width) as usize;
             groups = (words.len() / lanes::GROUP).min(o.len() / (lanes::GROUP * per));
-            // SAFETY: `is_supported` checked AVX2 on this CPU, `width` is in
-            // 1..=32, and `groups` whole groups lie within `words` and `o`.
-            unsafe {
-                if twice {
-                    avx2::decode_single::<true>(words, width, base, step, o, groups)
-                } else {
-                    avx2::decode_single::<false>(words, width, base, step, o, groups)
-                }
+            let kernel: avx512::Single = match (isa, twice) {
+                (Isa::Avx512, true) => avx512::decode_single::<true>,
+                (Isa::Avx512, false) => avx512::decode_single::<false>,
+                (_, true) => avx2::decode_single::<true>,
+                (_, false) => avx2::decode_single::<false>,
             };
+            // SAFETY: `is_supported` checked the kernel's instruction set
+            // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
+            // 1..=32, and `groups` whole groups lie within `words` and `o`.
+            unsafe { kernel(words, width, base, step, o, groups, stream) };
         }
         let (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * (64 / width.clamp(1, 64)) as usize);
         let (w, o) = (&words[done_w..], &mut o[done..]);
@@ -654,16 +659,16 @@ mod kernels {
             (at(lo), at(hi))
         }
 
-        /// Products rounded once to f32, stored as 8 values at `o`.
+        /// Products rounded once to f32, stored as 8 values at `o` (`put8`).
         ///
         /// # Safety
-        /// `o` has room for 8 floats.
+        /// `o` has room for 8 floats and, with `stream`, is 16-byte aligned.
         #[inline]
         #[target_feature(enable = "avx2")]
-        unsafe fn store(o: *mut f32, lo: __m256d, hi: __m256d) {
+        unsafe fn store(o: *mut f32, lo: __m256d, hi: __m256d, stream: bool) {
             let f = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
             // SAFETY: the caller's.
-            unsafe { _mm256_storeu_ps(o, f) };
+            unsafe { super::put8(o, f, stream) };
         }
 
         const TWO_52: f64 = (1u64 << 52) as f64;
@@ -674,7 +679,8 @@ mod kernels {
         /// The CPU has AVX2; `width` is in 1..=32; `words` holds at least
         /// `8 * groups` words and `o` at least `8 * groups * (64 / width)`.
         #[target_feature(enable = "avx2")]
-        pub(super) unsafe fn decode_single<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize) {
+        pub(super) unsafe fn decode_single<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
+            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(words.len() >= g * groups && o.len() >= g * per * groups);
             let mask = _mm256_set1_epi64x(((1u64 << width) - 1) as i64);
@@ -685,9 +691,13 @@ mod kernels {
                 let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
                 for lane in 0..per {
                     let (a, b) = codes::<TWICE>(lo, hi, _mm_cvtsi32_si128((lane as u32 * width) as i32), mask, two_52, less);
-                    // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the caller's bound).
-                    unsafe { store(o.as_mut_ptr().add((gi * per + lane) * g), _mm256_mul_pd(a, st), _mm256_mul_pd(b, st)) };
+                    // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
+                    // caller's bound); streamed only 16-byte aligned (above).
+                    unsafe { store(o.as_mut_ptr().add((gi * per + lane) * g), _mm256_mul_pd(a, st), _mm256_mul_pd(b, st), stream) };
                 }
+            }
+            if stream {
+                _mm_sfence();
             }
         }
 
@@ -701,7 +711,9 @@ mod kernels {
         /// `8 * groups` words and `l` and `o` at least
         /// `8 * groups * (64 / width)` elements.
         #[target_feature(enable = "avx2")]
-        pub(super) unsafe fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize) {
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
+            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
             let mask = _mm256_set1_epi64x(((1u64 << width) - 1) as i64);
@@ -730,9 +742,12 @@ mod kernels {
                     };
                     let sa = _mm256_castps_pd(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(twice)));
                     let sb = _mm256_castps_pd(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(twice))));
-                    // SAFETY: as for `lv`.
-                    unsafe { store(o.as_mut_ptr().add(at), _mm256_mul_pd(a, sa), _mm256_mul_pd(b, sb)) };
+                    // SAFETY: as for `lv`; streamed only 16-byte aligned (above).
+                    unsafe { store(o.as_mut_ptr().add(at), _mm256_mul_pd(a, sa), _mm256_mul_pd(b, sb), stream) };
                 }
+            }
+            if stream {
+                _mm_sfence();
             }
         }
     }
@@ -743,7 +758,10 @@ mod kernels {
         use std::arch::x86_64::*;
 
         /// `decode_packed_few` for one count of steps.
-        pub(super) type Whole = unsafe fn(&[u64], u32, f64, &[u8], &mut [f32], &[f64; TABLE], usize);
+        pub(super) type Whole = unsafe fn(&[u64], u32, f64, &[u8], &mut [f32], &[f64; TABLE], usize, bool);
+
+        /// `decode_single`, once or twice each lane.
+        pub(super) type Single = unsafe fn(&[u64], u32, f64, f64, &mut [f32], usize, bool);
 
         /// `decode_packed_few::<COUNT>` for the first `groups` whole groups
         /// (8 words each): per lane, 8 codes as doubles (`lanes::exact_plus`:
@@ -755,8 +773,10 @@ mod kernels {
         /// at least `8 * groups` words and `l` and `o` at least
         /// `8 * groups * (64 / width)` elements.
         #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
-        pub(super) unsafe fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize) {
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
             const TWO_52: f64 = (1u64 << 52) as f64;
+            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let per = (64 / width) as usize;
             let g = lanes::GROUP;
             debug_assert!(words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
@@ -781,9 +801,68 @@ mod kernels {
                         s = _mm512_mask_blend_pd(_mm_cmpeq_epi8_mask(lv, index[j]) as u8, s, st[j]);
                     }
                     let f = _mm512_cvtpd_ps(_mm512_mul_pd(d, s));
-                    // SAFETY: as for `lv`.
-                    unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(at), f) };
+                    // SAFETY: as for `lv`; streamed only 16-byte aligned (above; `at` is a multiple of 8).
+                    unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
                 }
+            }
+            if stream {
+                _mm_sfence(); // the streamed stores are seen before the caller's next step
+            }
+        }
+
+        /// `decode_single_packed`'s first `groups` whole groups (8 words
+        /// each): per lane, 8 codes (with `TWICE`, twice each) as doubles,
+        /// as `decode_packed_few`, times `step`, rounded once to f32.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512 F/BW/VL/DQ; `width` is in 1..=32; `words`
+        /// holds at least `8 * groups` words and `o` at least
+        /// `8 * groups * (64 / width)` elements.
+        #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
+        pub(super) unsafe fn decode_single<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
+            const TWO_52: f64 = (1u64 << 52) as f64;
+            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            debug_assert!(words.len() >= g * groups && o.len() >= g * per * groups);
+            let mask = _mm512_set1_epi64(((1u64 << width) - 1) as i64);
+            let two_52 = _mm512_set1_epi64(TWO_52.to_bits() as i64);
+            let (less, st) = (_mm512_set1_pd(TWO_52 - base), _mm512_set1_pd(step));
+            for gi in 0..groups {
+                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
+                for lane in 0..per {
+                    let v = _mm512_and_si512(_mm512_srl_epi64(ws, _mm_cvtsi32_si128((lane as u32 * width) as i32)), mask);
+                    let v = if TWICE { _mm512_add_epi64(v, v) } else { v };
+                    let d = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_or_si512(v, two_52)), less);
+                    // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
+                    // caller's bound); streamed only 16-byte aligned (above).
+                    unsafe { super::put8(o.as_mut_ptr().add((gi * per + lane) * g), _mm512_cvtpd_ps(_mm512_mul_pd(d, st)), stream) };
+                }
+            }
+            if stream {
+                _mm_sfence();
+            }
+        }
+    }
+
+    /// Stores 8 floats at `o`; with `stream`, past the caches (two
+    /// non-temporal 16-byte halves: a decode's output it will not read).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `o` has room for 8 floats and, with `stream`, is
+    /// 16-byte aligned.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn put8(o: *mut f32, f: std::arch::x86_64::__m256, stream: bool) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's.
+        unsafe {
+            if stream {
+                _mm_stream_ps(o, _mm256_castps256_ps128(f));
+                _mm_stream_ps(o.add(4), _mm256_extractf128_ps::<1>(f));
+            } else {
+                _mm256_storeu_ps(o, f);
             }
         }
     }
@@ -832,6 +911,18 @@ mod kernels {
         const SIZES: [usize; 12] = [0, 1, 7, 8, 9, 15, 16, 17, 33, 511, 513, 1001];
 
         #[test]
+        fn a_decode_streams_only_past_the_last_level_cache() {
+            let mib = 1usize << 20;
+            // 16 Mi values: streamed past a 32 MiB cache, kept in a 300 MiB one
+            assert!(super::super::decode_streams_with(16 * mib, Some(32 * mib)));
+            assert!(!super::super::decode_streams_with(16 * mib, Some(300 * mib)));
+            assert!(super::super::decode_streams_with(128 * mib, Some(300 * mib)));
+            // small decodes never; an unknown cache from 4 Mi values
+            assert!(!super::super::decode_streams_with(mib - 1, Some(0)));
+            assert!(!super::super::decode_streams_with(4 * mib - 1, None) && super::super::decode_streams_with(4 * mib, None));
+        }
+
+        #[test]
         fn every_kernel_matches_the_reference() {
             let scales = [3u32, 15, 255];
             let (ft, st) = tables(&scales, 1.0031);
@@ -871,13 +962,15 @@ mod kernels {
                         let lo = codes.iter().copied().min().unwrap_or(0);
                         let width = lanes::width_for(codes.iter().map(|&c| (c - lo) as u64).max().unwrap_or(0));
                         let packed = lanes::pack_slice(&codes, width, |c| (c - lo) as u64);
-                        let mut ds = vec![f32::NAN; n];
-                        decode_single_packed(isa, &packed, width, lo as f64, steps[0], false, &mut ds).unwrap();
-                        assert!(ds.iter().zip(&codes).all(|(d, &c)| d.to_bits() == ((c as f64 * steps[0]) as f32).to_bits()), "{isa:?} single packed decode n={n} width={width}");
-                        assert!(decode_single_packed(isa, &packed[..packed.len().saturating_sub(1)], width, lo as f64, steps[0], false, &mut ds).is_err() || n == 0);
-                        // twice each lane, step 1 (1-bit's 2 ones - workers, here with 7 workers)
-                        decode_single_packed(isa, &packed, width, -7.0, 1.0, true, &mut ds).unwrap();
-                        assert!(ds.iter().zip(&codes).all(|(d, &c)| d.to_bits() == ((2 * (c - lo) as i64 - 7) as f32).to_bits()), "{isa:?} twice packed decode n={n} width={width}");
+                        for stream in [false, true] {
+                            let mut ds = vec![f32::NAN; n];
+                            decode_single_packed(isa, &packed, width, lo as f64, steps[0], false, stream, &mut ds).unwrap();
+                            assert!(ds.iter().zip(&codes).all(|(d, &c)| d.to_bits() == ((c as f64 * steps[0]) as f32).to_bits()), "{isa:?} single packed decode n={n} width={width}");
+                            assert!(decode_single_packed(isa, &packed[..packed.len().saturating_sub(1)], width, lo as f64, steps[0], false, stream, &mut ds).is_err() || n == 0);
+                            // twice each lane, step 1 (1-bit's 2 ones - workers, here with 7 workers)
+                            decode_single_packed(isa, &packed, width, -7.0, 1.0, true, stream, &mut ds).unwrap();
+                            assert!(ds.iter().zip(&codes).all(|(d, &c)| d.to_bits() == ((2 * (c - lo) as i64 - 7) as f32).to_bits()), "{isa:?} twice packed decode n={n} width={width}");
+                        }
                     }
                     // 2 to 4 steps in use (steps in registers) and 5 (select passes)
                     let lo = want_levels.iter().copied().min().unwrap_or(0);
@@ -890,14 +983,18 @@ mod kernels {
                         assert!(dl.iter().zip(&want_levels).zip(&l).all(|((d, &c), &j)| *d == (c as f64 * few[j as usize]) as f32), "{isa:?} decode of {count} steps n={n}");
                         // and straight from lanes, where 2 to 4 are in use
                         let mut dp = vec![f32::NAN; n];
-                        assert_eq!(decode_levels_packed(isa, &packed, width, lo as f64, &l, &mut dp, &few), count <= 4);
+                        assert_eq!(decode_levels_packed(isa, &packed, width, lo as f64, &l, &mut dp, &few, false), count <= 4);
                         if count <= 4 {
                             assert_eq!(dp.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), dl.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{isa:?} packed decode of {count} steps n={n}");
                             // an index past the steps takes the first step, as `pick` has it
                             let past: Vec<u8> = l.iter().enumerate().map(|(i, &j)| if i % 3 == 0 { [count as u8, 4, 5, 9, 255][i % 5] } else { j }).collect();
                             decode_levels(isa, &want_levels, &past, &mut dl, &few);
                             assert!(dl.iter().zip(&want_levels).zip(&past).all(|((d, &c), &j)| *d == (c as f64 * few[if (j as usize) < count { j as usize } else { 0 }]) as f32));
-                            decode_levels_packed(isa, &packed, width, lo as f64, &past, &mut dp, &few);
+                            decode_levels_packed(isa, &packed, width, lo as f64, &past, &mut dp, &few, false);
+                            assert_eq!(dp.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), dl.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{isa:?} packed decode of {count} steps, indices past them, n={n}");
+                            // written past the caches: the same bits
+                            dp.fill(f32::NAN);
+                            decode_levels_packed(isa, &packed, width, lo as f64, &past, &mut dp, &few, true);
                             assert_eq!(dp.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), dl.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{isa:?} packed decode of {count} steps, indices past them, n={n}");
                         }
                     }
@@ -1085,12 +1182,12 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
     };
     check_levels(l, n, levels)?;
     let steps = steps(levels, scale);
-    let (isa, per) = (Isa::detect(), (64 / width) as usize);
+    let (isa, per, stream) = (Isa::detect(), (64 / width) as usize, decode_streams(n));
     let values = (kernels::BLOCK / (super::lanes::GROUP * per)).max(1) * super::lanes::GROUP * per;
     let failed = std::sync::atomic::AtomicBool::new(false);
     par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
         let (pw, pl) = (&words[start / per..start / per + super::lanes::words_for(o.len(), width)], &l[start..start + o.len()]);
-        if base.unsigned_abs() < 1 << 52 && kernels::decode_levels_packed(isa, pw, width, base as f64, pl, o, &steps) {
+        if base.unsigned_abs() < 1 << 52 && kernels::decode_levels_packed(isa, pw, width, base as f64, pl, o, &steps, stream) {
             return; // 2 to 4 scales: one pass from the lanes
         }
         let mut buf = [0i32; kernels::BLOCK];
@@ -1111,6 +1208,19 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
     Ok(())
 }
 
+/// Whether a decode of `n` values writes them past the caches: when its
+/// traffic (4 B written, about 1.5 B of codes and indices read an element)
+/// exceeds the last-level cache, where the written lines would otherwise
+/// be read first (for ownership) and then pushed out anyway; from 4 Mi
+/// elements where the cache is unknown, as the 2-bit codec does.
+fn decode_streams(n: usize) -> bool {
+    decode_streams_with(n, crate::isa::last_level_cache())
+}
+
+fn decode_streams_with(n: usize, last_level_cache: Option<usize>) -> bool {
+    n >= 1 << 20 && last_level_cache.map_or(n >= 1 << 22, |llc| n as u128 * 6 > llc as u128)
+}
+
 /// `out[i] = (lanes::exact_plus(v, base) * step) as f32` for the lanes `v`
 /// of `words` (`width` bits; with `twice`, of `2 v`), in parallel pieces
 /// that start a group (`kernels::decode_single_packed`): QSGD's one scale
@@ -1120,20 +1230,11 @@ pub(crate) fn decode_lanes(words: &[u64], width: u32, base: f64, step: f64, twic
     if !(1..=32).contains(&width) || words.len() != super::lanes::words_for(out.len(), width) {
         return Err(Error::SizeMismatch { what: "packed codes (words)", expected: super::lanes::words_for(out.len(), width.clamp(1, 32)), got: words.len() });
     }
-    let (isa, per) = (Isa::detect(), (64 / width) as usize);
-    if isa != Isa::Avx2 {
-        // The compiled loop is as fast as the copy there: `lanes`' own split.
-        // (`x * 1.0` is `x`: 1-bit's step 1 costs no multiply.)
-        return match (twice, step == 1.0) {
-            (true, true) => super::lanes::unpack_into(words, width, out, |v| super::lanes::exact_plus(2 * v, base) as f32),
-            (true, false) => super::lanes::unpack_into(words, width, out, |v| (super::lanes::exact_plus(2 * v, base) * step) as f32),
-            (false, _) => super::lanes::unpack_into(words, width, out, |v| (super::lanes::exact_plus(v, base) * step) as f32),
-        };
-    }
+    let (isa, per, stream) = (Isa::detect(), (64 / width) as usize, decode_streams(out.len()));
     let failed = std::sync::atomic::AtomicBool::new(false);
     par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
         let w = &words[start / per..start / per + super::lanes::words_for(o.len(), width)];
-        if kernels::decode_single_packed(isa, w, width, base, step, twice, o).is_err() {
+        if kernels::decode_single_packed(isa, w, width, base, step, twice, stream, o).is_err() {
             failed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     });
