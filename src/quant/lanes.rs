@@ -351,6 +351,10 @@ pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn
     unpack_core(words.len(), |i| words[i], width, out, f)
 }
 
+/// 2^52: the double whose mantissa holds a lane's value in `exact_plus`
+/// (and in the decode kernels that do the same in vectors).
+pub(crate) const TWO_52: f64 = (1u64 << 52) as f64;
+
 /// `v + base` as a double, exactly, for `v < 2^52` and `base` a whole number
 /// with `|base| < 2^52` (the caller's to keep): the double whose bits are
 /// `2^52`'s with `v` in the mantissa is `2^52 + v`, less `2^52 - base`.
@@ -359,7 +363,6 @@ pub fn unpack_into<T: Send>(words: &[u64], width: u32, out: &mut [T], f: impl Fn
 /// `vcvtsi2sd` per value there (decodes at twice the copy's time).
 #[inline(always)]
 pub fn exact_plus(v: u64, base: f64) -> f64 {
-    const TWO_52: f64 = (1u64 << 52) as f64;
     debug_assert!(v < 1 << 52 && base.abs() < TWO_52 && base.fract() == 0.0);
     f64::from_bits(TWO_52.to_bits() | v) - (TWO_52 - base)
 }

@@ -495,12 +495,19 @@ mod kernels {
         o.iter_mut().zip(c).for_each(|(o, &c)| *o = (c as f64 * step) as f32);
     }
 
+    /// The steps a decode uses: those before the trailing zeros (past the
+    /// last scale; all of them when the scale is 0), at least one.
+    #[inline(always)]
+    fn steps_in_use(steps: &[f64; TABLE]) -> usize {
+        (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1)
+    }
+
     #[inline(always)]
     fn decode_levels_body(c: &[i32], l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) {
         // Each element's step by one select pass per scale over a block (a
         // table lookup per element compiles to gathers). Steps past the
         // last scale are 0 (all of them are when the scale is 0).
-        let count = (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1);
+        let count = steps_in_use(steps);
         match count {
             2 => return decode_levels_few::<2>(c, l, o, steps),
             3 => return decode_levels_few::<3>(c, l, o, steps),
@@ -531,7 +538,7 @@ mod kernels {
     /// pass with no buffer of codes. `|base| < 2^52` is the caller's.
     #[inline(always)]
     fn decode_levels_packed_body(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE]) -> bool {
-        match (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1) {
+        match steps_in_use(steps) {
             2 => decode_packed_few::<2>(words, width, base, l, o, steps),
             3 => decode_packed_few::<3>(words, width, base, l, o, steps),
             4 => decode_packed_few::<4>(words, width, base, l, o, steps),
@@ -583,7 +590,7 @@ mod kernels {
     pub fn decode_levels_packed(isa: Isa, words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], stream: bool) -> bool {
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Baseline && isa.is_supported() && (1..=32).contains(&width) {
-            let count = (TABLE - steps.iter().rev().take_while(|&&s| s == 0.0).count()).max(1);
+            let count = steps_in_use(steps);
             let per = (64 / width) as usize;
             // Whole groups only, bounded by every slice's real length.
             let groups = (words.len() / lanes::GROUP).min(l.len() / (lanes::GROUP * per)).min(o.len() / (lanes::GROUP * per));
@@ -597,11 +604,13 @@ mod kernels {
                 (_, 4) => avx2::decode_packed_few::<4>,
                 _ => return false,
             };
+            let stream = streams(stream, o);
             // SAFETY: `is_supported` checked the kernel's instruction set
             // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
-            // 1..=32, and `groups` whole groups lie within `words`, `l` and
-            // `o` (above).
+            // 1..=32, `groups` whole groups lie within `words`, `l` and `o`
+            // (above), and `o` streams only 16-byte aligned (`streams`).
             unsafe { kernel(words, width, base, l, o, steps, groups, stream) };
+            fence(stream);
             return decode_levels_packed_auto(isa, &words[done_w..], width, base, &l[done..], &mut o[done..], steps);
         }
         decode_levels_packed_auto(isa, words, width, base, l, o, steps)
@@ -615,23 +624,26 @@ mod kernels {
     /// go through `lanes::unpack_serial`. Errors on a wrong word count.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_single_packed(isa: Isa, words: &[u64], width: u32, base: f64, step: f64, twice: bool, stream: bool, o: &mut [f32]) -> crate::error::Result<()> {
-        let mut groups = 0;
+        let (mut done_w, mut done) = (0, 0);
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Baseline && isa.is_supported() && (1..=32).contains(&width) && words.len() == lanes::words_for(o.len(), width) {
             let per = (64 / width) as usize;
-            groups = (words.len() / lanes::GROUP).min(o.len() / (lanes::GROUP * per));
+            let groups = (words.len() / lanes::GROUP).min(o.len() / (lanes::GROUP * per));
+            (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * per);
             let kernel: avx512::Single = match (isa, twice) {
                 (Isa::Avx512, true) => avx512::decode_single::<true>,
                 (Isa::Avx512, false) => avx512::decode_single::<false>,
                 (_, true) => avx2::decode_single::<true>,
                 (_, false) => avx2::decode_single::<false>,
             };
+            let stream = streams(stream, o);
             // SAFETY: `is_supported` checked the kernel's instruction set
             // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
-            // 1..=32, and `groups` whole groups lie within `words` and `o`.
+            // 1..=32, `groups` whole groups lie within `words` and `o`, and
+            // `o` streams only 16-byte aligned (`streams`).
             unsafe { kernel(words, width, base, step, o, groups, stream) };
+            fence(stream);
         }
-        let (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * (64 / width.clamp(1, 64)) as usize);
         let (w, o) = (&words[done_w..], &mut o[done..]);
         if twice {
             lanes::unpack_serial(w, width, o, |v| (lanes::exact_plus(2 * v, base) * step) as f32)
@@ -643,6 +655,7 @@ mod kernels {
     #[cfg(target_arch = "x86_64")]
     mod avx2 {
         use super::{lanes, TABLE};
+        use lanes::TWO_52;
         use std::arch::x86_64::*;
 
         /// 8 codes of `lane` from a group's words (`lo`: words 0-3, `hi`:
@@ -671,16 +684,14 @@ mod kernels {
             unsafe { super::put8(o, f, stream) };
         }
 
-        const TWO_52: f64 = (1u64 << 52) as f64;
-
         /// `decode_single_packed`'s first `groups` whole groups.
         ///
         /// # Safety
         /// The CPU has AVX2; `width` is in 1..=32; `words` holds at least
-        /// `8 * groups` words and `o` at least `8 * groups * (64 / width)`.
+        /// `8 * groups` words and `o` at least `8 * groups * (64 / width)`;
+        /// with `stream`, `o` is 16-byte aligned.
         #[target_feature(enable = "avx2")]
         pub(super) unsafe fn decode_single<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
-            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(words.len() >= g * groups && o.len() >= g * per * groups);
             let mask = _mm256_set1_epi64x(((1u64 << width) - 1) as i64);
@@ -692,12 +703,9 @@ mod kernels {
                 for lane in 0..per {
                     let (a, b) = codes::<TWICE>(lo, hi, _mm_cvtsi32_si128((lane as u32 * width) as i32), mask, two_52, less);
                     // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
-                    // caller's bound); streamed only 16-byte aligned (above).
+                    // caller's bound, alignment when streamed included).
                     unsafe { store(o.as_mut_ptr().add((gi * per + lane) * g), _mm256_mul_pd(a, st), _mm256_mul_pd(b, st), stream) };
                 }
-            }
-            if stream {
-                _mm_sfence();
             }
         }
 
@@ -709,11 +717,10 @@ mod kernels {
         /// # Safety
         /// The CPU has AVX2; `width` is in 1..=32; `words` holds at least
         /// `8 * groups` words and `l` and `o` at least
-        /// `8 * groups * (64 / width)` elements.
+        /// `8 * groups * (64 / width)` elements; with `stream`, `o` is 16-byte aligned.
         #[target_feature(enable = "avx2")]
         #[allow(clippy::too_many_arguments)]
         pub(super) unsafe fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
-            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
             let mask = _mm256_set1_epi64x(((1u64 << width) - 1) as i64);
@@ -735,19 +742,16 @@ mod kernels {
                     let lv = unsafe { _mm_loadl_epi64(l.as_ptr().add(at).cast()) };
                     // `pick`: indices from 4 up become 4, whose halves 8 and 9
                     // the permute reads as 0 and 1 (it keeps 3 bits): the first step.
-                    let twice = {
+                    let halves = {
                         let l2 = _mm_min_epu8(lv, four);
                         let l2 = _mm_add_epi8(l2, l2);
                         _mm_unpacklo_epi8(l2, _mm_add_epi8(l2, one))
                     };
-                    let sa = _mm256_castps_pd(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(twice)));
-                    let sb = _mm256_castps_pd(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(twice))));
-                    // SAFETY: as for `lv`; streamed only 16-byte aligned (above).
+                    let sa = _mm256_castps_pd(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(halves)));
+                    let sb = _mm256_castps_pd(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(halves))));
+                    // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
                     unsafe { store(o.as_mut_ptr().add(at), _mm256_mul_pd(a, sa), _mm256_mul_pd(b, sb), stream) };
                 }
-            }
-            if stream {
-                _mm_sfence();
             }
         }
     }
@@ -755,6 +759,7 @@ mod kernels {
     #[cfg(target_arch = "x86_64")]
     mod avx512 {
         use super::{lanes, TABLE};
+        use lanes::TWO_52;
         use std::arch::x86_64::*;
 
         /// `decode_packed_few` for one count of steps.
@@ -771,12 +776,10 @@ mod kernels {
         /// # Safety
         /// The CPU has AVX-512 F/BW/VL/DQ; `width` is in 1..=32; `words` holds
         /// at least `8 * groups` words and `l` and `o` at least
-        /// `8 * groups * (64 / width)` elements.
+        /// `8 * groups * (64 / width)` elements; with `stream`, `o` is 16-byte aligned.
         #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
         #[allow(clippy::too_many_arguments)]
         pub(super) unsafe fn decode_packed_few<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
-            const TWO_52: f64 = (1u64 << 52) as f64;
-            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let per = (64 / width) as usize;
             let g = lanes::GROUP;
             debug_assert!(words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
@@ -801,12 +804,9 @@ mod kernels {
                         s = _mm512_mask_blend_pd(_mm_cmpeq_epi8_mask(lv, index[j]) as u8, s, st[j]);
                     }
                     let f = _mm512_cvtpd_ps(_mm512_mul_pd(d, s));
-                    // SAFETY: as for `lv`; streamed only 16-byte aligned (above; `at` is a multiple of 8).
+                    // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
                     unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
                 }
-            }
-            if stream {
-                _mm_sfence(); // the streamed stores are seen before the caller's next step
             }
         }
 
@@ -817,11 +817,9 @@ mod kernels {
         /// # Safety
         /// The CPU has AVX-512 F/BW/VL/DQ; `width` is in 1..=32; `words`
         /// holds at least `8 * groups` words and `o` at least
-        /// `8 * groups * (64 / width)` elements.
+        /// `8 * groups * (64 / width)` elements; with `stream`, `o` is 16-byte aligned.
         #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
         pub(super) unsafe fn decode_single<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
-            const TWO_52: f64 = (1u64 << 52) as f64;
-            let stream = stream && o.as_ptr().cast::<u8>().align_offset(16) == 0;
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(words.len() >= g * groups && o.len() >= g * per * groups);
             let mask = _mm512_set1_epi64(((1u64 << width) - 1) as i64);
@@ -835,18 +833,32 @@ mod kernels {
                     let v = if TWICE { _mm512_add_epi64(v, v) } else { v };
                     let d = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_or_si512(v, two_52)), less);
                     // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
-                    // caller's bound); streamed only 16-byte aligned (above).
+                    // caller's bound, alignment when streamed included).
                     unsafe { super::put8(o.as_mut_ptr().add((gi * per + lane) * g), _mm512_cvtpd_ps(_mm512_mul_pd(d, st)), stream) };
                 }
-            }
-            if stream {
-                _mm_sfence();
             }
         }
     }
 
+    /// Whether a kernel writing `o` streams it: asked to, and `o` 16-byte
+    /// aligned (`put8`'s halves; every 8 floats from there stay aligned).
+    #[cfg(target_arch = "x86_64")]
+    fn streams(stream: bool, o: &[f32]) -> bool {
+        stream && o.as_ptr().cast::<u8>().align_offset(16) == 0
+    }
+
+    /// After a kernel that streamed: its stores are seen before the caller's next step.
+    #[cfg(target_arch = "x86_64")]
+    fn fence(streamed: bool) {
+        if streamed {
+            // SAFETY: SFENCE is SSE, part of every x86-64 CPU.
+            unsafe { std::arch::x86_64::_mm_sfence() };
+        }
+    }
+
     /// Stores 8 floats at `o`; with `stream`, past the caches (two
-    /// non-temporal 16-byte halves: a decode's output it will not read).
+    /// non-temporal 16-byte halves: a decode's output it will not read;
+    /// the caller fences after, `fence`).
     ///
     /// # Safety
     /// The CPU has AVX2; `o` has room for 8 floats and, with `stream`, is
