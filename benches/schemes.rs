@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::time;
+use common::{time, time_beside};
 use gradpack::compression::Compression;
 use gradpack::quant::collective::InProcess;
 use gradpack::quant::scheme::{self, Ctx, State};
@@ -23,35 +23,48 @@ fn main() {
     let mut residual = vec![0f32; n];
     let reps = 11; // medians: this machine's runs vary by 20-30%
     let threads = rayon::current_num_threads();
-    let stream = time(reps, || common::residual_add(&mut residual, &grad));
+    // The floors, timed again right before each encode (the r += g loop, on
+    // arrays of its own) and decode (the copy) they are a floor of.
+    let mut loop_r = vec![0f32; n];
+    let mut r_plus_g = || common::residual_add(&mut loop_r, &grad);
     let mut copied = vec![1f32; n];
-    let copy = time(reps, || common::copy(&mut copied, &grad));
-    drop(copied);
+    let mut copy = || common::copy(&mut copied, &grad);
+    let stream = time(reps, &mut r_plus_g);
+    let copy_alone = time(reps, &mut copy);
     let twobit = Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap();
     let mut compr = gradpack::create_2bit(n);
-    residual.fill(0.0);
     let Compression::TwoBit(th) = twobit else { unreachable!() };
-    let codec = time(reps, || gradpack::quantize_2bit(&grad, &mut residual, &mut compr, th).unwrap());
+    let codec = time_beside(reps, &mut r_plus_g, || gradpack::quantize_2bit(&grad, &mut residual, &mut compr, th).unwrap());
     // The stores' path: out of place into a second residual, finiteness
     // checked in the same pass, the buffers swapped on success.
     let mut next = vec![0f32; n];
+    // The 2-bit paths' own floors: a read-only pass over r and g (the
+    // operator's check, before its r += g-like pass), and r + g into a third
+    // array (the stores' pass).
+    let read = time_beside(reps, &mut r_plus_g, || assert!(!common::any_non_finite(&residual, &grad)));
+    let third = time_beside(reps, &mut r_plus_g, || common::add_into(&mut next, &residual, &grad));
     residual.fill(0.0);
-    let codec_to = time(reps, || {
+    let codec_to = time_beside(reps, &mut r_plus_g, || {
         gradpack::quantize_2bit_to(&grad, &residual, &mut next, &mut compr, th).unwrap();
         std::mem::swap(&mut residual, &mut next);
     });
     drop(next);
     println!("gradpack scheme throughput: {mi} Mi float32 elements, {threads} threads (PowerSGD: {side} x {})", n / side);
-    println!("encode = quantize + pack for the wire; decode = summed result back to float32\n");
-    println!("{:<24} {:>10} {:>9} {:>10} {:>10} {:>9} {:>12}", "scheme", "encode ms", "Gelem/s", "vs r+=g", "decode ms", "Gelem/s", "wire B/elem");
-    let row = |name: &str, enc: f64, dec: Option<f64>, wire: f64| {
-        let (d, dg) = dec.map_or(("-".to_string(), "-".to_string()), |d| (format!("{:.1}", d * 1e3), format!("{:.3}", n as f64 / d / 1e9)));
-        println!("{:<24} {:>10.1} {:>9.3} {:>9.2}x {:>10} {:>9} {:>12.3}", name, enc * 1e3, n as f64 / enc / 1e9, enc / stream, d, dg, wire);
+    println!("encode = quantize + pack for the wire; decode = summed result back to float32");
+    println!("each ratio against its floor timed right before it (loop ms, copy ms)\n");
+    println!("{:<24} {:>10} {:>9} {:>10} {:>10} {:>9} {:>9} {:>12} {:>8} {:>8}", "scheme", "encode ms", "Gelem/s", "vs r+=g", "decode ms", "Gelem/s", "vs copy", "wire B/elem", "loop ms", "copy ms");
+    let row = |name: &str, (base, enc): (f64, f64), dec: Option<(f64, f64)>, wire: Option<f64>| {
+        let dash = || "-".to_string();
+        let (d, dg, dr, c) = dec.map_or((dash(), dash(), dash(), dash()), |(c, d)| (format!("{:.1}", d * 1e3), format!("{:.3}", n as f64 / d / 1e9), format!("{:.2}x", d / c), format!("{:.1}", c * 1e3)));
+        let wire = wire.map_or(dash(), |w| format!("{w:.3}"));
+        println!("{:<24} {:>10.1} {:>9.3} {:>9.2}x {:>10} {:>9} {:>9} {:>12} {:>8.1} {:>8}", name, enc * 1e3, n as f64 / enc / 1e9, enc / base, d, dg, dr, wire, base * 1e3, c);
     };
-    row("r += g loop (floor)", stream, None, 4.0);
-    println!("{:<24} {:>10} {:>9} {:>10} {:>10.1} {:>9.3} {:>12}", "copy (decode floor)", "-", "-", "-", copy * 1e3, n as f64 / copy / 1e9, "-");
-    row("2bit (operator, in place)", codec, None, 0.25);
-    row("2bit (stores, to next)", codec_to, None, 0.25);
+    row("r += g loop (floor)", (stream, stream), None, Some(4.0));
+    println!("{:<24} {:>10} {:>9} {:>10} {:>10.1} {:>9.3} {:>9} {:>12} {:>8} {:>8.1}", "copy (decode floor)", "-", "-", "-", copy_alone * 1e3, n as f64 / copy_alone / 1e9, "1.00x", "-", "-", copy_alone * 1e3);
+    row("read r, g (check floor)", read, None, None);
+    row("next = r + g (3 arrays)", third, None, None);
+    row("2bit (operator, in place)", codec, None, Some(0.25));
+    row("2bit (stores, to next)", codec_to, None, Some(0.25));
     let only = std::env::var("GRADPACK_BENCH_ONLY").unwrap_or_default();
     for (name, params) in common::SCHEMES.iter().filter(|(name, _)| name.contains(only.as_str())) {
         let c = common::compression(params, n);
@@ -65,7 +78,7 @@ fn main() {
         // step, as in training: random-K draws its selection anew (its
         // decode, below, finds it drawn).
         let mut step = 0;
-        let enc = time(reps, || {
+        let enc = time_beside(reps, &mut r_plus_g, || {
             step += 1;
             let ctx = Ctx { shape: &shape, step, key_hash: 1, member: 0, workers: 1 };
             let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
@@ -75,8 +88,8 @@ fn main() {
         });
         let ctx = Ctx { shape: &shape, step: step + 1, key_hash: 1, member: 0, workers: 1 };
         let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
-        let dec = time(reps, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
-        row(name, enc, Some(dec), wire_bytes as f64 / n as f64);
+        let dec = time_beside(reps, &mut copy, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
+        row(name, enc, Some(dec), Some(wire_bytes as f64 / n as f64));
     }
     // Two stages of the encodes above, timed alone.
     println!();
@@ -98,4 +111,7 @@ fn main() {
     println!("decode ms beside the copy's (8 B/element, every value read and written).");
     println!("2bit in place checks every residual + grad before it writes (a read pass first, 20 B/element in all);");
     println!("the stores quantize into a second residual, checking in the same pass, and swap (12 B/element).");
+    // Ratios of ratios: each path and its floor were timed against the loop.
+    let (in_place, check, stores, three) = (codec.1 / codec.0, read.1 / read.0, codec_to.1 / codec_to.0, third.1 / third.0);
+    println!("2bit against its own floors: in place {:.2}x (read pass + r += g loop), stores {:.2}x (next = r + g).", in_place / (check + 1.0), stores / three);
 }

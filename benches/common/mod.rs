@@ -7,6 +7,17 @@ use rayon::prelude::*;
 
 const CHUNK: usize = gradpack::codec::CHUNK;
 
+/// `time` of `base`, then of `f`, right after it: a ratio of the two then
+/// compares moments seconds apart, not minutes (the bench machines share
+/// their last-level cache with neighbours, and a baseline timed once at the
+/// start has been seen off by 1.5x by the end). Each is timed back to back,
+/// with its own data in cache, as `time` does.
+#[allow(dead_code)] // not every benchmark times against a baseline
+pub fn time_beside(reps: usize, base: impl FnMut(), f: impl FnMut()) -> (f64, f64) {
+    let base = time(reps, base);
+    (base, time(reps, f))
+}
+
 /// Median seconds of `reps` runs after one warm-up.
 pub fn time(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -27,6 +38,26 @@ pub fn residual_add(residual: &mut [f32], grad: &[f32]) {
     residual.par_chunks_mut(CHUNK).zip(grad.par_chunks(CHUNK)).for_each(|(r, g)| {
         for (r, g) in r.iter_mut().zip(g) {
             *r += *g;
+        }
+    })
+}
+
+/// Whether any `r + g` is not finite: a read-only pass over both arrays
+/// (8 B/element), the floor of a check that must finish before anything is
+/// written (the 2-bit operator's validate-first scan).
+#[allow(dead_code)] // not every benchmark checks
+pub fn any_non_finite(residual: &[f32], grad: &[f32]) -> bool {
+    residual.par_chunks(CHUNK).zip(grad.par_chunks(CHUNK)).any(|(r, g)| r.iter().zip(g).fold(false, |bad, (r, g)| bad | !(r + g).is_finite()))
+}
+
+/// `next = r + g` into a third array: the floor of a residual update that
+/// keeps the old residual (12 B/element, and the new array's lines are
+/// read for ownership before they are written).
+#[allow(dead_code)] // not every benchmark keeps two residuals
+pub fn add_into(next: &mut [f32], residual: &[f32], grad: &[f32]) {
+    next.par_chunks_mut(CHUNK).zip(residual.par_chunks(CHUNK)).zip(grad.par_chunks(CHUNK)).for_each(|((o, r), g)| {
+        for ((o, r), g) in o.iter_mut().zip(r).zip(g) {
+            *o = *r + *g;
         }
     })
 }
