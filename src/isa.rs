@@ -12,7 +12,8 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// The build's baseline target: runs everywhere.
     Baseline,
-    /// x86-64 with AVX2 (8 float lanes).
+    /// x86-64 with AVX2 (8 float lanes), and the bit instructions every
+    /// AVX2 CPU has: POPCNT, BMI1 and BMI2 (x86-64-v3's integer part).
     Avx2,
     /// x86-64 with AVX-512 F, BW, VL and DQ (16 float lanes).
     Avx512,
@@ -48,7 +49,8 @@ impl Isa {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512dq");
-                (is_x86_feature_detected!("avx2"), avx512 && is_x86_feature_detected!("avx2"))
+                let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("popcnt") && is_x86_feature_detected!("bmi1") && is_x86_feature_detected!("bmi2");
+                (avx2, avx512 && avx2)
             }
             #[cfg(not(target_arch = "x86_64"))]
             (false, false)
@@ -106,20 +108,20 @@ macro_rules! multiversion {
             assert!(isa.is_supported(), "{isa:?} kernel requested on a CPU without it");
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "avx2")]
+                #[target_feature(enable = "avx2,popcnt,bmi1,bmi2")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn avx2<$($g)*>($($a: $t),*) -> $r {
                     $body::<$($ga)*>($($a),*)
                 }
-                #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
+                #[target_feature(enable = "avx2,popcnt,bmi1,bmi2,avx512f,avx512bw,avx512vl,avx512dq")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn avx512<$($g)*>($($a: $t),*) -> $r {
                     $body::<$($ga)*>($($a),*)
                 }
                 match isa {
-                    // SAFETY: the assert above checked AVX2 on this CPU; the body is safe Rust.
+                    // SAFETY: the assert above checked AVX2, POPCNT, BMI1 and BMI2 on this CPU; the body is safe Rust.
                     $crate::isa::Isa::Avx2 => return unsafe { avx2::<$($ga)*>($($a),*) },
-                    // SAFETY: the assert above checked AVX-512 F/BW/VL/DQ; the body is safe Rust.
+                    // SAFETY: the assert above checked AVX-512 F/BW/VL/DQ and AVX2's set; the body is safe Rust.
                     $crate::isa::Isa::Avx512 => return unsafe { avx512::<$($ga)*>($($a),*) },
                     $crate::isa::Isa::Baseline => {}
                 }

@@ -312,7 +312,7 @@ fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
         }
         first += len;
     }
-    let counts: Vec<usize> = chosen.par_chunks(READOUT_WORDS).map(|w| w.iter().map(|b| b.count_ones() as usize).sum()).collect();
+    let counts: Vec<usize> = chosen.par_chunks(READOUT_WORDS).map(|w| count_ones(isa, w)).collect();
     assert_eq!(counts.iter().sum::<usize>(), k, "Floyd's draws mark k distinct indices");
     idx.resize(k, 0); // every slot is written below; a recycled vector of k is not touched
     let mut pieces = Vec::with_capacity(counts.len());
@@ -322,20 +322,59 @@ fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
         pieces.push(piece);
         rest = tail;
     }
-    pieces.into_par_iter().zip(chosen.par_chunks(READOUT_WORDS)).enumerate().for_each(|(p, (out, words))| {
-        let mut at = 0;
-        for (w, &bits) in words.iter().enumerate() {
-            let (mut b, base) = (bits, (p * READOUT_WORDS + w) * 64);
-            while b != 0 {
-                out[at] = base + b.trailing_zeros() as usize;
-                at += 1;
-                b &= b - 1;
-            }
-        }
-    });
+    pieces.into_par_iter().zip(chosen.par_chunks(READOUT_WORDS)).enumerate().for_each(|(p, (out, words))| positions(isa, words, p * READOUT_WORDS * 64, out));
     if chosen.len() <= 1 << 24 {
         CHOSEN.set(chosen); // up to 128 MiB kept
     }
+}
+
+#[inline(always)]
+fn count_ones_body(words: &[u64]) -> usize {
+    words.iter().map(|w| w.count_ones() as usize).sum()
+}
+
+crate::isa::multiversion! {
+    /// The set bits of `words` (one instruction a word where the ISA has POPCNT).
+    fn count_ones[][](words: &[u64]) -> usize = count_ones_body;
+}
+
+#[inline(always)]
+fn positions_body(words: &[u64], base: usize, out: &mut [usize]) {
+    // Eight positions a word, without branching on its bits (a selection's
+    // words hold a few each: a branch per bit is mostly mispredicted), then
+    // any more one at a time. `at` advances by the true count, so the extra
+    // writes land where later positions go; the last words, where they could
+    // pass the end, go one bit at a time.
+    let (mut at, mut w) = (0, 0);
+    while w < words.len() && at + 8 <= out.len() {
+        let (mut b, base) = (words[w], base + 64 * w);
+        let count = b.count_ones() as usize;
+        for slot in &mut out[at..at + 8] {
+            *slot = base + b.trailing_zeros() as usize; // 64 past the last bit: overwritten or past count
+            b &= b.wrapping_sub(1);
+        }
+        let mut more = at + 8;
+        while b != 0 {
+            out[more] = base + b.trailing_zeros() as usize;
+            more += 1;
+            b &= b - 1;
+        }
+        (at, w) = (at + count, w + 1);
+    }
+    for (w, &bits) in words.iter().enumerate().skip(w) {
+        let (mut b, base) = (bits, base + 64 * w);
+        while b != 0 {
+            out[at] = base + b.trailing_zeros() as usize;
+            at += 1;
+            b &= b - 1;
+        }
+    }
+}
+
+crate::isa::multiversion! {
+    /// `base +` the position of every set bit of `words`, ascending, into
+    /// `out` (exactly as long as their count).
+    fn positions[][](words: &[u64], base: usize, out: &mut [usize]) -> () = positions_body;
 }
 
 /// Bitset words per parallel piece of a selection's read-out.

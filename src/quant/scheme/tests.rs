@@ -427,6 +427,41 @@ fn selection_draws_what_floyds_algorithm_draws_one_at_a_time() {
 }
 
 #[test]
+fn a_bitset_reads_out_as_its_positions_on_every_isa() {
+    // Words of every density: empty, one bit, 8 and 9 bits (the branch-free
+    // eight and one more), all 64; in runs that end on each, and pieces too
+    // short for the branch-free eight.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let sparse = |r: u64, bits: u32| (0..bits).fold(0u64, |w, i| w | 1 << ((r >> (6 * i)) % 64));
+    let mut words: Vec<u64> = vec![0, 1, 0xff, 0x1ff, u64::MAX, 1 << 63, 0xff00_0000_0000_0000, 0x8000_0000_0000_0001];
+    words.extend((0..300).map(|i| match i % 5 {
+        0 => 0,
+        1 => next() & next() & next() & next(), // about 4 bits
+        2 => sparse(next(), 9),
+        3 => next(),
+        _ => 1 << (next() % 64),
+    }));
+    for len in [0, 1, 2, 5, 8, 9, words.len()] {
+        for end in [len, words.len()] {
+            let w = &words[end - len..end];
+            let want: Vec<usize> = (0..64 * w.len()).filter(|&i| w[i / 64] >> (i % 64) & 1 == 1).map(|i| i + 1000).collect();
+            for isa in crate::isa::Isa::available() {
+                assert_eq!(count_ones(isa, w), want.len(), "{isa:?}");
+                let mut got = vec![usize::MAX; want.len()];
+                positions(isa, w, 1000, &mut got);
+                assert_eq!(got, want, "{isa:?} len={len} end={end}");
+            }
+        }
+    }
+}
+
+#[test]
 fn packed_codes_go_on_the_wire_as_their_unpacked_codes_do() {
     // 3 members' codes in [-3, 3] summed in lanes for 3 (the wire's width for
     // 3 workers: copied as they are) or for 5 (repacked).
