@@ -353,22 +353,24 @@ fn positions_body(words: &[u64], base: usize, out: &mut [usize]) {
             *slot = base + b.trailing_zeros() as usize; // 64 past the last bit: overwritten or past count
             b &= b.wrapping_sub(1);
         }
-        let mut more = at + 8;
-        while b != 0 {
-            out[more] = base + b.trailing_zeros() as usize;
-            more += 1;
-            b &= b - 1;
-        }
+        bit_by_bit(b, base, out, at + 8);
         (at, w) = (at + count, w + 1);
     }
     for (w, &bits) in words.iter().enumerate().skip(w) {
-        let (mut b, base) = (bits, base + 64 * w);
-        while b != 0 {
-            out[at] = base + b.trailing_zeros() as usize;
-            at += 1;
-            b &= b - 1;
-        }
+        at = bit_by_bit(bits, base + 64 * w, out, at);
     }
+}
+
+/// `base +` the position of each set bit of `b`, ascending, into `out` from
+/// slot `at`; the slot after the last.
+#[inline(always)]
+fn bit_by_bit(mut b: u64, base: usize, out: &mut [usize], mut at: usize) -> usize {
+    while b != 0 {
+        out[at] = base + b.trailing_zeros() as usize;
+        at += 1;
+        b &= b - 1;
+    }
+    at
 }
 
 crate::isa::multiversion! {
