@@ -632,13 +632,8 @@ mod tests {
 
     #[test]
     fn bytes_pack_to_the_general_kernels_bits() {
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = crate::hash::SplitMix(15);
+        let mut next = || rng.next_u64();
         for width in 1..=8u32 {
             let per = (64 / width) as usize;
             let task = TASK_WORDS * per;

@@ -431,13 +431,8 @@ fn a_bitset_reads_out_as_its_positions_on_every_isa() {
     // Words of every density: empty, one bit, 8 and 9 bits (the branch-free
     // eight and one more), all 64; in runs that end on each, and pieces too
     // short for the branch-free eight.
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rng = crate::hash::SplitMix(15);
+    let mut next = || rng.next_u64();
     let sparse = |r: u64, bits: u32| (0..bits).fold(0u64, |w, i| w | 1 << ((r >> (6 * i)) % 64));
     let mut words: Vec<u64> = vec![0, 1, 0xff, 0x1ff, u64::MAX, 1 << 63, 0xff00_0000_0000_0000, 0x8000_0000_0000_0001];
     words.extend((0..300).map(|i| match i % 5 {
