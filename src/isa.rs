@@ -22,7 +22,8 @@ pub enum Isa {
 impl Isa {
     /// The widest set this CPU supports; detected on first use, then cached.
     /// `GRADPACK_KERNEL=portable` forces the baseline and `=avx2` caps it at
-    /// AVX2 (for benchmarks, and to run one machine as another).
+    /// AVX2 (for benchmarks, and to run one machine as another); `=avx512`,
+    /// like no value, takes the widest.
     pub fn detect() -> Isa {
         static CHOICE: OnceLock<Isa> = OnceLock::new();
         *CHOICE.get_or_init(|| {
@@ -38,6 +39,21 @@ impl Isa {
     /// Every set this CPU can run, narrowest first (tests compare them all).
     pub fn available() -> Vec<Isa> {
         [Isa::Baseline, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_supported()).collect()
+    }
+
+    /// The name `GRADPACK_KERNEL` gives this set ("portable", "avx2",
+    /// "avx512"): what a node reports running.
+    pub fn name(self) -> &'static str {
+        self.c_name().to_str().expect("the names are ASCII")
+    }
+
+    /// `name` as a static C string (the C ABI's `gp_scheme_kernel_name`).
+    pub fn c_name(self) -> &'static std::ffi::CStr {
+        match self {
+            Isa::Baseline => c"portable",
+            Isa::Avx2 => c"avx2",
+            Isa::Avx512 => c"avx512",
+        }
     }
 
     pub fn is_supported(self) -> bool {
@@ -156,5 +172,11 @@ mod tests {
         // Say which versions these tests compare: a machine without AVX-512
         // compares two, and a reader of the log should know.
         eprintln!("scheme kernels compared on this CPU: {:?}", Isa::available());
+    }
+
+    #[test]
+    fn each_set_is_named_as_gradpack_kernel_names_it() {
+        let names: Vec<&str> = [Isa::Baseline, Isa::Avx2, Isa::Avx512].iter().map(|i| i.name()).collect();
+        assert_eq!(names, ["portable", "avx2", "avx512"]);
     }
 }

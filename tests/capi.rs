@@ -91,6 +91,8 @@ fn version_and_kernel_are_static_strings() {
     assert_eq!(v, env!("CARGO_PKG_VERSION"));
     let k = unsafe { CStr::from_ptr(gp_kernel_name()) }.to_str().unwrap();
     assert!(k == "avx2" || k == "portable");
+    let s = unsafe { CStr::from_ptr(gp_scheme_kernel_name()) }.to_str().unwrap();
+    assert_eq!(s, gradpack::isa::Isa::detect().name());
 }
 
 /// One table of store types: every local name creates a store that reports

@@ -82,6 +82,12 @@ const char* gp_version(void);
 /* Codec kernel chosen for this CPU: "avx2" or "portable" (static string). */
 const char* gp_kernel_name(void);
 
+/* Instruction set the scheme kernels (QSGD, random-K, 1-bit, PowerSGD) run
+ * on this CPU: "portable", "avx2" or "avx512", capped by the environment's
+ * GRADPACK_KERNEL ("portable", "avx2") when first used (static string).
+ * Every one gives the same bits. */
+const char* gp_scheme_kernel_name(void);
+
 /* Length of the compressed array for n elements: 3 + ceil(n / 16). */
 uint64_t gp_2bit_compressed_len(uint64_t n);
 

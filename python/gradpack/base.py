@@ -35,6 +35,7 @@ _f32p = ctypes.POINTER(ctypes.c_float)
 LIB.gp_error_last.restype = ctypes.c_char_p
 LIB.gp_version.restype = ctypes.c_char_p
 LIB.gp_kernel_name.restype = ctypes.c_char_p
+LIB.gp_scheme_kernel_name.restype = ctypes.c_char_p
 LIB.gp_2bit_compressed_len.restype = _u64
 LIB.gp_2bit_compressed_len.argtypes = [_u64]
 LIB.gp_2bit_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, _u64, ctypes.c_void_p, _u64,
@@ -56,3 +57,10 @@ def version():
 def kernel_name():
     """The codec kernel chosen for this CPU: 'avx2' or 'portable'."""
     return LIB.gp_kernel_name().decode()
+
+
+def scheme_kernel_name():
+    """The instruction set the scheme kernels (QSGD, random-K, 1-bit,
+    PowerSGD) run on this CPU: 'portable', 'avx2' or 'avx512', capped by
+    $GRADPACK_KERNEL when first used. Every one gives the same bits."""
+    return LIB.gp_scheme_kernel_name().decode()

@@ -164,6 +164,64 @@ def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params, c
     assert sent[0] > 0 and sent[0] == sent[1], sent
 
 
+# Every scheme, at sizes whose whole vectors and groups of lanes the kernels
+# take, with random-K's k = n/16.
+EVERY_SCHEME = [
+    {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5},
+    {"compress": "qsgd_mn", "bits": 2, "seed": 4},
+    {"compress": "qsgd_mn", "bits": 8},
+    {"compress": "qsgd_mn_ts", "bits": [2, 6]},
+    {"compress": "qsgd_mn_ms", "bits": [2, 4, 8]},
+    {"compress": "grandk_mn", "bits": 8, "k": 2500},
+    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 2500},
+    {"compress": "powersgd", "rank": 2},
+    {"compress": "1bit"},
+]
+
+
+@pytest.mark.parametrize("params", EVERY_SCHEME, ids=lambda p: "%s-%s" % (p["compress"], p.get("bits", "")))
+@pytest.mark.parametrize("decoder", ["workers", "servers"])
+def test_nodes_on_different_kernels_give_the_device_stores_bits(tmp_path, params, decoder):
+    # Machines differ: one worker runs the portable kernels, the other the
+    # widest this CPU has, and both servers AVX2 (GRADPACK_KERNEL caps each
+    # process). Each worker's device store quantizes every worker's push,
+    # selects random-K's coordinates and decodes with its own kernels, so a
+    # kernel that rounds, selects, packs or decodes one bit differently from
+    # another shows as a difference on one of the two workers. The 40 x 1000
+    # key is cut into 4 slices over the 2 servers at offsets no vector aligns to.
+    # Pulls decode the servers' answers on the workers; with SGD on the
+    # servers, they return what the servers decoded.
+    from gradpack.launch import free_port
+    port = free_port()
+    env = {"GRADPACK_TEST_OUT": str(tmp_path), "GRADPACK_TEST_PARAMS": json.dumps(params), "GRADPACK_TEST_SHAPE": "40,1000",
+           "MXNET_KVSTORE_BIGARRAY_BOUND": "1000", "GRADPACK_PARTITION_BYTES": "40004"}
+    if decoder == "servers":
+        env["GRADPACK_TEST_SGD"] = "1"
+    script = [sys.executable, os.path.join(SCRIPTS, "scheme_pushes.py")]
+    procs = {"scheduler": start_node("scheduler", port, 2, 2, **env)}
+    for i in range(2):
+        procs["server %d" % i] = start_node("server", port, 2, 2, GRADPACK_KERNEL="avx2", **env)
+    for kernel in ("portable", "avx512"):
+        procs["worker " + kernel] = start_node("worker", port, 2, 2, script, GRADPACK_KERNEL=kernel, **env)
+    try:
+        for name, p in procs.items():
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, "%s exited with %s: %s" % (name, p.returncode, err[-3000:])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    kernels = set()
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        assert res["max_diff"] == 0.0, res
+        kernels.add(res["scheme_kernel"])
+    # Two different kernels ran: the portable one and this CPU's widest.
+    assert "portable" in kernels and len(kernels) == 2, kernels
+
+
 def test_the_launchers_port_is_one_no_node_of_the_job_can_take_first():
     # Nodes' own sockets take ephemeral ports; a scheduler port from bind(0)
     # is one of those too, and was once taken between the check and the bind.

@@ -63,6 +63,13 @@ pub extern "C" fn gp_kernel_name() -> *const c_char {
     }
 }
 
+/// Name of the instruction set the scheme kernels run on this CPU
+/// ("portable", "avx2" or "avx512", capped by `GRADPACK_KERNEL`), static.
+#[no_mangle]
+pub extern "C" fn gp_scheme_kernel_name() -> *const c_char {
+    crate::isa::Isa::detect().c_name().as_ptr()
+}
+
 /// The element type a caller's dtype code names (0 f32, 1 f16, 2 bf16).
 pub(crate) fn dtype_of(code: std::ffi::c_int) -> Result<crate::error::Dtype> {
     use crate::error::Dtype;

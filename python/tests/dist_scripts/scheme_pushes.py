@@ -1,8 +1,10 @@
 """A worker of test_dist.py: the compression scheme in $GRADPACK_TEST_PARAMS
 (JSON) on a dist_sync store, against a 'device' store in this process with
 one device per worker; writes the largest difference it saw, the bytes it
-sent over the rounds and the pulls answered without asking the servers.
-$GRADPACK_TEST_SHAPE (rows,cols) sets the key's shape (8 x 12 by default)."""
+sent over the rounds, the pulls answered without asking the servers and
+the kernels it ran. $GRADPACK_TEST_SHAPE (rows,cols) sets the key's shape
+(8 x 12 by default); with $GRADPACK_TEST_SGD both stores run SGD at
+learning rate 1, the servers on the sums they decode."""
 import json
 import os
 
@@ -16,6 +18,9 @@ rank, workers = kv.rank, kv.num_workers
 kv.set_compress(params)
 device = gradpack.kv.create("device")
 device.set_compress(params)
+if os.environ.get("GRADPACK_TEST_SGD"):
+    kv.set_optimizer("sgd", learning_rate=1.0)
+    device.set_optimizer("sgd", learning_rate=1.0)
 shape = tuple(int(d) for d in os.environ.get("GRADPACK_TEST_SHAPE", "8,12").split(","))
 kv.init("w", np.zeros(shape, np.float32))
 device.init("w", np.zeros(shape, np.float32))
@@ -38,4 +43,5 @@ for step in range(3):
     kv.barrier()
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
     stats = kv.stats()
-    json.dump({"max_diff": worst, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"]}, f)
+    json.dump({"max_diff": worst, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"],
+               "scheme_kernel": gradpack.scheme_kernel_name(), "codec_kernel": gradpack.kernel_name()}, f)
