@@ -13,10 +13,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
 
-def mpirun(n, script, args, tmp_path, timeout=240):
-    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path))
-    out = subprocess.run(MPIRUN + ["-n", str(n), sys.executable, os.path.join(HERE, "dist_scripts", script)] + args,
-                         env=env, capture_output=True, text=True, timeout=timeout)
+def mpirun(n, script, args, tmp_path, timeout=240, kernels=None, **env):
+    """Runs `script` on `n` ranks; with `kernels`, rank i's process caps its
+    scheme kernels at kernels[i] (GRADPACK_KERNEL, one app context each)."""
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), **env)
+    command = [sys.executable, os.path.join(HERE, "dist_scripts", script)] + args
+    if kernels is None:
+        argv = MPIRUN + ["-n", str(n)] + command
+    else:
+        assert len(kernels) == n
+        argv = list(MPIRUN)
+        for i, kernel in enumerate(kernels):
+            argv += ([":"] if i else []) + ["-n", "1", "-x", "GRADPACK_KERNEL=" + kernel] + command
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
     results = []
     for rank in range(n):
@@ -37,6 +46,20 @@ def test_every_scheme_matches_the_device_store(tmp_path, workers):
                 assert s["wire"] * 3 < s["raw"], (name, s)
         assert res["schemes"]["none"]["wire"] == res["schemes"]["none"]["raw"]
         assert "'bits': 'qsgd_mn_ts' takes two values" in res["bad_params"]
+
+
+def test_ranks_on_different_kernels_give_the_device_stores_bits(tmp_path):
+    # Machines differ: rank 0 runs the portable scheme and codec kernels,
+    # rank 1 the widest this CPU has, on 40 x 1000 keys. Each rank's device
+    # store quantizes, selects and decodes every rank's push with its own
+    # kernels, so one bit of difference between kernels shows on a rank.
+    results = mpirun(2, "allreduce_kv.py", [], tmp_path, kernels=["portable", "avx512"], GRADPACK_TEST_SHAPE="40,1000")
+    for res in results:
+        for name, s in res["schemes"].items():
+            limit = 1e-5 if name in ("none", "powersgd") else 0.0
+            assert s["max_diff"] <= limit, (name, s)
+    assert results[0]["scheme_kernel"] == "portable" and results[1]["scheme_kernel"] != "portable", results
+    assert results[0]["codec_kernel"] == "portable", results
 
 
 @pytest.mark.parametrize("api", ["trainer", "module"])

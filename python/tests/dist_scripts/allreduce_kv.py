@@ -1,6 +1,8 @@
 """A worker of test_allreduce.py (run by mpirun): every compression scheme on
 gradpack.kv's 'dist_sync_allreduce' store against a 'device' store in this
-process with one device per worker; writes what it saw."""
+process with one device per worker; writes what it saw and the kernels it
+ran. $GRADPACK_TEST_SHAPE (rows,cols) sets the keys' shape (8 x 12 by
+default); random-K keeps n/16 coordinates, at least 17 (30 for _ts)."""
 import json
 import os
 import sys
@@ -30,8 +32,13 @@ def grad(rank, step, shape):
 
 store = kv.create("dist_sync_allreduce")
 rank, workers = store.rank, store.num_workers
-shape = (8, 12)
-report = {"rank": rank, "workers": workers, "schemes": {}}
+shape = tuple(int(d) for d in os.environ.get("GRADPACK_TEST_SHAPE", "8,12").split(","))
+n = int(np.prod(shape))
+for params in SCHEMES:
+    if "k" in params:
+        params["k"] = max(params["k"], n // 16)
+report = {"rank": rank, "workers": workers, "schemes": {}, "scheme_kernel": gradpack.scheme_kernel_name(),
+          "codec_kernel": gradpack.kernel_name()}
 for i, params in enumerate(SCHEMES):
     store = kv.create("dist_sync_allreduce")  # compression comes before init: a store per scheme
     store.set_compress(params)
