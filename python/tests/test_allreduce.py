@@ -14,8 +14,9 @@ MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
 
 def mpirun(n, script, args, tmp_path, timeout=240, kernels=None, **env):
-    """Runs `script` on `n` ranks; with `kernels`, rank i's process caps its
-    scheme kernels at kernels[i] (GRADPACK_KERNEL, one app context each)."""
+    """Runs `script` on `n` ranks; with `kernels`, rank i's process gets the
+    variables kernels[i] (one app context each: GRADPACK_KERNEL caps its
+    scheme kernels, RAYON_NUM_THREADS sets its threads)."""
     env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), **env)
     command = [sys.executable, os.path.join(HERE, "dist_scripts", script)] + args
     if kernels is None:
@@ -24,7 +25,7 @@ def mpirun(n, script, args, tmp_path, timeout=240, kernels=None, **env):
         assert len(kernels) == n
         argv = list(MPIRUN)
         for i, kernel in enumerate(kernels):
-            argv += ([":"] if i else []) + ["-n", "1", "-x", "GRADPACK_KERNEL=" + kernel] + command
+            argv += ([":"] if i else []) + ["-n", "1"] + sum((["-x", "%s=%s" % kv] for kv in kernel.items()), []) + command
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
     results = []
@@ -48,12 +49,15 @@ def test_every_scheme_matches_the_device_store(tmp_path, workers):
         assert "'bits': 'qsgd_mn_ts' takes two values" in res["bad_params"]
 
 
-def test_ranks_on_different_kernels_give_the_device_stores_bits(tmp_path):
-    # Machines differ: rank 0 runs the portable scheme and codec kernels,
-    # rank 1 the widest this CPU has, on 40 x 1000 keys. Each rank's device
-    # store quantizes, selects and decodes every rank's push with its own
-    # kernels, so one bit of difference between kernels shows on a rank.
-    results = mpirun(2, "allreduce_kv.py", [], tmp_path, kernels=["portable", "avx512"], GRADPACK_TEST_SHAPE="40,1000")
+def test_ranks_on_different_kernels_and_threads_give_the_device_stores_bits(tmp_path):
+    # Machines differ: rank 0 runs the portable scheme and codec kernels on
+    # one thread, rank 1 the widest this CPU has on two, on 40 x 4000
+    # keys (several parallel pieces). Each rank's device store quantizes,
+    # selects and decodes every rank's push with its own kernels and
+    # threads, so one bit of difference between them shows on a rank.
+    # (mpirun binds each rank to a core: rank 1's threads are asked for.)
+    kernels = [{"GRADPACK_KERNEL": "portable", "RAYON_NUM_THREADS": "1"}, {"GRADPACK_KERNEL": "avx512", "RAYON_NUM_THREADS": "2"}]
+    results = mpirun(2, "allreduce_kv.py", [], tmp_path, kernels=kernels, GRADPACK_TEST_SHAPE="40,4000")
     for res in results:
         for name, s in res["schemes"].items():
             limit = 1e-5 if name in ("none", "powersgd") else 0.0
