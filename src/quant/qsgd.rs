@@ -584,6 +584,9 @@ mod kernels {
     /// `avx2::decode_packed_few`, written by hand: what the compiler made of
     /// the loop shuffled each lane's scale indices and spilled, and decoded
     /// 2 scales at 1.3x the copy's time on AVX-512, 2.5-2.8x on AVX2.
+    /// On AVX-512, narrow lanes (`avx512::table_fits`: the sums of one or
+    /// two workers at 2 or 3 bits) go through `avx512::decode_packed_table`,
+    /// a lookup of every value they can write.
     ///
     /// With `stream`, the hand-written kernels write past the caches.
     #[allow(clippy::too_many_arguments)]
@@ -596,6 +599,9 @@ mod kernels {
             let groups = (words.len() / lanes::GROUP).min(l.len() / (lanes::GROUP * per)).min(o.len() / (lanes::GROUP * per));
             let (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * per);
             let kernel: avx512::Whole = match (isa, count) {
+                (Isa::Avx512, 2) if avx512::table_fits(2, width) => avx512::decode_packed_table::<2>,
+                (Isa::Avx512, 3) if avx512::table_fits(3, width) => avx512::decode_packed_table::<3>,
+                (Isa::Avx512, 4) if avx512::table_fits(4, width) => avx512::decode_packed_table::<4>,
                 (Isa::Avx512, 2) => avx512::decode_packed_few::<2>,
                 (Isa::Avx512, 3) => avx512::decode_packed_few::<3>,
                 (Isa::Avx512, 4) => avx512::decode_packed_few::<4>,
@@ -607,7 +613,8 @@ mod kernels {
             let stream = streams(stream, o);
             // SAFETY: `is_supported` checked the kernel's instruction set
             // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
-            // 1..=32, `groups` whole groups lie within `words`, `l` and `o`
+            // 1..=32 (and fits the table where the table kernel was
+            // picked), `groups` whole groups lie within `words`, `l` and `o`
             // (above), and `o` streams only 16-byte aligned (`streams`).
             unsafe { kernel(words, width, base, l, o, steps, groups, stream) };
             fence(stream);
@@ -806,6 +813,70 @@ mod kernels {
                     let f = _mm512_cvtpd_ps(_mm512_mul_pd(d, s));
                     // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
                     unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
+                }
+            }
+        }
+
+        /// Whether `decode_packed_table::<count>` takes lanes of `width`
+        /// bits: every (scale index, lane value) fits its 32 floats, with
+        /// one row more for the indices past the steps.
+        pub(super) fn table_fits(count: usize, width: u32) -> bool {
+            (1..=5).contains(&width) && (count + 1) << width <= 32
+        }
+
+        /// `decode_packed_few::<COUNT>` for narrow lanes (`table_fits`):
+        /// every value it can write is in a table of 32 floats, computed
+        /// once by `decode_packed_few`'s own expression, so 16 values are
+        /// two shifts, a permute of their lanes into place, the indices
+        /// widened and clamped, and one permute of the table: no doubles,
+        /// no products, the same bits.
+        ///
+        /// # Safety
+        /// As `decode_packed_few`, and `table_fits(COUNT, width)`.
+        #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn decode_packed_table<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            debug_assert!(table_fits(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
+            // table[r << width | v]: lane value v at scale index r, where
+            // r = COUNT stands for every index past the steps (`pick`: the first).
+            let table: [f32; 32] = std::array::from_fn(|i| {
+                let (r, v) = (i >> width, (i as u64) & ((1u64 << width) - 1));
+                (lanes::exact_plus(v, base) * if r < COUNT { steps[r] } else { steps[0] }) as f32
+            });
+            // SAFETY: `table` holds 32 floats.
+            let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
+            let mask = _mm512_set1_epi32(((1u32 << width) - 1) as i32);
+            let past = _mm512_set1_epi32(COUNT as i32);
+            let row = _mm_cvtsi32_si128(width as i32);
+            // the low halves of a's 8 words, then of b's
+            let pair = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let (step, two_steps) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
+            for gi in 0..groups {
+                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
+                let mut shift = _mm512_setzero_si512();
+                for lane in (0..per).step_by(2) {
+                    // lanes `lane` and `lane + 1` (past the last, a shift by
+                    // 64 or less of words not written: values not stored)
+                    let a = _mm512_srlv_epi64(ws, shift);
+                    let v = _mm512_permutex2var_epi32(a, pair, _mm512_srlv_epi64(a, step));
+                    shift = _mm512_add_epi64(shift, two_steps);
+                    let at = (gi * per + lane) * g;
+                    let both = lane + 1 < per;
+                    // SAFETY: elements at..at+16 of l exist when both lanes
+                    // do, at..at+8 always (the caller's bound).
+                    let lv = unsafe { if both { _mm_loadu_si128(l.as_ptr().add(at).cast()) } else { _mm_loadl_epi64(l.as_ptr().add(at).cast()) } };
+                    let r = _mm512_min_epu32(_mm512_cvtepu8_epi32(lv), past);
+                    // (v & mask) | r << width: the table's index
+                    let f = _mm512_permutex2var_ps(t0, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)), t1);
+                    // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
+                    unsafe {
+                        super::put8(o.as_mut_ptr().add(at), _mm512_castps512_ps256(f), stream);
+                        if both {
+                            super::put8(o.as_mut_ptr().add(at + 8), _mm512_extractf32x8_ps::<1>(f), stream);
+                        }
+                    }
                 }
             }
         }
@@ -1063,6 +1134,43 @@ mod kernels {
                                 let times = if add { 2 } else { 1 };
                                 assert_eq!(a, lanes_of(&want_single, times), "{isa:?} single n={n} width={width} add={add}");
                                 assert_eq!(b, lanes_of(&want_levels, times), "{isa:?} levels {scales:?} n={n} width={width} add={add}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn packed_decodes_of_narrow_lanes_give_the_products_of_the_codes() {
+            use crate::quant::lanes;
+            // Widths 1 to 5 with 2 to 4 steps: AVX-512's table where it fits,
+            // compares and blends where not; sizes that end on a whole group,
+            // on an odd lane (21 lanes of 3 bits: the table pairs lanes) and
+            // past the groups.
+            let mut rng = crate::hash::SplitMix(17);
+            for width in 1..=5u32 {
+                let per = (64 / width) as usize;
+                for n in [0, 1, 8 * per - 1, 8 * per, 8 * per + 8, 24 * per + 5, 40_000] {
+                    let lo = -(1i32 << (width - 1));
+                    let codes: Vec<i32> = (0..n).map(|_| lo + (rng.next_u64() % (1 << width)) as i32).collect();
+                    let packed = lanes::pack_slice(&codes, width, |c| (c - lo) as u64);
+                    for count in 2..=4 {
+                        let few: [f64; TABLE] = std::array::from_fn(|j| if j < count { 0.37 / (j as f64 + 1.25) } else { 0.0 });
+                        // every index in use, and some past the steps (`pick`: the first step)
+                        let l: Vec<u8> = (0..n)
+                            .map(|_| {
+                                let x = rng.next_u64();
+                                if x % 7 == 0 { [count as u8, 4, 5, 9, 255][(x >> 8) as usize % 5] } else { ((x >> 16) as usize % count) as u8 }
+                            })
+                            .collect();
+                        let step = |j: u8| few[if (j as usize) < count { j as usize } else { 0 }];
+                        let want: Vec<u32> = codes.iter().zip(&l).map(|(&c, &j)| ((c as f64 * step(j)) as f32).to_bits()).collect();
+                        for isa in Isa::available() {
+                            for stream in [false, true] {
+                                let mut got = vec![f32::NAN; n];
+                                assert!(decode_levels_packed(isa, &packed, width, lo as f64, &l, &mut got, &few, stream));
+                                assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want, "{isa:?} width {width}, {count} steps, n={n}, stream {stream}");
                             }
                         }
                     }
