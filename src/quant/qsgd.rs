@@ -584,8 +584,8 @@ mod kernels {
     /// `avx2::decode_packed_few`, written by hand: what the compiler made of
     /// the loop shuffled each lane's scale indices and spilled, and decoded
     /// 2 scales at 1.3x the copy's time on AVX-512, 2.5-2.8x on AVX2.
-    /// On AVX-512, narrow lanes (`avx512::table_fits`: the sums of one or
-    /// two workers at 2 or 3 bits) go through `avx512::decode_packed_table`,
+    /// Narrow lanes (`avx512::table_fits`, `avx2::table_fits`: the sums of
+    /// one or two workers at 2 or 3 bits) go through `decode_packed_table`,
     /// a lookup of every value they can write.
     ///
     /// With `stream`, the hand-written kernels write past the caches.
@@ -602,6 +602,9 @@ mod kernels {
                 (Isa::Avx512, 2) if avx512::table_fits(2, width) => avx512::decode_packed_table::<2>,
                 (Isa::Avx512, 3) if avx512::table_fits(3, width) => avx512::decode_packed_table::<3>,
                 (Isa::Avx512, 4) if avx512::table_fits(4, width) => avx512::decode_packed_table::<4>,
+                (Isa::Avx2, 2) if avx2::table_fits(2, width) => avx2::decode_packed_table::<2>,
+                (Isa::Avx2, 3) if avx2::table_fits(3, width) => avx2::decode_packed_table::<3>,
+                (Isa::Avx2, 4) if avx2::table_fits(4, width) => avx2::decode_packed_table::<4>,
                 (Isa::Avx512, 2) => avx512::decode_packed_few::<2>,
                 (Isa::Avx512, 3) => avx512::decode_packed_few::<3>,
                 (Isa::Avx512, 4) => avx512::decode_packed_few::<4>,
@@ -712,6 +715,58 @@ mod kernels {
                     // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
                     // caller's bound, alignment when streamed included).
                     unsafe { store(o.as_mut_ptr().add((gi * per + lane) * g), _mm256_mul_pd(a, st), _mm256_mul_pd(b, st), stream) };
+                }
+            }
+        }
+
+        /// Whether `decode_packed_table::<count>` takes lanes of `width`
+        /// bits: every (scale index, lane value) fits its 16 floats.
+        pub(super) fn table_fits(count: usize, width: u32) -> bool {
+            (1..=4).contains(&width) && count << width <= 16
+        }
+
+        /// `decode_packed_few::<COUNT>` for narrow lanes (`table_fits`), as
+        /// `avx512::decode_packed_table`: each value looked up in a table of
+        /// 16 floats (two permutes of 8 and a blend) that `decode_packed_few`'s
+        /// own expression filled. An index past the steps reads row 0 (`pick`:
+        /// the first step).
+        ///
+        /// # Safety
+        /// As `decode_packed_few`, and `table_fits(COUNT, width)`.
+        #[target_feature(enable = "avx2")]
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn decode_packed_table<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            debug_assert!(table_fits(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
+            // table[r << width | v]: lane value v at scale index r
+            let table: [f32; 16] = std::array::from_fn(|i| {
+                let (r, v) = (i >> width, (i as u64) & ((1u64 << width) - 1));
+                (lanes::exact_plus(v, base) * if r < COUNT { steps[r] } else { steps[0] }) as f32
+            });
+            // SAFETY: `table` holds 16 floats.
+            let (t0, t1) = unsafe { (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8))) };
+            let mask = _mm256_set1_epi32(((1u32 << width) - 1) as i32);
+            let (count, row) = (_mm256_set1_epi32(COUNT as i32), _mm256_set1_epi32(width as i32));
+            let step = _mm256_set1_epi64x(width as i64);
+            for gi in 0..groups {
+                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
+                let mut shift = _mm256_setzero_si256();
+                for lane in 0..per {
+                    let (a, b) = (_mm256_srlv_epi64(lo, shift), _mm256_srlv_epi64(hi, shift));
+                    shift = _mm256_add_epi64(shift, step);
+                    // low halves of words 0 1 4 5 | 2 3 6 7, then in order
+                    let v = _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
+                    let v = _mm256_and_si256(_mm256_permute4x64_epi64::<0b11_01_10_00>(v), mask);
+                    let at = (gi * per + lane) * g;
+                    // SAFETY: elements at..at+8 of l and o exist (the caller's bound).
+                    let lv = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(l.as_ptr().add(at).cast()) });
+                    let r = _mm256_and_si256(_mm256_cmpgt_epi32(count, lv), lv); // past the steps: row 0
+                    let i = _mm256_or_si256(v, _mm256_sllv_epi32(r, row));
+                    // entries 8..16 where bit 3 of the index is set
+                    let f = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, i), _mm256_permutevar8x32_ps(t1, i), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(i)));
+                    // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
+                    unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
                 }
             }
         }
