@@ -640,17 +640,26 @@ mod kernels {
             let per = (64 / width) as usize;
             let groups = (words.len() / lanes::GROUP).min(o.len() / (lanes::GROUP * per));
             (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * per);
-            let kernel: avx512::Single = match (isa, twice) {
-                (Isa::Avx512, true) => avx512::decode_single::<true>,
-                (Isa::Avx512, false) => avx512::decode_single::<false>,
-                (_, true) => avx2::decode_single::<true>,
-                (_, false) => avx2::decode_single::<false>,
+            // lanes of at most 5 bits (AVX2: 4): every value in a table
+            let kernel: avx512::Single = match (isa, twice, width) {
+                (Isa::Avx512, true, ..=5) => avx512::decode_single_table::<true>,
+                (Isa::Avx512, false, ..=5) => avx512::decode_single_table::<false>,
+                (Isa::Avx512, true, _) => avx512::decode_single::<true>,
+                (Isa::Avx512, false, _) => avx512::decode_single::<false>,
+                (_, true, ..=3) => avx2::decode_single_table::<true, false>,
+                (_, false, ..=3) => avx2::decode_single_table::<false, false>,
+                (_, true, 4) => avx2::decode_single_table::<true, true>,
+                (_, false, 4) => avx2::decode_single_table::<false, true>,
+                (_, true, _) => avx2::decode_single::<true>,
+                (_, false, _) => avx2::decode_single::<false>,
             };
             let stream = streams(stream, o);
             // SAFETY: `is_supported` checked the kernel's instruction set
             // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
-            // 1..=32, `groups` whole groups lie within `words` and `o`, and
-            // `o` streams only 16-byte aligned (`streams`).
+            // 1..=32 (at most 5, or 4 with AVX2, for a table kernel, and
+            // at most 3 for AVX2's narrow one), `groups` whole groups lie
+            // within `words` and `o`, and `o` streams only 16-byte aligned
+            // (`streams`).
             unsafe { kernel(words, width, base, step, o, groups, stream) };
             fence(stream);
         }
@@ -692,6 +701,45 @@ mod kernels {
             let f = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
             // SAFETY: the caller's.
             unsafe { super::put8(o, f, stream) };
+        }
+
+        /// `decode_single_packed`'s first `groups` whole groups of lanes of
+        /// at most 4 bits (with `WIDE`; else 3): each value looked up in a
+        /// table of 16 floats (one permute of 8, or with `WIDE` two and a
+        /// blend) that the lane decode's own expression filled, repeating
+        /// every `2^width` entries, so the bits of the lanes above are never
+        /// masked off.
+        ///
+        /// # Safety
+        /// The CPU has AVX2; `width` is in 1..=4 (1..=3 without `WIDE`);
+        /// `words` holds at least `8 * groups` words and `o` at least
+        /// `8 * groups * (64 / width)`; with `stream`, `o` is 16-byte aligned.
+        #[target_feature(enable = "avx2")]
+        pub(super) unsafe fn decode_single_table<const TWICE: bool, const WIDE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            debug_assert!((1..=if WIDE { 4 } else { 3 }).contains(&width) && words.len() >= g * groups && o.len() >= g * per * groups);
+            let table = super::single_table::<TWICE, 16>(width, base, step);
+            // SAFETY: `table` holds 16 floats.
+            let (t0, t1) = unsafe { (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8))) };
+            let lane_bits = _mm256_set1_epi64x(width as i64);
+            for gi in 0..groups {
+                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
+                let mut shift = _mm256_setzero_si256();
+                for lane in 0..per {
+                    let (a, b) = (_mm256_srlv_epi64(lo, shift), _mm256_srlv_epi64(hi, shift));
+                    shift = _mm256_add_epi64(shift, lane_bits);
+                    // low halves of words 0 1 4 5 | 2 3 6 7, then in order
+                    let v = _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
+                    let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(v);
+                    let f = _mm256_permutevar8x32_ps(t0, v);
+                    // entries 8..16 where bit 3 of the lane is set
+                    let f = if WIDE { _mm256_blendv_ps(f, _mm256_permutevar8x32_ps(t1, v), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(v))) } else { f };
+                    // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
+                    // caller's bound, alignment when streamed included).
+                    unsafe { super::put8(o.as_mut_ptr().add((gi * per + lane) * g), f, stream) };
+                }
+            }
         }
 
         /// `decode_single_packed`'s first `groups` whole groups.
@@ -936,6 +984,48 @@ mod kernels {
             }
         }
 
+        /// `decode_single_packed`'s first `groups` whole groups of lanes of
+        /// at most 5 bits: each value looked up in a table of 32 floats (one
+        /// permute) that the lane decode's own expression filled, repeating
+        /// every `2^width` entries, as `avx2::decode_single_table`; two
+        /// lanes, 16 values, at a time, as `decode_packed_table`.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512 F/BW/VL/DQ; `width` is in 1..=5; `words`
+        /// holds at least `8 * groups` words and `o` at least
+        /// `8 * groups * (64 / width)` elements; with `stream`, `o` is 16-byte aligned.
+        #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
+        pub(super) unsafe fn decode_single_table<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            debug_assert!((1..=5).contains(&width) && words.len() >= g * groups && o.len() >= g * per * groups);
+            let table = super::single_table::<TWICE, 32>(width, base, step);
+            // SAFETY: `table` holds 32 floats.
+            let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
+            let pair = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let (lane_bits, two_lanes) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
+            for gi in 0..groups {
+                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
+                let mut shift = _mm512_setzero_si512();
+                for lane in (0..per).step_by(2) {
+                    let a = _mm512_srlv_epi64(ws, shift);
+                    let v = _mm512_permutex2var_epi32(a, pair, _mm512_srlv_epi64(a, lane_bits));
+                    shift = _mm512_add_epi64(shift, two_lanes);
+                    let f = _mm512_permutex2var_ps(t0, v, t1);
+                    let at = (gi * per + lane) * g;
+                    // SAFETY: elements at..at+8, and at+8..at+16 when lane + 1
+                    // is one, of o exist (the caller's bound; `at` is a
+                    // multiple of 8: aligned when streamed).
+                    unsafe {
+                        super::put8(o.as_mut_ptr().add(at), _mm512_castps512_ps256(f), stream);
+                        if lane + 1 < per {
+                            super::put8(o.as_mut_ptr().add(at + 8), _mm512_extractf32x8_ps::<1>(f), stream);
+                        }
+                    }
+                }
+            }
+        }
+
         /// `decode_single_packed`'s first `groups` whole groups (8 words
         /// each): per lane, 8 codes (with `TWICE`, twice each) as doubles,
         /// as `decode_packed_few`, times `step`, rounded once to f32.
@@ -980,6 +1070,18 @@ mod kernels {
             // SAFETY: SFENCE is SSE, part of every x86-64 CPU.
             unsafe { std::arch::x86_64::_mm_sfence() };
         }
+    }
+
+    /// The decode of one scale's lanes of `width` bits as a table of `N`
+    /// floats: entry `i` is lane value `i mod 2^width` (with `TWICE`,
+    /// twice it) by `unpack_serial`'s expression in `decode_single_packed`,
+    /// so a permute that reads only an index's low bits needs no mask.
+    #[cfg(target_arch = "x86_64")]
+    fn single_table<const TWICE: bool, const N: usize>(width: u32, base: f64, step: f64) -> [f32; N] {
+        std::array::from_fn(|i| {
+            let v = (i as u64) & ((1u64 << width.min(63)) - 1);
+            (lanes::exact_plus(if TWICE { 2 * v } else { v }, base) * step) as f32
+        })
     }
 
     /// Stores 8 floats at `o`; with `stream`, past the caches (two
@@ -1199,17 +1301,28 @@ mod kernels {
         #[test]
         fn packed_decodes_of_narrow_lanes_give_the_products_of_the_codes() {
             use crate::quant::lanes;
-            // Widths 1 to 5 with 2 to 4 steps: AVX-512's table where it fits,
-            // compares and blends where not; sizes that end on a whole group,
-            // on an odd lane (21 lanes of 3 bits: the table pairs lanes) and
-            // past the groups.
+            // Widths 1 to 6 with one step (tables up to 5 bits, 4 on AVX2;
+            // once and twice each lane) and 2 to 4 (tables where they fit,
+            // compares and blends where not); sizes that end on a whole
+            // group, on an odd lane (21 lanes of 3 bits: AVX-512's tables
+            // pair lanes) and past the groups.
             let mut rng = crate::hash::SplitMix(17);
-            for width in 1..=5u32 {
+            for width in 1..=6u32 {
                 let per = (64 / width) as usize;
                 for n in [0, 1, 8 * per - 1, 8 * per, 8 * per + 8, 24 * per + 5, 40_000] {
                     let lo = -(1i32 << (width - 1));
                     let codes: Vec<i32> = (0..n).map(|_| lo + (rng.next_u64() % (1 << width)) as i32).collect();
                     let packed = lanes::pack_slice(&codes, width, |c| (c - lo) as u64);
+                    for (twice, base, step) in [(false, lo as f64, 0.37), (true, -7.0, 1.0)] {
+                        let want: Vec<u32> = codes.iter().map(|&c| ((if twice { 2 * (c - lo) as i64 - 7 } else { c as i64 }) as f64 * step) as f32).map(f32::to_bits).collect();
+                        for isa in Isa::available() {
+                            for stream in [false, true] {
+                                let mut got = vec![f32::NAN; n];
+                                decode_single_packed(isa, &packed, width, base, step, twice, stream, &mut got).unwrap();
+                                assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want, "{isa:?} one step, width {width}, twice {twice}, n={n}, stream {stream}");
+                            }
+                        }
+                    }
                     for count in 2..=4 {
                         let few: [f64; TABLE] = std::array::from_fn(|j| if j < count { 0.37 / (j as f64 + 1.25) } else { 0.0 });
                         // every index in use, and some past the steps (`pick`: the first step)
