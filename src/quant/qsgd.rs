@@ -786,11 +786,7 @@ mod kernels {
         pub(super) unsafe fn decode_packed_table<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(table_fits(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
-            // table[r << width | v]: lane value v at scale index r
-            let table: [f32; 16] = std::array::from_fn(|i| {
-                let (r, v) = (i >> width, (i as u64) & ((1u64 << width) - 1));
-                (lanes::exact_plus(v, base) * if r < COUNT { steps[r] } else { steps[0] }) as f32
-            });
+            let table = super::levels_table::<COUNT, 16>(width, base, steps);
             // SAFETY: `table` holds 16 floats.
             let (t0, t1) = unsafe { (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8))) };
             let mask = _mm256_set1_epi32(((1u32 << width) - 1) as i32);
@@ -941,12 +937,8 @@ mod kernels {
         pub(super) unsafe fn decode_packed_table<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(table_fits(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
-            // table[r << width | v]: lane value v at scale index r, where
-            // r = COUNT stands for every index past the steps (`pick`: the first).
-            let table: [f32; 32] = std::array::from_fn(|i| {
-                let (r, v) = (i >> width, (i as u64) & ((1u64 << width) - 1));
-                (lanes::exact_plus(v, base) * if r < COUNT { steps[r] } else { steps[0] }) as f32
-            });
+            // row COUNT stands for every index past the steps (clamped below)
+            let table = super::levels_table::<COUNT, 32>(width, base, steps);
             // SAFETY: `table` holds 32 floats.
             let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
             let mask = _mm512_set1_epi32(((1u32 << width) - 1) as i32);
@@ -974,12 +966,7 @@ mod kernels {
                     // (v & mask) | r << width: the table's index
                     let f = _mm512_permutex2var_ps(t0, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)), t1);
                     // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
-                    unsafe {
-                        super::put8(o.as_mut_ptr().add(at), _mm512_castps512_ps256(f), stream);
-                        if both {
-                            super::put8(o.as_mut_ptr().add(at + 8), _mm512_extractf32x8_ps::<1>(f), stream);
-                        }
-                    }
+                    unsafe { put_lanes(o.as_mut_ptr().add(at), f, both, stream) };
                 }
             }
         }
@@ -1016,12 +1003,25 @@ mod kernels {
                     // SAFETY: elements at..at+8, and at+8..at+16 when lane + 1
                     // is one, of o exist (the caller's bound; `at` is a
                     // multiple of 8: aligned when streamed).
-                    unsafe {
-                        super::put8(o.as_mut_ptr().add(at), _mm512_castps512_ps256(f), stream);
-                        if lane + 1 < per {
-                            super::put8(o.as_mut_ptr().add(at + 8), _mm512_extractf32x8_ps::<1>(f), stream);
-                        }
-                    }
+                    unsafe { put_lanes(o.as_mut_ptr().add(at), f, lane + 1 < per, stream) };
+                }
+            }
+        }
+
+        /// Stores the 16 values of two lanes at `o`, or with `both` false
+        /// the first lane's 8 (`put8`'s halves, streamed or not).
+        ///
+        /// # Safety
+        /// The CPU has AVX-512 F/DQ; `o` has room for 16 floats (8 without
+        /// `both`) and, with `stream`, is 16-byte aligned.
+        #[inline]
+        #[target_feature(enable = "avx2,avx512f,avx512dq")]
+        unsafe fn put_lanes(o: *mut f32, f: __m512, both: bool, stream: bool) {
+            // SAFETY: the caller's.
+            unsafe {
+                super::put8(o, _mm512_castps512_ps256(f), stream);
+                if both {
+                    super::put8(o.add(8), _mm512_extractf32x8_ps::<1>(f), stream);
                 }
             }
         }
@@ -1070,6 +1070,18 @@ mod kernels {
             // SAFETY: SFENCE is SSE, part of every x86-64 CPU.
             unsafe { std::arch::x86_64::_mm_sfence() };
         }
+    }
+
+    /// The decode of lanes of `width` bits at `COUNT` steps as a table of
+    /// `N` floats: entry `r << width | v` is lane value `v` at scale index
+    /// `r` by `decode_packed_few`'s expression, rows from `COUNT` on at the
+    /// first step (`pick`'s rule for an index past the steps).
+    #[cfg(target_arch = "x86_64")]
+    fn levels_table<const COUNT: usize, const N: usize>(width: u32, base: f64, steps: &[f64; TABLE]) -> [f32; N] {
+        std::array::from_fn(|i| {
+            let (r, v) = (i >> width.min(63), (i as u64) & ((1u64 << width.min(63)) - 1));
+            (lanes::exact_plus(v, base) * if r < COUNT { steps[r] } else { steps[0] }) as f32
+        })
     }
 
     /// The decode of one scale's lanes of `width` bits as a table of `N`
