@@ -21,17 +21,12 @@ pub enum Isa {
 
 impl Isa {
     /// The widest set this CPU supports; detected on first use, then cached.
-    /// `GRADPACK_KERNEL=portable` forces the baseline and `=avx2` caps it at
-    /// AVX2 (for benchmarks, and to run one machine as another); `=avx512`,
-    /// like no value, takes the widest.
+    /// `GRADPACK_KERNEL` caps it (`kernel_cap`: for benchmarks, and to run
+    /// one machine as another).
     pub fn detect() -> Isa {
         static CHOICE: OnceLock<Isa> = OnceLock::new();
         *CHOICE.get_or_init(|| {
-            let cap = match std::env::var("GRADPACK_KERNEL").as_deref() {
-                Ok("portable") => Isa::Baseline,
-                Ok("avx2") => Isa::Avx2,
-                _ => Isa::Avx512,
-            };
+            let cap = kernel_cap();
             Isa::available().into_iter().rev().find(|&i| i as u8 <= cap as u8).unwrap_or(Isa::Baseline)
         })
     }
@@ -76,6 +71,28 @@ impl Isa {
             Isa::Avx2 => avx2,
             Isa::Avx512 => avx512,
         }
+    }
+}
+
+/// The widest set `GRADPACK_KERNEL` allows, read once: "portable" the
+/// baseline (the 2-bit codec's portable kernel too), "avx2" AVX2, "avx512"
+/// or unset any. Another value is named on stderr, once, and caps nothing.
+pub fn kernel_cap() -> Isa {
+    static CAP: OnceLock<Isa> = OnceLock::new();
+    *CAP.get_or_init(|| {
+        cap_of(std::env::var("GRADPACK_KERNEL").ok().as_deref()).unwrap_or_else(|why| {
+            eprintln!("[gradpack] {why}");
+            Isa::Avx512
+        })
+    })
+}
+
+fn cap_of(value: Option<&str>) -> Result<Isa, String> {
+    match value {
+        None | Some("") | Some("avx512") => Ok(Isa::Avx512),
+        Some("avx2") => Ok(Isa::Avx2),
+        Some("portable") => Ok(Isa::Baseline),
+        Some(other) => Err(format!("GRADPACK_KERNEL={other:?} is not one of portable, avx2, avx512: the kernels run the widest set this CPU has")),
     }
 }
 
@@ -150,7 +167,7 @@ pub(crate) use multiversion;
 
 #[cfg(test)]
 mod tests {
-    use super::{cache_size, last_level_cache, Isa};
+    use super::{cache_size, cap_of, last_level_cache, Isa};
 
     #[test]
     fn cache_sizes_read_as_sysfs_writes_them() {
@@ -172,6 +189,15 @@ mod tests {
         // Say which versions these tests compare: a machine without AVX-512
         // compares two, and a reader of the log should know.
         eprintln!("scheme kernels compared on this CPU: {:?}", Isa::available());
+    }
+
+    #[test]
+    fn gradpack_kernel_caps_by_name_and_names_a_value_it_does_not_know() {
+        for (value, cap) in [(None, Isa::Avx512), (Some(""), Isa::Avx512), (Some("avx512"), Isa::Avx512), (Some("avx2"), Isa::Avx2), (Some("portable"), Isa::Baseline)] {
+            assert_eq!(cap_of(value), Ok(cap), "{value:?}");
+        }
+        let why = cap_of(Some("portble")).unwrap_err();
+        assert!(why.contains("GRADPACK_KERNEL=\"portble\"") && why.contains("portable, avx2, avx512"), "{why}");
     }
 
     #[test]

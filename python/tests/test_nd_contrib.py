@@ -226,3 +226,29 @@ def test_residual_overflow_is_refused():
     with pytest.raises(gradpack.Error, match="at element 0"):
         c.quantize_2bit(grad, residual, compr, -0.5, 0.5)
     assert np.array_equal(residual, kept[0]) and np.array_equal(compr.view(np.uint32), kept[1].view(np.uint32))
+
+
+def test_gradpack_kernel_caps_each_process_and_names_a_value_it_does_not_know():
+    import subprocess
+    import sys
+    probe = "import gradpack; print(gradpack.scheme_kernel_name(), gradpack.kernel_name())"
+
+    def run(value):
+        env = dict(os.environ)
+        env.pop("GRADPACK_KERNEL", None)
+        if value is not None:
+            env["GRADPACK_KERNEL"] = value
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split(), out.stderr
+
+    (widest, codec), err = run(None)
+    assert widest in ("portable", "avx2", "avx512") and err == ""
+    assert run("portable") == (["portable", "portable"], "")
+    assert run("avx512") == ([widest, codec], "")
+    if widest != "portable":
+        assert run("avx2") == (["avx2", codec], "")
+    # A typo runs what no value runs, and says so once.
+    names, err = run("portble")
+    assert names == [widest, codec]
+    assert err.count('GRADPACK_KERNEL="portble" is not one of portable, avx2, avx512') == 1, err

@@ -18,11 +18,11 @@ pub enum Platform {
 
 impl Platform {
     /// The fastest kernel this CPU supports; detected on first use, then cached.
-    /// `GRADPACK_KERNEL=portable` forces the portable kernel (for benchmarks).
+    /// `GRADPACK_KERNEL=portable` forces the portable kernel (`isa::kernel_cap`).
     pub fn detect() -> Platform {
         static CHOICE: OnceLock<Platform> = OnceLock::new();
         *CHOICE.get_or_init(|| {
-            let forced_portable = std::env::var("GRADPACK_KERNEL").map(|v| v == "portable").unwrap_or(false);
+            let forced_portable = crate::isa::kernel_cap() == crate::isa::Isa::Baseline;
             if !forced_portable && Self::Avx2.is_supported() {
                 Platform::Avx2
             } else {
