@@ -84,8 +84,8 @@ const char* gp_kernel_name(void);
 
 /* Instruction set the scheme kernels (QSGD, random-K, 1-bit, PowerSGD) run
  * on this CPU: "portable", "avx2" or "avx512", capped by the environment's
- * GRADPACK_KERNEL ("portable", "avx2") when first used (static string).
- * Every one gives the same bits. */
+ * GRADPACK_KERNEL ("portable", "avx2", "avx512") when first used (static
+ * string). Every one gives the same bits. */
 const char* gp_scheme_kernel_name(void);
 
 /* Length of the compressed array for n elements: 3 + ceil(n / 16). */

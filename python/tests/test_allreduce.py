@@ -13,19 +13,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
 
-def mpirun(n, script, args, tmp_path, timeout=240, kernels=None, **env):
-    """Runs `script` on `n` ranks; with `kernels`, rank i's process gets the
-    variables kernels[i] (one app context each: GRADPACK_KERNEL caps its
-    scheme kernels, RAYON_NUM_THREADS sets its threads)."""
+def mpirun(n, script, args, tmp_path, timeout=240, per_rank=None, **env):
+    """Runs `script` on `n` ranks; with `per_rank`, rank i's process also gets
+    the variables per_rank[i] (one app context each: GRADPACK_KERNEL caps its
+    kernels, RAYON_NUM_THREADS sets its threads)."""
     env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), **env)
     command = [sys.executable, os.path.join(HERE, "dist_scripts", script)] + args
-    if kernels is None:
+    if per_rank is None:
         argv = MPIRUN + ["-n", str(n)] + command
     else:
-        assert len(kernels) == n
+        assert len(per_rank) == n
         argv = list(MPIRUN)
-        for i, kernel in enumerate(kernels):
-            argv += ([":"] if i else []) + ["-n", "1"] + sum((["-x", "%s=%s" % kv] for kv in kernel.items()), []) + command
+        for i, variables in enumerate(per_rank):
+            argv += ([":"] if i else []) + ["-n", "1"] + sum((["-x", "%s=%s" % kv] for kv in variables.items()), []) + command
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
     results = []
@@ -56,8 +56,8 @@ def test_ranks_on_different_kernels_and_threads_give_the_device_stores_bits(tmp_
     # selects and decodes every rank's push with its own kernels and
     # threads, so one bit of difference between them shows on a rank.
     # (mpirun binds each rank to a core: rank 1's threads are asked for.)
-    kernels = [{"GRADPACK_KERNEL": "portable", "RAYON_NUM_THREADS": "1"}, {"GRADPACK_KERNEL": "avx512", "RAYON_NUM_THREADS": "2"}]
-    results = mpirun(2, "allreduce_kv.py", [], tmp_path, kernels=kernels, GRADPACK_TEST_SHAPE="40,4000")
+    per_rank = [{"GRADPACK_KERNEL": "portable", "RAYON_NUM_THREADS": "1"}, {"GRADPACK_KERNEL": "avx512", "RAYON_NUM_THREADS": "2"}]
+    results = mpirun(2, "allreduce_kv.py", [], tmp_path, per_rank=per_rank, GRADPACK_TEST_SHAPE="40,4000")
     for res in results:
         for name, s in res["schemes"].items():
             limit = 1e-5 if name in ("none", "powersgd") else 0.0
