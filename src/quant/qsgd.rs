@@ -917,10 +917,9 @@ mod kernels {
         }
 
         /// Whether `decode_packed_table::<count>` takes lanes of `width`
-        /// bits: every (scale index, lane value) fits its 32 floats, with
-        /// one row more for the indices past the steps.
+        /// bits: every (scale index, lane value) fits its 32 floats.
         pub(super) fn table_fits(count: usize, width: u32) -> bool {
-            (1..=5).contains(&width) && (count + 1) << width <= 32
+            (1..=5).contains(&width) && count << width <= 32
         }
 
         /// `decode_packed_few::<COUNT>` for narrow lanes (`table_fits`):
@@ -937,7 +936,6 @@ mod kernels {
         pub(super) unsafe fn decode_packed_table<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!(table_fits(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
-            // row COUNT stands for every index past the steps (clamped below)
             let table = super::levels_table::<COUNT, 32>(width, base, steps);
             // SAFETY: `table` holds 32 floats.
             let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
@@ -962,6 +960,10 @@ mod kernels {
                     // SAFETY: elements at..at+16 of l exist when both lanes
                     // do, at..at+8 always (the caller's bound).
                     let lv = unsafe { if both { _mm_loadu_si128(l.as_ptr().add(at).cast()) } else { _mm_loadl_epi64(l.as_ptr().add(at).cast()) } };
+                    // An index past the steps, clamped to COUNT, reads row
+                    // COUNT (the first step), or where COUNT rows fill the
+                    // table wraps to row 0 (the permute reads 5 bits of the
+                    // index): `pick`'s first step either way.
                     let r = _mm512_min_epu32(_mm512_cvtepu8_epi32(lv), past);
                     // (v & mask) | r << width: the table's index
                     let f = _mm512_permutex2var_ps(t0, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)), t1);
