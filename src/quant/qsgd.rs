@@ -703,6 +703,18 @@ mod kernels {
             unsafe { super::put8(o, f, stream) };
         }
 
+        /// The lane `shift` bits up in a group's words (`lo`: words 0-3,
+        /// `hi`: 4-7) as 8 ints in word order, with the lanes above it still
+        /// in their high bits: the table kernels' index.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn lane_ints(lo: __m256i, hi: __m256i, shift: __m256i) -> __m256i {
+            let (a, b) = (_mm256_srlv_epi64(lo, shift), _mm256_srlv_epi64(hi, shift));
+            // low halves of words 0 1 4 5 | 2 3 6 7, then in order
+            let v = _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(v)
+        }
+
         /// `decode_single_packed`'s first `groups` whole groups of lanes of
         /// at most 4 bits (with `WIDE`; else 3): each value looked up in a
         /// table of 16 floats (one permute of 8, or with `WIDE` two and a
@@ -727,11 +739,8 @@ mod kernels {
                 let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
                 let mut shift = _mm256_setzero_si256();
                 for lane in 0..per {
-                    let (a, b) = (_mm256_srlv_epi64(lo, shift), _mm256_srlv_epi64(hi, shift));
+                    let v = lane_ints(lo, hi, shift);
                     shift = _mm256_add_epi64(shift, lane_bits);
-                    // low halves of words 0 1 4 5 | 2 3 6 7, then in order
-                    let v = _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
-                    let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(v);
                     let f = _mm256_permutevar8x32_ps(t0, v);
                     // entries 8..16 where bit 3 of the lane is set
                     let f = if WIDE { _mm256_blendv_ps(f, _mm256_permutevar8x32_ps(t1, v), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(v))) } else { f };
@@ -791,17 +800,14 @@ mod kernels {
             let (t0, t1) = unsafe { (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8))) };
             let mask = _mm256_set1_epi32(((1u32 << width) - 1) as i32);
             let (count, row) = (_mm256_set1_epi32(COUNT as i32), _mm256_set1_epi32(width as i32));
-            let step = _mm256_set1_epi64x(width as i64);
+            let lane_bits = _mm256_set1_epi64x(width as i64);
             for gi in 0..groups {
                 // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
                 let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
                 let mut shift = _mm256_setzero_si256();
                 for lane in 0..per {
-                    let (a, b) = (_mm256_srlv_epi64(lo, shift), _mm256_srlv_epi64(hi, shift));
-                    shift = _mm256_add_epi64(shift, step);
-                    // low halves of words 0 1 4 5 | 2 3 6 7, then in order
-                    let v = _mm256_castps_si256(_mm256_shuffle_ps::<0b10_00_10_00>(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
-                    let v = _mm256_and_si256(_mm256_permute4x64_epi64::<0b11_01_10_00>(v), mask);
+                    let v = _mm256_and_si256(lane_ints(lo, hi, shift), mask);
+                    shift = _mm256_add_epi64(shift, lane_bits);
                     let at = (gi * per + lane) * g;
                     // SAFETY: elements at..at+8 of l and o exist (the caller's bound).
                     let lv = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(l.as_ptr().add(at).cast()) });
@@ -942,9 +948,7 @@ mod kernels {
             let mask = _mm512_set1_epi32(((1u32 << width) - 1) as i32);
             let past = _mm512_set1_epi32(COUNT as i32);
             let row = _mm_cvtsi32_si128(width as i32);
-            // the low halves of a's 8 words, then of b's
-            let pair = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-            let (step, two_steps) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
+            let (lane_bits, two_lanes) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
             for gi in 0..groups {
                 // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
                 let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
@@ -952,9 +956,8 @@ mod kernels {
                 for lane in (0..per).step_by(2) {
                     // lanes `lane` and `lane + 1` (past the last, a shift by
                     // 64 or less of words not written: values not stored)
-                    let a = _mm512_srlv_epi64(ws, shift);
-                    let v = _mm512_permutex2var_epi32(a, pair, _mm512_srlv_epi64(a, step));
-                    shift = _mm512_add_epi64(shift, two_steps);
+                    let v = lane_pair_ints(ws, shift, lane_bits);
+                    shift = _mm512_add_epi64(shift, two_lanes);
                     let at = (gi * per + lane) * g;
                     let both = lane + 1 < per;
                     // SAFETY: elements at..at+16 of l exist when both lanes
@@ -990,15 +993,13 @@ mod kernels {
             let table = super::single_table::<TWICE, 32>(width, base, step);
             // SAFETY: `table` holds 32 floats.
             let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
-            let pair = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
             let (lane_bits, two_lanes) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
             for gi in 0..groups {
                 // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
                 let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
                 let mut shift = _mm512_setzero_si512();
                 for lane in (0..per).step_by(2) {
-                    let a = _mm512_srlv_epi64(ws, shift);
-                    let v = _mm512_permutex2var_epi32(a, pair, _mm512_srlv_epi64(a, lane_bits));
+                    let v = lane_pair_ints(ws, shift, lane_bits);
                     shift = _mm512_add_epi64(shift, two_lanes);
                     let f = _mm512_permutex2var_ps(t0, v, t1);
                     let at = (gi * per + lane) * g;
@@ -1008,6 +1009,19 @@ mod kernels {
                     unsafe { put_lanes(o.as_mut_ptr().add(at), f, lane + 1 < per, stream) };
                 }
             }
+        }
+
+        /// The lanes `shift` and `shift + lane_bits` bits up in a group's 8
+        /// words `ws` as 16 ints (the first lane's 8 in word order, then the
+        /// second's), with the lanes above still in their high bits: the
+        /// table kernels' index.
+        #[inline]
+        #[target_feature(enable = "avx2,avx512f")]
+        fn lane_pair_ints(ws: __m512i, shift: __m512i, lane_bits: __m512i) -> __m512i {
+            let a = _mm512_srlv_epi64(ws, shift);
+            // the low halves of a's 8 words, then of the next lane's
+            let pair = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            _mm512_permutex2var_epi32(a, pair, _mm512_srlv_epi64(a, lane_bits))
         }
 
         /// Stores the 16 values of two lanes at `o`, or with `both` false
