@@ -585,8 +585,9 @@ mod kernels {
     /// the loop shuffled each lane's scale indices and spilled, and decoded
     /// 2 scales at 1.3x the copy's time on AVX-512, 2.5-2.8x on AVX2.
     /// Narrow lanes (`avx512::table_fits`, `avx2::table_fits`: the sums of
-    /// one or two workers at 2 or 3 bits) go through `decode_packed_table`,
-    /// a lookup of every value they can write.
+    /// one or two workers at 2 or 3 bits; on AVX-512 also 3 and 4 scales of
+    /// two workers' sums and 2 scales of up to five workers') go through
+    /// `decode_packed_table`, a lookup of every value they can write.
     ///
     /// With `stream`, the hand-written kernels write past the caches.
     #[allow(clippy::too_many_arguments)]
@@ -599,9 +600,12 @@ mod kernels {
             let groups = (words.len() / lanes::GROUP).min(l.len() / (lanes::GROUP * per)).min(o.len() / (lanes::GROUP * per));
             let (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * per);
             let kernel: avx512::Whole = match (isa, count) {
-                (Isa::Avx512, 2) if avx512::table_fits(2, width) => avx512::decode_packed_table::<2>,
-                (Isa::Avx512, 3) if avx512::table_fits(3, width) => avx512::decode_packed_table::<3>,
-                (Isa::Avx512, 4) if avx512::table_fits(4, width) => avx512::decode_packed_table::<4>,
+                (Isa::Avx512, 2) if avx512::table_fits::<false>(2, width) => avx512::decode_packed_table::<2, false>,
+                (Isa::Avx512, 3) if avx512::table_fits::<false>(3, width) => avx512::decode_packed_table::<3, false>,
+                (Isa::Avx512, 4) if avx512::table_fits::<false>(4, width) => avx512::decode_packed_table::<4, false>,
+                (Isa::Avx512, 2) if avx512::table_fits::<true>(2, width) => avx512::decode_packed_table::<2, true>,
+                (Isa::Avx512, 3) if avx512::table_fits::<true>(3, width) => avx512::decode_packed_table::<3, true>,
+                (Isa::Avx512, 4) if avx512::table_fits::<true>(4, width) => avx512::decode_packed_table::<4, true>,
                 (Isa::Avx2, 2) if avx2::table_fits(2, width) => avx2::decode_packed_table::<2>,
                 (Isa::Avx2, 3) if avx2::table_fits(3, width) => avx2::decode_packed_table::<3>,
                 (Isa::Avx2, 4) if avx2::table_fits(4, width) => avx2::decode_packed_table::<4>,
@@ -640,10 +644,12 @@ mod kernels {
             let per = (64 / width) as usize;
             let groups = (words.len() / lanes::GROUP).min(o.len() / (lanes::GROUP * per));
             (done_w, done) = (groups * lanes::GROUP, groups * lanes::GROUP * per);
-            // lanes of at most 5 bits (AVX2: 4): every value in a table
+            // lanes of at most 6 bits (AVX2: 4): every value in a table
             let kernel: avx512::Single = match (isa, twice, width) {
-                (Isa::Avx512, true, ..=5) => avx512::decode_single_table::<true>,
-                (Isa::Avx512, false, ..=5) => avx512::decode_single_table::<false>,
+                (Isa::Avx512, true, ..=5) => avx512::decode_single_table::<true, false>,
+                (Isa::Avx512, false, ..=5) => avx512::decode_single_table::<false, false>,
+                (Isa::Avx512, true, 6) => avx512::decode_single_table::<true, true>,
+                (Isa::Avx512, false, 6) => avx512::decode_single_table::<false, true>,
                 (Isa::Avx512, true, _) => avx512::decode_single::<true>,
                 (Isa::Avx512, false, _) => avx512::decode_single::<false>,
                 (_, true, ..=3) => avx2::decode_single_table::<true, false>,
@@ -656,10 +662,10 @@ mod kernels {
             let stream = streams(stream, o);
             // SAFETY: `is_supported` checked the kernel's instruction set
             // (AVX-512 F/BW/VL/DQ, or AVX2) on this CPU, `width` is in
-            // 1..=32 (at most 5, or 4 with AVX2, for a table kernel, and
-            // at most 3 for AVX2's narrow one), `groups` whole groups lie
-            // within `words` and `o`, and `o` streams only 16-byte aligned
-            // (`streams`).
+            // 1..=32 (for a table kernel at most 5, 6 for AVX-512's wide
+            // one, 4 for AVX2's and 3 for AVX2's narrow one), `groups`
+            // whole groups lie within `words` and `o`, and `o` streams only
+            // 16-byte aligned (`streams`).
             unsafe { kernel(words, width, base, step, o, groups, stream) };
             fence(stream);
         }
@@ -922,29 +928,28 @@ mod kernels {
             }
         }
 
-        /// Whether `decode_packed_table::<count>` takes lanes of `width`
-        /// bits: every (scale index, lane value) fits its 32 floats.
-        pub(super) fn table_fits(count: usize, width: u32) -> bool {
-            (1..=5).contains(&width) && count << width <= 32
+        /// Whether `decode_packed_table::<count, WIDE>` takes lanes of
+        /// `width` bits: every (scale index, lane value) fits its table of
+        /// 32 floats (64 with `WIDE`).
+        pub(super) fn table_fits<const WIDE: bool>(count: usize, width: u32) -> bool {
+            (1..=6).contains(&width) && count << width <= if WIDE { 64 } else { 32 }
         }
 
         /// `decode_packed_few::<COUNT>` for narrow lanes (`table_fits`):
-        /// every value it can write is in a table of 32 floats, computed
-        /// once by `decode_packed_few`'s own expression, so 16 values are
-        /// two shifts, a permute of their lanes into place, the indices
-        /// widened and clamped, and one permute of the table: no doubles,
-        /// no products, the same bits.
+        /// every value it can write is in a table of 32 floats (with `WIDE`,
+        /// 64), computed once by `decode_packed_few`'s own expression, so 16
+        /// values are two shifts, a permute of their lanes into place, the
+        /// indices widened and clamped, and one permute of the table (`WIDE`:
+        /// two and a blend, `lookup`): no doubles, no products, the same bits.
         ///
         /// # Safety
-        /// As `decode_packed_few`, and `table_fits(COUNT, width)`.
+        /// As `decode_packed_few`, and `table_fits::<WIDE>(COUNT, width)`.
         #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
         #[allow(clippy::too_many_arguments)]
-        pub(super) unsafe fn decode_packed_table<const COUNT: usize>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
+        pub(super) unsafe fn decode_packed_table<const COUNT: usize, const WIDE: bool>(words: &[u64], width: u32, base: f64, l: &[u8], o: &mut [f32], steps: &[f64; TABLE], groups: usize, stream: bool) {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
-            debug_assert!(table_fits(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
-            let table = super::levels_table::<COUNT, 32>(width, base, steps);
-            // SAFETY: `table` holds 32 floats.
-            let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
+            debug_assert!(table_fits::<WIDE>(COUNT, width) && words.len() >= g * groups && l.len() >= g * per * groups && o.len() >= g * per * groups);
+            let t = tables(&super::levels_table::<COUNT, 64>(width, base, steps));
             let mask = _mm512_set1_epi32(((1u32 << width) - 1) as i32);
             let past = _mm512_set1_epi32(COUNT as i32);
             let row = _mm_cvtsi32_si128(width as i32);
@@ -965,11 +970,11 @@ mod kernels {
                     let lv = unsafe { if both { _mm_loadu_si128(l.as_ptr().add(at).cast()) } else { _mm_loadl_epi64(l.as_ptr().add(at).cast()) } };
                     // An index past the steps, clamped to COUNT, reads row
                     // COUNT (the first step), or where COUNT rows fill the
-                    // table wraps to row 0 (the permute reads 5 bits of the
-                    // index): `pick`'s first step either way.
+                    // table wraps to row 0 (`lookup` reads 5 bits of the
+                    // index, 6 with `WIDE`): `pick`'s first step either way.
                     let r = _mm512_min_epu32(_mm512_cvtepu8_epi32(lv), past);
                     // (v & mask) | r << width: the table's index
-                    let f = _mm512_permutex2var_ps(t0, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)), t1);
+                    let f = lookup::<WIDE>(&t, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)));
                     // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
                     unsafe { put_lanes(o.as_mut_ptr().add(at), f, both, stream) };
                 }
@@ -977,22 +982,21 @@ mod kernels {
         }
 
         /// `decode_single_packed`'s first `groups` whole groups of lanes of
-        /// at most 5 bits: each value looked up in a table of 32 floats (one
-        /// permute) that the lane decode's own expression filled, repeating
-        /// every `2^width` entries, as `avx2::decode_single_table`; two
-        /// lanes, 16 values, at a time, as `decode_packed_table`.
+        /// at most 5 bits (with `WIDE`, 6): each value looked up in a table
+        /// of 32 floats (64; `lookup`) that the lane decode's own expression
+        /// filled, repeating every `2^width` entries, as
+        /// `avx2::decode_single_table`; two lanes, 16 values, at a time, as
+        /// `decode_packed_table`.
         ///
         /// # Safety
-        /// The CPU has AVX-512 F/BW/VL/DQ; `width` is in 1..=5; `words`
-        /// holds at least `8 * groups` words and `o` at least
+        /// The CPU has AVX-512 F/BW/VL/DQ; `width` is in 1..=5 (`WIDE`:
+        /// 1..=6); `words` holds at least `8 * groups` words and `o` at least
         /// `8 * groups * (64 / width)` elements; with `stream`, `o` is 16-byte aligned.
         #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512dq")]
-        pub(super) unsafe fn decode_single_table<const TWICE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
+        pub(super) unsafe fn decode_single_table<const TWICE: bool, const WIDE: bool>(words: &[u64], width: u32, base: f64, step: f64, o: &mut [f32], groups: usize, stream: bool) {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
-            debug_assert!((1..=5).contains(&width) && words.len() >= g * groups && o.len() >= g * per * groups);
-            let table = super::single_table::<TWICE, 32>(width, base, step);
-            // SAFETY: `table` holds 32 floats.
-            let (t0, t1) = unsafe { (_mm512_loadu_ps(table.as_ptr()), _mm512_loadu_ps(table.as_ptr().add(16))) };
+            debug_assert!((1..=if WIDE { 6 } else { 5 }).contains(&width) && words.len() >= g * groups && o.len() >= g * per * groups);
+            let t = tables(&super::single_table::<TWICE, 64>(width, base, step));
             let (lane_bits, two_lanes) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
             for gi in 0..groups {
                 // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
@@ -1001,7 +1005,7 @@ mod kernels {
                 for lane in (0..per).step_by(2) {
                     let v = lane_pair_ints(ws, shift, lane_bits);
                     shift = _mm512_add_epi64(shift, two_lanes);
-                    let f = _mm512_permutex2var_ps(t0, v, t1);
+                    let f = lookup::<WIDE>(&t, v);
                     let at = (gi * per + lane) * g;
                     // SAFETY: elements at..at+8, and at+8..at+16 when lane + 1
                     // is one, of o exist (the caller's bound; `at` is a
@@ -1009,6 +1013,28 @@ mod kernels {
                     unsafe { put_lanes(o.as_mut_ptr().add(at), f, lane + 1 < per, stream) };
                 }
             }
+        }
+
+        /// A table kernel's 64 floats as four vectors.
+        #[inline]
+        #[target_feature(enable = "avx2,avx512f")]
+        fn tables(table: &[f32; 64]) -> [__m512; 4] {
+            // SAFETY: entries 16 j .. 16 j + 16 exist for j < 4.
+            std::array::from_fn(|j| unsafe { _mm512_loadu_ps(table.as_ptr().add(16 * j)) })
+        }
+
+        /// Entry `idx & 31` of the table `t` for each of 16 indices (one
+        /// permute of its first 32 floats), or with `WIDE` entry `idx & 63`
+        /// (two, and a blend on bit 5).
+        #[inline]
+        #[target_feature(enable = "avx2,avx512f")]
+        fn lookup<const WIDE: bool>(t: &[__m512; 4], idx: __m512i) -> __m512 {
+            let low = _mm512_permutex2var_ps(t[0], idx, t[1]);
+            if !WIDE {
+                return low;
+            }
+            let high = _mm512_permutex2var_ps(t[2], idx, t[3]);
+            _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), low, high)
         }
 
         /// The lanes `shift` and `shift + lane_bits` bits up in a group's 8
@@ -1329,13 +1355,13 @@ mod kernels {
         #[test]
         fn packed_decodes_of_narrow_lanes_give_the_products_of_the_codes() {
             use crate::quant::lanes;
-            // Widths 1 to 6 with one step (tables up to 5 bits, 4 on AVX2;
-            // once and twice each lane) and 2 to 4 (tables where they fit,
-            // compares and blends where not); sizes that end on a whole
+            // Widths 1 to 7 with one step (tables up to 6 bits, 4 on AVX2;
+            // once and twice each lane) and 2 to 4 (tables of 32 and 64
+            // where they fit, compares and blends where not); sizes that end on a whole
             // group, on an odd lane (21 lanes of 3 bits: AVX-512's tables
             // pair lanes) and past the groups.
             let mut rng = crate::hash::SplitMix(17);
-            for width in 1..=6u32 {
+            for width in 1..=7u32 {
                 let per = (64 / width) as usize;
                 for n in [0, 1, 8 * per - 1, 8 * per, 8 * per + 8, 24 * per + 5, 40_000] {
                     let lo = -(1i32 << (width - 1));
