@@ -19,7 +19,9 @@ SCHEMES = [
     ("qsgd_mn 2", {"compress": "qsgd_mn", "bits": 2}),
     ("qsgd_mn 8", {"compress": "qsgd_mn", "bits": 8}),
     ("qsgd_mn_ts [2,6]", {"compress": "qsgd_mn_ts", "bits": [2, 6]}),
+    ("qsgd_mn_ms [2,4,8]", {"compress": "qsgd_mn_ms", "bits": [2, 4, 8]}),
     ("grandk_mn k=n/16 b=8", {"compress": "grandk_mn", "bits": 8, "k": N // 16}),
+    ("grandk_mn_ts k=n/16 [2,6]", {"compress": "grandk_mn_ts", "bits": [2, 6], "k": N // 16}),
     ("powersgd r=4", {"compress": "powersgd", "rank": 4}),
     ("1bit", {"compress": "1bit"}),
 ]

@@ -5,7 +5,7 @@ dist_sync with and without its built-in 2-bit compression, all in this run.
   .venv/bin/python benches/kvstore_dist.py            # loopback
   .venv/bin/python benches/kvstore_dist.py --netns    # workers and servers on two
         network namespaces joined by a veth pair limited to 1 Gbit/s with tc (root)
-  add --schemes for issue 6's schemes (qsgd_mn, qsgd_mn_ts, grandk_mn, powersgd, 1bit)
+  add --schemes for issue 6's schemes (qsgd_mn, qsgd_mn_ts, qsgd_mn_ms, grandk_mn, grandk_mn_ts, powersgd, 1bit)
   add --auth for gradpack with GRADPACK_SECRET set (every message MACed) beside it without
 
 Every process is started by hand with MXNet's DMLC_* variables (MXNet's own
@@ -92,11 +92,15 @@ def run_job(impl, compress, n, iters, netns, timeout=900):
             os.remove(out)
 
 
-# Issue 6's schemes: each such key lives whole on one server, which sums the codes and decodes once.
+# Issue 6's schemes, every one: the key is cut into slices dealt round the servers; each
+# server sums its slices' codes and decodes them once.
 SCHEMES = {
     "qsgd_mn 2": {"compress": "qsgd_mn", "bits": 2},
+    "qsgd_mn 8": {"compress": "qsgd_mn", "bits": 8},
     "qsgd_mn_ts [2,6]": {"compress": "qsgd_mn_ts", "bits": [2, 6]},
+    "qsgd_mn_ms [2,4,8]": {"compress": "qsgd_mn_ms", "bits": [2, 4, 8]},
     "grandk_mn k=n/16 b=8": {"compress": "grandk_mn", "bits": 8, "k": 1 << 20},
+    "grandk_mn_ts k=n/16 [2,6]": {"compress": "grandk_mn_ts", "bits": [2, 6], "k": 1 << 20},
     "powersgd r=4": {"compress": "powersgd", "rank": 4},
     "1bit": {"compress": "1bit"},
 }
