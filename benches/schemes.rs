@@ -5,7 +5,9 @@
 //! one-member in-process collective, so this measures computation, not a network.
 //!
 //! Run: `cargo bench --bench schemes` (GRADPACK_BENCH_MI sets the size in
-//! Mi-elements, GRADPACK_BENCH_ONLY picks schemes by name).
+//! Mi-elements, GRADPACK_BENCH_ONLY picks schemes by name,
+//! GRADPACK_BENCH_WORKERS decodes the sum of that many workers' codes: the
+//! wider lanes a job of several workers decodes).
 
 mod common;
 
@@ -17,6 +19,7 @@ use gradpack::quant::scheme::{self, Ctx, State};
 fn main() {
     let mi: usize = std::env::var("GRADPACK_BENCH_MI").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
     let n = mi << 20;
+    let workers: usize = std::env::var("GRADPACK_BENCH_WORKERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1);
     // PowerSGD's matrix: the squarest whose sides divide n (4096 x 4096 at 16 Mi)
     let side = (1..=(n as f64).sqrt() as usize).rev().find(|&d| n.is_multiple_of(d)).unwrap_or(1);
     let grad: Vec<f32> = (0..n).map(|i| ((i.wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5) * 1.4).collect();
@@ -50,7 +53,7 @@ fn main() {
     });
     drop(next);
     println!("gradpack scheme throughput: {mi} Mi float32 elements, {threads} threads (PowerSGD: {side} x {})", n / side);
-    println!("encode = quantize + pack for the wire; decode = summed result back to float32");
+    println!("encode = quantize + pack for the wire; decode = summed result back to float32 ({workers} worker{}' codes summed)", if workers == 1 { "" } else { "s" });
     println!("each ratio against its floor timed right before it (loop ms, copy ms)\n");
     println!("{:<24} {:>10} {:>9} {:>10} {:>10} {:>9} {:>9} {:>12} {:>8} {:>8}", "scheme", "encode ms", "Gelem/s", "vs r+=g", "decode ms", "Gelem/s", "vs copy", "wire B/elem", "loop ms", "copy ms");
     let row = |name: &str, (base, enc): (f64, f64), dec: Option<(f64, f64)>, wire: Option<f64>| {
@@ -80,14 +83,25 @@ fn main() {
         let mut step = 0;
         let enc = time_beside(reps, &mut r_plus_g, || {
             step += 1;
-            let ctx = Ctx { shape: &shape, step, key_hash: 1, member: 0, workers: 1 };
+            let ctx = Ctx { shape: &shape, step, key_hash: 1, member: 0, workers };
             let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
             wire_bytes = scheme::to_wire(&part).len() + ex.iter().map(|p| scheme::to_wire(p).len()).sum::<usize>();
             scheme::finish(&c, &mut states, part);
             scheme::recycle(&mut states, ex);
         });
-        let ctx = Ctx { shape: &shape, step: step + 1, key_hash: 1, member: 0, workers: 1 };
+        let ctx = Ctx { shape: &shape, step: step + 1, key_hash: 1, member: 0, workers };
         let (ex, part) = scheme::encode(&c, &mut states, &[&grad], &ctx, &mut member).unwrap();
+        // Several workers: this worker's codes summed as often, in the
+        // lanes a server sums them in (PowerSGD's floats: as they are).
+        let wire = scheme::to_wire(&part);
+        let part = match workers > 1 && scheme::is_codes_wire(&wire) {
+            true => {
+                let mut sum = scheme::LaneSum::first(&wire, workers).unwrap();
+                (1..workers).for_each(|_| sum.add(&wire).unwrap());
+                sum.into_part()
+            }
+            false => part,
+        };
         let dec = time_beside(reps, &mut copy, || scheme::decode(&c, &ex, &part, &ctx, &mut out).unwrap());
         row(name, enc, Some(dec), Some(wire_bytes as f64 / n as f64));
     }
