@@ -14,7 +14,9 @@ import os
 import re
 import sys
 
-ROW = re.compile(r"^(?P<name>\S.*?)\s{2,}(?P<enc>[\d.]+)\s+[\d.]+\s+(?P<ratio>[\d.]+)x")
+# A row's name has no run of two spaces (the columns' separator), so a row
+# whose encode columns are dashes (the copy's) does not match through them.
+ROW = re.compile(r"^(?P<name>\S(?:(?!\s{2}).)*)\s{2,}(?P<enc>[\d.]+)\s+[\d.]+\s+(?P<ratio>[\d.]+)x")
 
 
 def runs(path):

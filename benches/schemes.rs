@@ -53,7 +53,8 @@ fn main() {
     });
     drop(next);
     println!("gradpack scheme throughput: {mi} Mi float32 elements, {threads} threads (PowerSGD: {side} x {})", n / side);
-    println!("encode = quantize + pack for the wire; decode = summed result back to float32 ({workers} worker{}' codes summed)", if workers == 1 { "" } else { "s" });
+    let summed = if workers == 1 { "one worker's codes".to_string() } else { format!("{workers} workers' codes summed") };
+    println!("encode = quantize + pack for the wire; decode = summed result back to float32 ({summed})");
     println!("each ratio against its floor timed right before it (loop ms, copy ms)\n");
     println!("{:<24} {:>10} {:>9} {:>10} {:>10} {:>9} {:>9} {:>12} {:>8} {:>8}", "scheme", "encode ms", "Gelem/s", "vs r+=g", "decode ms", "Gelem/s", "vs copy", "wire B/elem", "loop ms", "copy ms");
     let row = |name: &str, (base, enc): (f64, f64), dec: Option<(f64, f64)>, wire: Option<f64>| {
