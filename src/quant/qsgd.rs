@@ -953,32 +953,20 @@ mod kernels {
             let mask = _mm512_set1_epi32(((1u32 << width) - 1) as i32);
             let past = _mm512_set1_epi32(COUNT as i32);
             let row = _mm_cvtsi32_si128(width as i32);
-            let (lane_bits, two_lanes) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
-            for gi in 0..groups {
-                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
-                let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
-                let mut shift = _mm512_setzero_si512();
-                for lane in (0..per).step_by(2) {
-                    // lanes `lane` and `lane + 1` (past the last, a shift by
-                    // 64 or less of words not written: values not stored)
-                    let v = lane_pair_ints(ws, shift, lane_bits);
-                    shift = _mm512_add_epi64(shift, two_lanes);
-                    let at = (gi * per + lane) * g;
-                    let both = lane + 1 < per;
-                    // SAFETY: elements at..at+16 of l exist when both lanes
-                    // do, at..at+8 always (the caller's bound).
-                    let lv = unsafe { if both { _mm_loadu_si128(l.as_ptr().add(at).cast()) } else { _mm_loadl_epi64(l.as_ptr().add(at).cast()) } };
-                    // An index past the steps, clamped to COUNT, reads row
-                    // COUNT (the first step), or where COUNT rows fill the
-                    // table wraps to row 0 (`lookup` reads 5 bits of the
-                    // index, 6 with `WIDE`): `pick`'s first step either way.
-                    let r = _mm512_min_epu32(_mm512_cvtepu8_epi32(lv), past);
-                    // (v & mask) | r << width: the table's index
-                    let f = lookup::<WIDE>(&t, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)));
-                    // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
-                    unsafe { put_lanes(o.as_mut_ptr().add(at), f, both, stream) };
-                }
-            }
+            lane_pairs(words, width, groups, |at, both, v| {
+                // SAFETY: elements at..at+16 of l exist when both lanes
+                // do, at..at+8 always (the caller's bound).
+                let lv = unsafe { if both { _mm_loadu_si128(l.as_ptr().add(at).cast()) } else { _mm_loadl_epi64(l.as_ptr().add(at).cast()) } };
+                // An index past the steps, clamped to COUNT, reads row
+                // COUNT (the first step), or where COUNT rows fill the
+                // table wraps to row 0 (`lookup` reads 5 bits of the
+                // index, 6 with `WIDE`): `pick`'s first step either way.
+                let r = _mm512_min_epu32(_mm512_cvtepu8_epi32(lv), past);
+                // (v & mask) | r << width: the table's index
+                let f = lookup::<WIDE>(&t, _mm512_ternarylogic_epi32::<0xEA>(v, mask, _mm512_sll_epi32(r, row)));
+                // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
+                unsafe { put_lanes(o.as_mut_ptr().add(at), f, both, stream) };
+            });
         }
 
         /// `decode_single_packed`'s first `groups` whole groups of lanes of
@@ -997,20 +985,34 @@ mod kernels {
             let (per, g) = ((64 / width) as usize, lanes::GROUP);
             debug_assert!((1..=if WIDE { 6 } else { 5 }).contains(&width) && words.len() >= g * groups && o.len() >= g * per * groups);
             let t = tables(&super::single_table::<TWICE, 64>(width, base, step));
+            lane_pairs(words, width, groups, |at, both, v| {
+                // SAFETY: elements at..at+8, and at+8..at+16 when `both`, of
+                // o exist (the caller's bound; `at` is a multiple of 8:
+                // aligned when streamed).
+                unsafe { put_lanes(o.as_mut_ptr().add(at), lookup::<WIDE>(&t, v), both, stream) };
+            });
+        }
+
+        /// `f(at, both, v)` for each pair of lanes of the first `groups`
+        /// whole groups (8 words each) of `words`, lanes of `width` bits
+        /// (1..=32), in order: `v` the pair's values (`lane_pair_ints`, the
+        /// lanes above still in the high bits), `at` the element of the
+        /// first lane's first value, `both` whether the second lane is one
+        /// (past the last, its ints come from a shift by 64 or less of
+        /// words not written: values a kernel does not store).
+        #[inline]
+        #[target_feature(enable = "avx2,avx512f")]
+        fn lane_pairs(words: &[u64], width: u32, groups: usize, mut f: impl FnMut(usize, bool, __m512i)) {
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            assert!(words.len() >= g * groups, "{groups} groups of lanes in {} words", words.len());
             let (lane_bits, two_lanes) = (_mm512_set1_epi64(width as i64), _mm512_set1_epi64(2 * width as i64));
             for gi in 0..groups {
-                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                // SAFETY: words gi*8..gi*8+8 exist (the assert above).
                 let ws = unsafe { _mm512_loadu_si512(words.as_ptr().add(gi * g).cast()) };
                 let mut shift = _mm512_setzero_si512();
                 for lane in (0..per).step_by(2) {
-                    let v = lane_pair_ints(ws, shift, lane_bits);
+                    f((gi * per + lane) * g, lane + 1 < per, lane_pair_ints(ws, shift, lane_bits));
                     shift = _mm512_add_epi64(shift, two_lanes);
-                    let f = lookup::<WIDE>(&t, v);
-                    let at = (gi * per + lane) * g;
-                    // SAFETY: elements at..at+8, and at+8..at+16 when lane + 1
-                    // is one, of o exist (the caller's bound; `at` is a
-                    // multiple of 8: aligned when streamed).
-                    unsafe { put_lanes(o.as_mut_ptr().add(at), f, lane + 1 < per, stream) };
                 }
             }
         }
