@@ -739,20 +739,33 @@ mod kernels {
             let table = super::single_table::<TWICE, 16>(width, base, step);
             // SAFETY: `table` holds 16 floats.
             let (t0, t1) = unsafe { (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8))) };
+            each_lane(words, width, groups, |at, v| {
+                let f = _mm256_permutevar8x32_ps(t0, v);
+                // entries 8..16 where bit 3 of the lane is set
+                let f = if WIDE { _mm256_blendv_ps(f, _mm256_permutevar8x32_ps(t1, v), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(v))) } else { f };
+                // SAFETY: elements at..at+8 of o exist (the caller's bound,
+                // alignment when streamed included).
+                unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
+            });
+        }
+
+        /// `f(at, v)` for each lane of the first `groups` whole groups (8
+        /// words each) of `words`, lanes of `width` bits (1..=32), in
+        /// order: `v` the lane's 8 values (`lane_ints`, the lanes above
+        /// still in the high bits), `at` the element of its first value.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn each_lane(words: &[u64], width: u32, groups: usize, mut f: impl FnMut(usize, __m256i)) {
+            let (per, g) = ((64 / width) as usize, lanes::GROUP);
+            assert!(words.len() >= g * groups, "{groups} groups of lanes in {} words", words.len());
             let lane_bits = _mm256_set1_epi64x(width as i64);
             for gi in 0..groups {
-                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
+                // SAFETY: words gi*8..gi*8+8 exist (the assert above).
                 let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
                 let mut shift = _mm256_setzero_si256();
                 for lane in 0..per {
-                    let v = lane_ints(lo, hi, shift);
+                    f((gi * per + lane) * g, lane_ints(lo, hi, shift));
                     shift = _mm256_add_epi64(shift, lane_bits);
-                    let f = _mm256_permutevar8x32_ps(t0, v);
-                    // entries 8..16 where bit 3 of the lane is set
-                    let f = if WIDE { _mm256_blendv_ps(f, _mm256_permutevar8x32_ps(t1, v), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(v))) } else { f };
-                    // SAFETY: elements (gi * per + lane) * 8 .. +8 of o exist (the
-                    // caller's bound, alignment when streamed included).
-                    unsafe { super::put8(o.as_mut_ptr().add((gi * per + lane) * g), f, stream) };
                 }
             }
         }
@@ -806,25 +819,17 @@ mod kernels {
             let (t0, t1) = unsafe { (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8))) };
             let mask = _mm256_set1_epi32(((1u32 << width) - 1) as i32);
             let (count, row) = (_mm256_set1_epi32(COUNT as i32), _mm256_set1_epi32(width as i32));
-            let lane_bits = _mm256_set1_epi64x(width as i64);
-            for gi in 0..groups {
-                // SAFETY: words gi*8..gi*8+8 exist (the caller's bound).
-                let (lo, hi) = unsafe { (_mm256_loadu_si256(words.as_ptr().add(gi * g).cast()), _mm256_loadu_si256(words.as_ptr().add(gi * g + 4).cast())) };
-                let mut shift = _mm256_setzero_si256();
-                for lane in 0..per {
-                    let v = _mm256_and_si256(lane_ints(lo, hi, shift), mask);
-                    shift = _mm256_add_epi64(shift, lane_bits);
-                    let at = (gi * per + lane) * g;
-                    // SAFETY: elements at..at+8 of l and o exist (the caller's bound).
-                    let lv = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(l.as_ptr().add(at).cast()) });
-                    let r = _mm256_and_si256(_mm256_cmpgt_epi32(count, lv), lv); // past the steps: row 0
-                    let i = _mm256_or_si256(v, _mm256_sllv_epi32(r, row));
-                    // entries 8..16 where bit 3 of the index is set
-                    let f = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, i), _mm256_permutevar8x32_ps(t1, i), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(i)));
-                    // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
-                    unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
-                }
-            }
+            each_lane(words, width, groups, |at, v| {
+                let v = _mm256_and_si256(v, mask);
+                // SAFETY: elements at..at+8 of l and o exist (the caller's bound).
+                let lv = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(l.as_ptr().add(at).cast()) });
+                let r = _mm256_and_si256(_mm256_cmpgt_epi32(count, lv), lv); // past the steps: row 0
+                let i = _mm256_or_si256(v, _mm256_sllv_epi32(r, row));
+                // entries 8..16 where bit 3 of the index is set
+                let f = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, i), _mm256_permutevar8x32_ps(t1, i), _mm256_castsi256_ps(_mm256_slli_epi32::<28>(i)));
+                // SAFETY: as for `lv` (`at` is a multiple of 8: aligned when streamed).
+                unsafe { super::put8(o.as_mut_ptr().add(at), f, stream) };
+            });
         }
 
         /// `decode_packed_few::<COUNT>` for the first `groups` whole groups,
