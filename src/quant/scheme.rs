@@ -27,6 +27,7 @@ use super::collective::{self, Collective};
 use super::{digits, lanes, noise, onebit, powersgd, qsgd, twobit};
 use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
+use crate::hash;
 use crate::error::{Error, Result};
 
 /// Where and when a push happens.
@@ -264,69 +265,99 @@ impl SelectionCache {
     }
 }
 
-/// Floyd's sampling of `k < n` distinct indices from the noise stream
-/// `seed`: draw `d` (for `j = n - k + d`) picks `t = floor(u_d (j + 1))`,
-/// or `j` when `t` was picked already; marked in a bitset, read in order.
-/// The draws come from the vector kernels a block at a time (as integer
-/// products below `noise::BELOW_EXACT`, the f64 ones above), and the bitset
-/// word of a later draw is fetched ahead while earlier ones are marked.
-/// Marking is sequential (a draw depends on every earlier one); reading the
-/// bitset out runs in parallel pieces, each placed by the counts before it.
+/// Coordinates per stratum of a random-K selection: a stratum's bitset
+/// (8 KiB) stays in L1 while its draws mark it.
+const STRATUM: usize = 1 << 16;
+
+/// `k <= n` distinct indices from the noise stream `seed`, stratified: the
+/// key's coordinates fall in strata of `STRATUM` (the last one shorter),
+/// each stratum gets its share of `k` (`strata_counts`), and picks that many
+/// of its own coordinates by Floyd's sampling: with the stratum's first
+/// draw at stream position `first` (the counts before it), draw `d` (for
+/// `j = m - c + d`, `c` of its `m` coordinates) picks `t = floor(u (j + 1))`,
+/// or `j` when `t` was picked already. Every coordinate is picked with
+/// chance `k / n`; within a stratum every set of `c` is equally likely.
+/// Strata are drawn in parallel, each marking a bitset in L1 and reading it
+/// out to its own place in `idx` (ascending).
 fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
-    const BLOCK: usize = 2048;
-    const AHEAD: usize = 32;
-    thread_local! {
-        // The bitset, kept between draws on this thread (cleared, not freed).
-        // Taken out while in use: a job rayon runs on this thread while it
-        // waits for the read-out may draw too, into a bitset of its own.
-        static CHOSEN: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
+    draw_selection_on(crate::isa::Isa::detect(), seed, n, k, idx)
+}
+
+fn draw_selection_on(isa: crate::isa::Isa, seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
+    assert!(k <= n, "draw_selection: k = {k} of n = {n}");
+    let counts = strata_counts(seed, n, k);
+    idx.resize(k, 0); // every slot is written below; a recycled vector of k is not touched
+    let mut strata = Vec::with_capacity(counts.len());
+    let (mut rest, mut first) = (&mut idx[..], 0);
+    for (s, &c) in counts.iter().enumerate() {
+        let (out, tail) = std::mem::take(&mut rest).split_at_mut(c);
+        strata.push((s * STRATUM, first, out));
+        (rest, first) = (tail, first + c);
     }
-    let mut chosen = CHOSEN.take();
-    chosen.clear();
-    chosen.resize(n.div_ceil(64), 0);
-    let isa = crate::isa::Isa::detect();
-    let (mut u, mut t32, mut t) = ([0f32; BLOCK], [0u32; BLOCK], [0usize; BLOCK]);
-    let mut first = 0;
-    while first < k {
-        let (len, j0) = (BLOCK.min(k - first), n - k + first);
-        if n <= noise::BELOW_EXACT {
-            noise::below(isa, seed, first, j0, &mut t32[..len]);
-            t[..len].iter_mut().zip(&t32[..len]).for_each(|(t, &x)| *t = x as usize);
-        } else {
-            noise::fill(isa, seed, first, &mut u[..len]);
-            for (d, (t, &u)) in t[..len].iter_mut().zip(&u[..len]).enumerate() {
-                *t = ((u as f64 * (j0 + d + 1) as f64) as usize).min(j0 + d);
-            }
-        }
-        for d in 0..len {
-            if d + AHEAD < len {
-                prefetch(&chosen, t[d + AHEAD] / 64);
-            }
-            let (w, b) = (t[d] / 64, 1u64 << (t[d] % 64));
-            if chosen[w] & b == 0 {
-                chosen[w] |= b;
+    strata.into_par_iter().for_each(|(base, first, out)| draw_stratum(isa, seed, base, STRATUM.min(n - base), first, out));
+}
+
+/// Floyd's sampling of `out.len()` of coordinates `base..base + m` (`m` at
+/// most `STRATUM`, at least `out.len()`), with draws from stream position
+/// `first` on, ascending into `out`.
+fn draw_stratum(isa: crate::isa::Isa, seed: u64, base: usize, m: usize, first: usize, out: &mut [usize]) {
+    const DRAWS: usize = 2048;
+    let c = out.len();
+    if c == 0 {
+        return;
+    }
+    let mut chosen = [0u64; STRATUM / 64];
+    let words = &mut chosen[..m.div_ceil(64)];
+    let mut t = [0u32; DRAWS];
+    let mut done = 0;
+    while done < c {
+        let (len, j0) = (DRAWS.min(c - done), m - c + done);
+        // j0 + len <= m <= STRATUM: the integer draws are the definition's
+        noise::below(isa, seed, first + done, j0, &mut t[..len]);
+        for (d, &t) in t[..len].iter().enumerate() {
+            let (w, b) = (t as usize / 64, 1u64 << (t % 64));
+            if words[w] & b == 0 {
+                words[w] |= b;
             } else {
                 let j = j0 + d; // never picked before: j exceeds every earlier draw's range
-                chosen[j / 64] |= 1u64 << (j % 64);
+                words[j / 64] |= 1u64 << (j % 64);
             }
         }
-        first += len;
+        done += len;
     }
-    let counts: Vec<usize> = chosen.par_chunks(READOUT_WORDS).map(|w| count_ones(isa, w)).collect();
-    assert_eq!(counts.iter().sum::<usize>(), k, "Floyd's draws mark k distinct indices");
-    idx.resize(k, 0); // every slot is written below; a recycled vector of k is not touched
-    let mut pieces = Vec::with_capacity(counts.len());
-    let mut rest = &mut idx[..];
-    for &c in &counts {
-        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(c);
-        pieces.push(piece);
-        rest = tail;
-    }
-    pieces.into_par_iter().zip(chosen.par_chunks(READOUT_WORDS)).enumerate().for_each(|(p, (out, words))| positions(isa, words, p * READOUT_WORDS * 64, out));
-    if chosen.len() <= 1 << 24 {
-        CHOSEN.set(chosen); // up to 128 MiB kept
-    }
+    debug_assert_eq!(count_ones(isa, words), c, "Floyd's draws mark c distinct coordinates");
+    positions(isa, words, base, out);
 }
+
+/// How many of `k <= n` coordinates each stratum gets: its share
+/// `k m / n` (`m` its coordinates) rounded down, plus one for each point of
+/// a systematic draw in its stretch: the shares' remainders `k m mod n` are
+/// laid end to end, and the points are `u + i n` for one offset `u`
+/// uniform in `0..n` (from `seed`; the points then number exactly the
+/// remainders' sum over `n`). A stratum's extra one comes with chance
+/// `(k m mod n) / n`, so its expected count is exactly its share: every
+/// coordinate's chance is `k / n` (up to the 2^-64 grid of `u`). Integers
+/// only: the same counts on every machine.
+fn strata_counts(seed: u64, n: usize, k: usize) -> Vec<usize> {
+    let (n128, k128) = (n as u128, k as u128);
+    let u = (hash::finalize(seed ^ STRATA_SALT) as u128 * n128) >> 64;
+    // points below x: u + i n < x for i >= 0
+    let points_below = |x: u128| if x <= u { 0 } else { (x - u).div_ceil(n128) };
+    let mut laid = 0u128;
+    (0..n.div_ceil(STRATUM))
+        .map(|s| {
+            let m = STRATUM.min(n - s * STRATUM) as u128;
+            let share = k128 * m;
+            let extra = points_below(laid + share % n128) - points_below(laid);
+            laid += share % n128;
+            (share / n128 + extra) as usize
+        })
+        .collect()
+}
+
+/// Mixed into a selection's seed for its strata's offset (any constant
+/// apart from the noise stream's own use of the seed).
+const STRATA_SALT: u64 = 0x5354_5241_5441_0001;
 
 #[inline(always)]
 fn count_ones_body(words: &[u64]) -> usize {
@@ -379,9 +410,6 @@ crate::isa::multiversion! {
     fn positions[][](words: &[u64], base: usize, out: &mut [usize]) -> () = positions_body;
 }
 
-/// Bitset words per parallel piece of a selection's read-out.
-const READOUT_WORDS: usize = 1 << 12;
-
 /// Selected coordinates per parallel piece of a gather or scatter.
 const SPREAD_PIECE: usize = 1 << 14;
 
@@ -419,15 +447,6 @@ fn selected_in(idx: &[usize], range: Range<usize>) -> Range<usize> {
     idx.partition_point(|&i| i < range.start)..idx.partition_point(|&i| i < range.end)
 }
 
-/// Asks the cache for `words[i]` ahead of its use (a hint; no effect on results).
-#[inline(always)]
-fn prefetch(words: &[u64], i: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(w) = words.get(i) {
-        // SAFETY: a prefetch never faults or changes memory; the address is in `words`.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((w as *const u64).cast::<i8>()) };
-    }
-}
 
 /// Checks a state loaded from a checkpoint against the key it is for:
 /// residual empty or of `n` elements, PowerSGD's Q empty or `cols x rank`

@@ -386,31 +386,83 @@ fn a_server_sums_codes_in_packed_lanes_from_the_narrow_wire() {
     assert!(LaneSum::first(&huge, workers).is_err());
 }
 
-#[test]
-fn selection_draws_what_floyds_algorithm_draws_one_at_a_time() {
-    // The definition: draw d of the stream picks t = floor(u_d (j + 1)) for
-    // j = n - k + d, or j when t was picked already.
-    fn floyd(seed: u64, n: usize, k: usize) -> Vec<usize> {
-        let mut picked = std::collections::BTreeSet::new();
-        for (d, j) in (n - k..n).enumerate() {
-            let t = ((qsgd::uniform(seed, d as u64) as f64 * (j + 1) as f64) as usize).min(j);
-            if !picked.insert(t) {
-                picked.insert(j);
+/// The definition of a selection, one draw at a time: each stratum's count
+/// from the systematic points laid over the shares' remainders, then
+/// Floyd's sampling in the stratum, draw `d` (for `j = m - c + d`) picking
+/// `t = floor(u_d (j + 1))`, or `j` when `t` was picked already.
+fn stratified(seed: u64, n: usize, k: usize) -> Vec<usize> {
+    let u = (crate::hash::finalize(seed ^ STRATA_SALT) as u128 * n as u128) >> 64;
+    let points: Vec<u128> = (0..k as u128).map(|i| u + i * n as u128).collect();
+    let (mut picked, mut first, mut laid) = (Vec::new(), 0, 0u128);
+    for base in (0..n).step_by(STRATUM) {
+        let m = STRATUM.min(n - base);
+        let rem = (k * m) as u128 % n as u128;
+        let extra = points.iter().filter(|&&p| laid <= p && p < laid + rem).count();
+        laid += rem;
+        let c = k * m / n + extra;
+        let mut mine = std::collections::BTreeSet::new();
+        for (d, j) in (m - c..m).enumerate() {
+            let t = ((qsgd::uniform(seed, (first + d) as u64) as f64 * (j + 1) as f64) as usize).min(j);
+            if !mine.insert(t) {
+                mine.insert(j);
             }
         }
-        picked.into_iter().collect()
+        picked.extend(mine.into_iter().map(|i| base + i));
+        first += c;
     }
-    for (n, k) in [(10, 3), (100, 99), (5000, 2047), (5000, 2048), (5000, 2049), (5000, 4097), (100_000, 6250), (1 << 20, 1 << 16), (3 * 64 * READOUT_WORDS + 5, 64 * READOUT_WORDS)] {
-        let mut idx = vec![1, 2, 3]; // a recycled vector: cleared first
-        draw_selection(77, n, k, &mut idx);
-        assert_eq!(idx, floyd(77, n, k), "n={n} k={k}");
+    picked
+}
+
+#[test]
+fn selection_draws_each_stratum_by_floyds_algorithm_one_at_a_time() {
+    // One stratum, a whole one, one coordinate past it, a short last one,
+    // strata of more than one block of draws (2048), most coordinates.
+    let s = STRATUM;
+    for (n, k) in [(10, 3), (100, 99), (5000, 2049), (s, 1), (s, s - 1), (s + 1, 1), (s + 1, s), (3 * s + 5, 2049), (3 * s + 5, 3 * s), (1 << 20, 1 << 16), (5 * s + 777, 5 * s + 776)] {
+        let want = stratified(77, n, k);
+        assert_eq!(want.len(), k);
+        assert!(want.windows(2).all(|w| w[0] < w[1]) && want.iter().all(|&i| i < n));
+        for isa in crate::isa::Isa::available() {
+            let mut idx = vec![1, 2, 3]; // a recycled vector: resized first
+            draw_selection_on(isa, 77, n, k, &mut idx);
+            assert_eq!(idx, want, "{isa:?} n={n} k={k}");
+        }
     }
-    // Integer draws up to noise::BELOW_EXACT, f64 ones past it: both the definition.
-    for n in [noise::BELOW_EXACT, noise::BELOW_EXACT + 1000] {
+}
+
+#[test]
+fn every_coordinate_is_selected_with_chance_k_over_n() {
+    // Three whole strata and a short one of 1000, whose share 25.3 of the
+    // 5000 rounds up with chance 0.3: counts are their shares rounded one
+    // way or the other, summing to k; over 400 seeds each stretch of 1024
+    // coordinates is picked k/n of the time, and the short stratum's count
+    // rounds up about 0.3 of the time.
+    let (n, k, seeds) = (3 * STRATUM + 1000, 5000, 400);
+    let mut hits = vec![0usize; n.div_ceil(1024)];
+    let mut ups = 0;
+    for seed in 0..seeds {
+        let counts = strata_counts(seed, n, k);
+        assert_eq!(counts.iter().sum::<usize>(), k);
+        for (s, &c) in counts.iter().enumerate() {
+            let m = STRATUM.min(n - s * STRATUM);
+            assert!(c == k * m / n || c == k * m / n + 1, "seed {seed} stratum {s}: {c}");
+        }
+        ups += usize::from(counts[3] == 26);
         let mut idx = Vec::new();
-        draw_selection(78, n, 300, &mut idx);
-        assert_eq!(idx, floyd(78, n, 300), "n={n}");
+        draw_selection(seed, n, k, &mut idx);
+        idx.iter().for_each(|&i| hits[i / 1024] += 1);
     }
+    let up = ups as f64 / seeds as f64;
+    assert!((up - 0.3).abs() < 0.1, "the short stratum rounded up {up} of the time");
+    for (b, &h) in hits.iter().enumerate() {
+        let width = 1024.min(n - b * 1024) as f64;
+        let want = seeds as f64 * k as f64 / n as f64 * width;
+        assert!((h as f64 - want).abs() < 0.01 * want + 5.0 * want.sqrt(), "stretch {b}: {h} hits, {want} expected");
+    }
+}
+
+#[test]
+fn selection_is_cached_by_what_it_is_a_function_of() {
     // Kept for the next call with the same (seed, step, key, n, k): the same allocation.
     let Compression::Qsgd(q) = params(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "300")]) else { unreachable!() };
     let (a, b) = (selection(&q, 5000, 9, 1).unwrap(), selection(&q, 5000, 9, 1).unwrap());
