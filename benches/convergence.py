@@ -5,7 +5,7 @@ each worker sent per epoch and time per epoch, and plotting accuracy against
 epochs into docs/convergence.png (needs matplotlib: pip install 'matplotlib<3.8'
 'numpy<1.24', as matplotlib alone pulls a newer numpy, which MXNet 1.9.1 refuses).
 
-Run: python benches/convergence.py [--epochs N] [--workers 2 4]"""
+Run: python benches/convergence.py [--epochs N] [--workers 2 4] [--only NAME ...]"""
 import argparse
 import json
 import os
@@ -43,15 +43,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--only", nargs="+", default=[],
+                   help="schemes whose names contain one of these (and 'none', the baseline); no plot")
     p.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "convergence.png"))
     args = p.parse_args()
+    schemes = [(name, params) for name, params in SCHEMES
+               if not args.only or name == "none" or any(o in name for o in args.only)]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for w in args.workers:
             print("\n%d workers, %d epochs, batch 32 per worker, SGD lr 0.1 momentum 0.9" % (w, args.epochs))
             print("| scheme | final accuracy | vs none | KB sent per worker per epoch | vs none | s per epoch |")
             print("|---|---|---|---|---|---|")
-            for name, params in SCHEMES:
+            for name, params in schemes:
                 r = run(w, params, args.epochs, os.path.join(tmp, "r.json"))
                 results[(w, name)] = r
                 base = results[(w, "none")]
@@ -60,6 +64,8 @@ def main():
                     name, 100 * r["accuracy"][-1], 100 * (r["accuracy"][-1] - base["accuracy"][-1]), kb,
                     base["wire_bytes"] / max(r["wire_bytes"], 1), r["s_per_epoch"]))
                 sys.stdout.flush()
+    if args.only:
+        return  # a plot of some schemes would replace the plot of all
     try:
         import matplotlib
         matplotlib.use("Agg")
