@@ -165,15 +165,16 @@ def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params, c
 
 
 # Every scheme, at sizes whose whole vectors and groups of lanes the kernels
-# take, with random-K's k = n/16.
+# take, with random-K's k = n/16 (of its 40 x 4000 key: three strata of its
+# selection, the last one short).
 EVERY_SCHEME = [
     {"compress": "2bit", "pos_threshold": 0.5, "neg_threshold": -0.5},
     {"compress": "qsgd_mn", "bits": 2, "seed": 4},
     {"compress": "qsgd_mn", "bits": 8},
     {"compress": "qsgd_mn_ts", "bits": [2, 6]},
     {"compress": "qsgd_mn_ms", "bits": [2, 4, 8]},
-    {"compress": "grandk_mn", "bits": 8, "k": 2500},
-    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 2500},
+    {"compress": "grandk_mn", "bits": 8, "k": 10000},
+    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 10000},
     {"compress": "powersgd", "rank": 2},
     {"compress": "1bit"},
 ]
@@ -188,13 +189,15 @@ def test_nodes_on_different_kernels_give_the_device_stores_bits(tmp_path, params
     # selects random-K's coordinates and decodes with its own kernels, so a
     # kernel that rounds, selects, packs or decodes one bit differently from
     # another shows as a difference on one of the two workers. The 40 x 1000
-    # key is cut into 4 slices over the 2 servers at offsets no vector aligns to.
+    # key (random-K's: 40 x 4000) is cut into 4 slices over the 2 servers at
+    # offsets no vector aligns to.
     # Pulls decode the servers' answers on the workers; with SGD on the
     # servers, they return what the servers decoded.
     from gradpack.launch import free_port
     port = free_port()
-    env = {"GRADPACK_TEST_OUT": str(tmp_path), "GRADPACK_TEST_PARAMS": json.dumps(params), "GRADPACK_TEST_SHAPE": "40,1000",
-           "MXNET_KVSTORE_BIGARRAY_BOUND": "1000", "GRADPACK_PARTITION_BYTES": "40004"}
+    cols = 4000 if params["compress"].startswith("grandk") else 1000
+    env = {"GRADPACK_TEST_OUT": str(tmp_path), "GRADPACK_TEST_PARAMS": json.dumps(params), "GRADPACK_TEST_SHAPE": "40,%d" % cols,
+           "MXNET_KVSTORE_BIGARRAY_BOUND": "1000", "GRADPACK_PARTITION_BYTES": str(40 * cols + 4)}
     if decoder == "servers":
         env["GRADPACK_TEST_SGD"] = "1"
     script = [sys.executable, os.path.join(SCRIPTS, "scheme_pushes.py")]

@@ -428,6 +428,14 @@ fn selection_draws_each_stratum_by_floyds_algorithm_one_at_a_time() {
             assert_eq!(idx, want, "{isa:?} n={n} k={k}");
         }
     }
+    // Strata drawn on one thread or several: the same selection.
+    let (n, k) = (5 * s + 777, 3 * s);
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let mut idx = Vec::new();
+        pool.install(|| draw_selection(79, n, k, &mut idx));
+        assert_eq!(idx, stratified(79, n, k), "{threads} threads");
+    }
 }
 
 #[test]
