@@ -1,5 +1,5 @@
 """One worker of benches/convergence.py, started by mpirun: trains the digits
-MLP (64-64-10) on its shard of the training set through a Gluon Trainer on
+MLP (64-64-10, or 64-H-10 with --hidden H) on its shard of the training set through a Gluon Trainer on
 gradpack's 'dist_sync_allreduce' store with the given compress_params, and
 rank 0 writes accuracy per epoch, bytes handed to MPI and time per epoch."""
 import argparse
@@ -22,6 +22,7 @@ def main():
     p.add_argument("--params", required=True, help="compress_params as JSON ({} for none)")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    p.add_argument("--hidden", type=int, default=64, help="units of the hidden layer")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     params = json.loads(args.params) or None
@@ -29,7 +30,7 @@ def main():
     np.random.seed(0)
     (xtr, ytr), (xte, yte) = load_data()
     net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(64, activation="relu"), mx.gluon.nn.Dense(10))
+    net.add(mx.gluon.nn.Dense(args.hidden, activation="relu"), mx.gluon.nn.Dense(10))
     net.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
     trainer = gpmx.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                            kvstore="dist_sync_allreduce", compress_params=params)
