@@ -27,8 +27,8 @@ use super::collective::{self, Collective};
 use super::{digits, lanes, noise, onebit, powersgd, qsgd, twobit};
 use super::compression::{Compression, Qsgd};
 use crate::bytes::Reader;
-use crate::hash;
 use crate::error::{Error, Result};
+use crate::hash;
 
 /// Where and when a push happens.
 #[derive(Clone, Copy, Debug)]
@@ -283,6 +283,7 @@ fn draw_selection(seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
     draw_selection_on(crate::isa::Isa::detect(), seed, n, k, idx)
 }
 
+/// `draw_selection` on the kernels of `isa` (the tests run every one).
 fn draw_selection_on(isa: crate::isa::Isa, seed: u64, n: usize, k: usize, idx: &mut Vec<usize>) {
     assert!(k <= n, "draw_selection: k = {k} of n = {n}");
     let counts = strata_counts(seed, n, k);
