@@ -326,7 +326,7 @@ fn draw_stratum(isa: crate::isa::Isa, seed: u64, base: usize, m: usize, first: u
         }
         done += len;
     }
-    debug_assert_eq!(count_ones(isa, words), c, "Floyd's draws mark c distinct coordinates");
+    assert_eq!(count_ones(isa, words), c, "Floyd's draws mark c distinct coordinates");
     positions(isa, words, base, out);
 }
 
@@ -447,7 +447,6 @@ fn scatter(idx: &[usize], base: usize, vals: &[f32], out: &mut [f32]) {
 fn selected_in(idx: &[usize], range: Range<usize>) -> Range<usize> {
     idx.partition_point(|&i| i < range.start)..idx.partition_point(|&i| i < range.end)
 }
-
 
 /// Checks a state loaded from a checkpoint against the key it is for:
 /// residual empty or of `n` elements, PowerSGD's Q empty or `cols x rank`
