@@ -284,17 +284,14 @@ pub fn check_agree(world: &World, what: &str, mine: &Agreement) -> Result<()> {
 /// its store (so this one takes part in no more collectives either).
 pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement) -> std::result::Result<(), (Error, bool)> {
     let values = mine.values();
-    let pieces: Vec<f32> = values.iter().flat_map(|&v| (0..4).map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32)).collect();
-    let mut both: Vec<f32> = pieces.iter().copied().chain(pieces.iter().map(|p| -p)).collect();
-    crate::quant::collective::Collective::max_f32(&mut &*world, &mut both).map_err(|e| (e, false))?;
-    let (max, neg_min) = both.split_at(pieces.len());
-    let differs: Vec<&str> = (0..values.len()).filter(|&f| (0..4).any(|i| max[4 * f + i] != -neg_min[4 * f + i])).map(|f| Agreement::FIELDS[f]).collect();
+    let (max, differs) = crate::quant::collective::compare_fields(&mut &*world, &values).map_err(|e| (e, false))?;
+    let differs: Vec<&str> = differs.into_iter().map(|f| Agreement::FIELDS[f]).collect();
     if differs.is_empty() {
         return Ok(());
     }
     let named: Vec<&str> = differs.iter().copied().filter(|f| !f.is_empty()).collect();
-    // The operation tag is field 0: its piece 0 holds the whole tag.
-    let closing = max[0] == Op::Close as u64 as f32 && mine.op != Op::Close;
+    // The operation tag is field 0.
+    let closing = max[0] == Op::Close as u64 && mine.op != Op::Close;
     let why = if closing {
         "another worker closed its store, so this operation can never complete; every worker must init and push the same keys as often as the others".to_string()
     } else if named.contains(&"operation") {

@@ -15,6 +15,7 @@ pub mod compression {
 }
 pub mod dist;
 pub mod error;
+pub mod group;
 pub mod hash;
 pub mod isa;
 pub mod key;

@@ -4,11 +4,11 @@
 //! The caller owns every array; the store copies what it keeps.
 #![allow(non_camel_case_types)] // the C names, as c_api.h spells them
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void};
 
 use half::{bf16, f16};
 
-use super::{dtype_of, guard, slice, slice_mut, Raw};
+use super::{cstr, dtype_of, guard, owned, params, slice, slice_mut, Raw};
 use crate::compression::Compression;
 use crate::dist::{self, Config};
 use crate::error::{Dtype, Error, Result};
@@ -47,13 +47,6 @@ pub struct gp_array_mut_t {
 /// Updater callback: `stored` (n floats) is updated in place from `merged`.
 /// Returns 0 on success; anything else fails the push.
 pub type gp_updater_fn = Option<unsafe extern "C" fn(key: gp_key_t, merged: *const f32, stored: *mut f32, n: u64, user: *mut c_void) -> c_int>;
-
-unsafe fn cstr<'a>(p: *const c_char, what: &'static str) -> Result<&'a str> {
-    if p.is_null() {
-        return Err(Error::NullPointer { what });
-    }
-    CStr::from_ptr(p).to_str().map_err(|_| Error::InvalidParam { key: what.into(), problem: "is not UTF-8".into() })
-}
 
 unsafe fn key_of(k: gp_key_t) -> Result<Key> {
     if k.str_key.is_null() {
@@ -155,17 +148,6 @@ impl Outputs {
 
 unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a gp_kvstore_t> {
     s.as_ref().ok_or(Error::NullPointer { what: "store" })
-}
-
-fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-}
-
-unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> Result<Vec<(&'a str, &'a str)>> {
-    let n = num.max(0) as u64;
-    Raw::new("param keys", keys, n)?;
-    Raw::new("param values", vals, n)?;
-    slice(keys, n).iter().zip(slice(vals, n)).map(|(&k, &v)| Ok((cstr(k, "param key")?, cstr(v, "param value")?))).collect()
 }
 
 /// Creates a store of `type`: "local", "device", or a worker of "dist_sync",

@@ -5,14 +5,16 @@
 
 mod codec;
 mod cuda;
+mod group;
 mod kvstore;
 
 pub use codec::*;
 pub use cuda::*;
+pub use group::*;
 pub use kvstore::*;
 
 use std::cell::RefCell;
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, c_int, CStr, CString};
 
 use crate::codec::Platform;
 use crate::error::{Error, Result};
@@ -143,3 +145,24 @@ pub(crate) unsafe fn slice_mut<'a, T>(ptr: *mut T, len: u64) -> &'a mut [T] {
     }
 }
 
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn cstr<'a>(p: *const c_char, what: &'static str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::NullPointer { what });
+    }
+    CStr::from_ptr(p).to_str().map_err(|_| Error::InvalidParam { key: what.into(), problem: "is not UTF-8".into() })
+}
+
+pub(crate) fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// # Safety
+/// `keys` and `vals` are NULL (with `num` 0) or point to `num` NUL-terminated strings each.
+pub(crate) unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> Result<Vec<(&'a str, &'a str)>> {
+    let n = num.max(0) as u64;
+    Raw::new("param keys", keys, n)?;
+    Raw::new("param values", vals, n)?;
+    slice(keys, n).iter().zip(slice(vals, n)).map(|(&k, &v)| Ok((cstr(k, "param key")?, cstr(v, "param value")?))).collect()
+}

@@ -119,6 +119,21 @@ pub trait Collective {
     }
 }
 
+/// Compares `fields` across every member in one MAX reduction of their
+/// 16-bit pieces and the pieces' negations (exact in float32; always
+/// `8 * fields.len()` floats, so callers with different fields never pair
+/// up or truncate). Returns each field's maximum over members and the
+/// indices of the fields that differ between members.
+pub fn compare_fields(coll: &mut dyn Collective, fields: &[u64]) -> Result<(Vec<u64>, Vec<usize>)> {
+    let pieces: Vec<f32> = fields.iter().flat_map(|&v| (0..4).map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32)).collect();
+    let mut both: Vec<f32> = pieces.iter().copied().chain(pieces.iter().map(|p| -p)).collect();
+    coll.max_f32(&mut both)?;
+    let (max, neg_min) = both.split_at(pieces.len());
+    let field_max = (0..fields.len()).map(|f| (0..4).fold(0u64, |acc, i| acc | (max[4 * f + i] as u64) << (16 * i))).collect();
+    let differs = (0..fields.len()).filter(|&f| (0..4).any(|i| max[4 * f + i] != -neg_min[4 * f + i])).collect();
+    Ok((field_max, differs))
+}
+
 /// The lane width of `members` members' codes summed, each in `lo..=hi`
 /// (None when the sum could overflow an `i32`).
 pub fn sum_width(lo: i32, hi: i32, members: usize) -> Option<u32> {

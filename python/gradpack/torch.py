@@ -1,0 +1,269 @@
+"""gradpack.torch: gradpack's schemes as DDP communication hooks over
+torch.distributed (gloo on CPU).
+
+    import gradpack.torch as gpt
+    state = gpt.State({'compress': 'qsgd_mn', 'bits': 2, 'seed': 1})
+    ddp.register_comm_hook(state, gpt.hook)
+
+The Rust core does every numeric step (the stores' scheme path); this
+module hands it the bucket's float32 buffer without copying and performs
+the all-reduces it asks for, every one issued from the hook body in the
+same order on every rank (agreement and exchanges block there; the final
+sums are asynchronous and only decoded in the future's callback). Results
+are the sum over ranks divided by the world size, identical on every rank.
+
+Each parameter is one key ('param0', 'param1', ... in the order DDP first
+hands them over), so state survives DDP's bucket rebuilds and checkpoints.
+Errors are ``gradpack.Error``, raised on every rank at the same step. A
+rank that dies ends the job with torch's own timeout error (the
+``timeout=`` of ``init_process_group``).
+"""
+import ctypes
+
+import torch
+import torch.distributed as dist
+
+from .base import LIB, Error, check_call
+
+__all__ = ["State", "hook", "allreduce_"]
+
+_p = ctypes.c_void_p
+_u64 = ctypes.c_uint64
+_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, _p, ctypes.c_int, ctypes.c_int, _p, _u64)
+_strs = ctypes.POINTER(ctypes.c_char_p)
+LIB.gp_group_new.argtypes = [_strs, _strs, ctypes.c_int, _u64, _u64, _u64, ctypes.c_double,
+                             ctypes.POINTER(_p)]
+LIB.gp_group_free.argtypes = [_p]
+LIB.gp_group_free.restype = None
+LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _p,
+                                _u64, ctypes.c_int, _REDUCE, _p, ctypes.POINTER(_p)]
+LIB.gp_pending_buffers.argtypes = [_p, ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
+                                   ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
+LIB.gp_group_decode.argtypes = [_p, _p, _p, _u64]
+LIB.gp_pending_free.argtypes = [_p]
+LIB.gp_pending_free.restype = None
+LIB.gp_group_stats.argtypes = [_p, ctypes.POINTER(_u64)]
+LIB.gp_group_save.argtypes = [_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint8)), ctypes.POINTER(_u64)]
+LIB.gp_group_load.argtypes = [_p, ctypes.c_char_p, _u64]
+LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), _u64]
+LIB.gp_buffer_free.restype = None
+
+# The C ABI's buffer codes and reductions.
+_BUFFERS = {0: (torch.float32, ctypes.c_float), 1: (torch.uint8, ctypes.c_uint8),
+            2: (torch.int64, ctypes.c_int64)}
+_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.MIN}
+_WIDENED = (torch.float16, torch.bfloat16)
+_STATE_FORMAT = "gradpack.torch/1"
+
+
+def _view(ptr, n, code):
+    """A tensor over gradpack's memory (no copy), valid while its owner lives."""
+    dtype, ctype = _BUFFERS[code]
+    if n == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype)
+
+
+def _check_tensor(t, what):
+    if not isinstance(t, torch.Tensor):
+        raise Error("%s must be a torch.Tensor, got %s" % (what, type(t).__name__))
+    if t.device.type != "cpu":
+        raise Error("%s is on %s: gradpack.torch compresses CPU tensors only in this build "
+                    "(train on CPU with the gloo backend)" % (what, t.device))
+    if t.dtype != torch.float32 and t.dtype not in _WIDENED:
+        raise Error("%s has dtype %s: gradpack compresses float32, float16 and bfloat16 "
+                    "gradients" % (what, t.dtype))
+
+
+class _Pending:
+    """A bucket between encode and decode: its float32 view and the
+    all-reduces in flight. Freed by decode, or when dropped."""
+
+    def __init__(self, state, handle, flat):
+        self.state, self.handle, self.flat, self.futures = state, handle, flat, []
+
+    def reduce(self):
+        words, nwords = _p(), _u64()
+        floats, nfloats = _p(), _u64()
+        plain = ctypes.c_int()
+        check_call(LIB.gp_pending_buffers(self.handle, ctypes.byref(words), ctypes.byref(nwords),
+                                          ctypes.byref(floats), ctypes.byref(nfloats),
+                                          ctypes.byref(plain)))
+        if plain.value:
+            sums = [self.flat]
+        else:
+            sums = [_view(words.value, nwords.value, 2), _view(floats.value, nfloats.value, 0)]
+        self.sums = [t for t in sums if t.numel() > 0]
+        group = self.state.process_group
+        # Futures only: a gloo Work object kept past the process group's
+        # destruction aborts the process at exit.
+        self.futures = [dist.all_reduce(t, group=group, async_op=True).get_future()
+                        for t in self.sums]
+        return self
+
+    def decode(self):
+        handle, self.handle = self.handle, None
+        check_call(LIB.gp_group_decode(self.state._handle, handle, self.flat.data_ptr(),
+                                       self.flat.numel()))
+
+    def __del__(self):
+        if getattr(self, "handle", None) is not None:
+            LIB.gp_pending_free(self.handle)
+
+
+class State:
+    """One rank's compression state for a process group.
+
+    ``compress_params`` is the dict the stores take (every scheme:
+    'none', '2bit', 'qsgd_mn', 'qsgd_mn_ts', 'qsgd_mn_ms', 'grandk_mn',
+    'grandk_mn_ts', 'powersgd', '1bit'). Each tensor is summed plainly
+    for its first ``start_iter`` pushes, and compressed only when its bytes
+    shrink at least ``min_compression_rate`` times (smaller tensors, and
+    vectors under PowerSGD, go as float32).
+    """
+
+    def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0):
+        if not isinstance(compress_params, dict):
+            raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
+        if not dist.is_available() or not dist.is_initialized():
+            raise Error("gradpack.torch.State needs torch.distributed initialised "
+                        "(torch.distributed.init_process_group) first")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise Error("start_iter must be a whole number >= 0, got %r" % (start_iter,))
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        keys = [str(k).encode() for k in compress_params]
+        vals = [str(v).encode() for v in compress_params.values()]
+        handle = _p()
+        try:
+            rate = float(min_compression_rate)
+        except (TypeError, ValueError):
+            raise Error("min_compression_rate must be a number, got %r" % (min_compression_rate,))
+        check_call(LIB.gp_group_new((ctypes.c_char_p * len(keys))(*keys),
+                                    (ctypes.c_char_p * len(vals))(*vals), len(keys), self.rank,
+                                    self.world_size, start_iter, rate, ctypes.byref(handle)))
+        self._handle = handle.value
+        self.compress_params = dict(compress_params)
+        self._param_keys = {}  # id(parameter) -> key
+        self._params = []  # the parameters, so that their ids stay theirs
+        self._failure = None
+        self._reduce_fn = _REDUCE(self._reduce)
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            LIB.gp_group_free(self._handle)
+            self._handle = None
+
+    def _reduce(self, _user, op, code, ptr, n):
+        # Called by gradpack during encode, on the hook's thread.
+        try:
+            dist.all_reduce(_view(ptr, n, code), op=_OPS[op], group=self.process_group)
+            return 0
+        except BaseException as e:  # noqa: B902 - handed back to the caller below
+            self._failure = e
+            return 1
+
+    def _key_of(self, param):
+        key = self._param_keys.get(id(param))
+        if key is None:
+            key = "param%d" % len(self._params)
+            self._param_keys[id(param)] = key
+            self._params.append(param)
+        return key
+
+    def _encode(self, flat, keys, shapes, last):
+        """Agrees and exchanges a bucket; returns it with its final sums in flight."""
+        n = len(keys)
+        ckeys = (ctypes.c_char_p * n)(*[k.encode() for k in keys])
+        ndims = (_u64 * n)(*[len(s) for s in shapes])
+        dims = [d for s in shapes for d in s]
+        cdims = (_u64 * max(1, len(dims)))(*dims)
+        handle = _p()
+        self._failure = None
+        status = LIB.gp_group_encode(self._handle, n, ckeys, ndims, cdims, flat.data_ptr(),
+                                     flat.numel(), int(bool(last)), self._reduce_fn, None,
+                                     ctypes.byref(handle))
+        if status != 0:
+            failure, self._failure = self._failure, None
+            if failure is not None:
+                raise failure  # torch's own error (a dead rank: its timeout)
+            check_call(status)
+        return _Pending(self, handle.value, flat).reduce()
+
+    def stats(self):
+        """Bytes this rank handed torch.distributed (and what float32
+        all-reduces of the same tensors would have), steps and compressed steps."""
+        out = (_u64 * 4)()
+        check_call(LIB.gp_group_stats(self._handle, out))
+        return {"bytes_sent": out[0], "bytes_uncompressed": out[1], "steps": out[2],
+                "compressed_steps": out[3]}
+
+    def state_dict(self):
+        """Every tensor's compression state (residuals, PowerSGD's Q, push
+        counts): save each rank's own, between steps."""
+        data, n = ctypes.POINTER(ctypes.c_uint8)(), _u64()
+        check_call(LIB.gp_group_save(self._handle, ctypes.byref(data), ctypes.byref(n)))
+        try:
+            blob = ctypes.string_at(data, n.value)
+        finally:
+            LIB.gp_buffer_free(data, n)
+        return {"format": _STATE_FORMAT, "compress_params": dict(self.compress_params),
+                "rank": self.rank, "world_size": self.world_size, "states": blob}
+
+    def load_state_dict(self, state_dict):
+        """Resumes from ``state_dict()``: another compression, rank, world
+        size or shape is an error naming it, and changes nothing."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
+            raise Error("not a gradpack.torch state_dict (format %r)" % (
+                state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__,))
+        blob = state_dict.get("states")
+        if not isinstance(blob, (bytes, bytearray)):
+            raise Error("gradpack.torch state_dict: 'states' must be bytes")
+        check_call(LIB.gp_group_load(self._handle, bytes(blob), len(blob)))
+
+
+def _as_float32(t):
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def hook(state, bucket):
+    """DDP communication hook: ``ddp.register_comm_hook(state, hook)``."""
+    buf = bucket.buffer()
+    _check_tensor(buf, "the DDP bucket")
+    params = bucket.parameters()
+    keys = [state._key_of(p) for p in params]
+    shapes = [tuple(p.shape) for p in params]
+    flat = _as_float32(buf)  # float16/bfloat16 widened exactly
+    pending = state._encode(flat, keys, shapes, bucket.is_last())
+    done = torch.futures.collect_all(pending.futures)
+
+    def decode(fut):
+        fut.wait()  # raises torch's error when a sum failed
+        for f in fut.value():
+            f.wait()
+        pending.decode()
+        if flat is not buf:
+            buf.copy_(flat)
+        return buf
+
+    return done.then(decode)
+
+
+def allreduce_(tensor, state, key):
+    """Replaces ``tensor`` (on every rank) with its compressed sum over
+    ranks divided by the world size, as the hook does for a parameter;
+    ``key`` names its state. Returns ``tensor``."""
+    _check_tensor(tensor, "tensor")
+    if not isinstance(key, str) or not key:
+        raise Error("key must be a non-empty str, got %r" % (key,))
+    data = tensor.detach()
+    flat = data.reshape(-1) if data.is_contiguous() and data.dtype == torch.float32 else \
+        _as_float32(data).contiguous().reshape(-1)
+    pending = state._encode(flat, [key], [tuple(tensor.shape)], True)
+    for f in pending.futures:
+        f.wait()
+    pending.decode()
+    if flat.data_ptr() != data.data_ptr():
+        data.copy_(flat.view(data.shape))
+    return tensor

@@ -1,0 +1,322 @@
+"""A rank of test_torch.py, started as torchrun starts one (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): gradpack.torch's DDP hook on gloo, every
+scheme, against allreduce_ on the same gradients and against an
+in-process 'device' store with one device per rank. Runs the scenarios
+named in argv and writes rank<r>.json with what it saw."""
+import copy
+import gc
+import json
+import os
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpack
+import gradpack.kv as kv
+import gradpack.torch as gpt
+
+SCHEMES = [
+    {"compress": "none"},
+    {"compress": "2bit", "threshold": 0.05},
+    {"compress": "qsgd_mn", "bits": 2, "seed": 4},
+    {"compress": "qsgd_mn_ts", "bits": [2, 6]},
+    {"compress": "qsgd_mn_ms", "bits": [1, 3, 8]},
+    {"compress": "grandk_mn", "bits": 4, "k": 40},
+    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 60},
+    {"compress": "powersgd", "rank": 2},
+    {"compress": "1bit", "threshold": 0.01},
+]
+BUCKET_MB = 0.002  # a few KB: several buckets for this model
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("GRADPACK_TEST_TIMEOUT", "60"))))
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+
+class Net(torch.nn.Module):
+    def __init__(self, unused=False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.fc1 = torch.nn.Linear(4 * 6 * 6, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+        self.unused = torch.nn.Linear(5, 5) if unused else None
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batch(step, rank, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 1, 8, 8, generator=g).to(dtype), torch.randint(0, 10, (16,), generator=g)
+
+
+def loss_of(model, step, rank, dtype=torch.float32):
+    x, y = batch(step, rank, dtype)
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def identical_everywhere(t):
+    everyone = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(everyone, t)
+    return all(torch.equal(everyone[0], x) for x in everyone)
+
+
+def make(params, dtype=torch.float32, unused=False, state_kw=None, **ddp_kw):
+    torch.manual_seed(0)
+    model = Net(unused).to(dtype)
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB, **ddp_kw)
+    state = gpt.State(params, **dict({"min_compression_rate": 0}, **(state_kw or {})))
+    ddp.register_comm_hook(state, gpt.hook)
+    return model, ref, ddp, state
+
+
+def hook_against_allreduce(params, steps=3, dtype=torch.float32, accumulate=1, unused=False, state_kw=None, **ddp_kw):
+    """Trains `steps` steps through the hook and, on a copy of the model fed
+    the same data, through allreduce_ parameter by parameter (the keys the
+    hook gave them): the gradients must be the same bits. Returns facts and
+    every step's local gradients (for the device store)."""
+    model, ref, ddp, state = make(params, dtype, unused, state_kw, **ddp_kw)
+    mirror = gpt.State(params, **dict({"min_compression_rate": 0}, **(state_kw or {})))
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst, identical, local, results = 0.0, True, [], []
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(accumulate):
+            if micro < accumulate - 1:
+                with ddp.no_sync():
+                    loss_of(ddp, step * accumulate + micro, RANK, dtype).backward()
+            else:
+                loss_of(ddp, step * accumulate + micro, RANK, dtype).backward()
+            loss_of(ref, step * accumulate + micro, RANK, dtype).backward()
+        mine = {}
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if p.grad is None:
+                continue
+            key = state._param_keys[id(p)]
+            mine[key] = q.grad.detach().float().clone().numpy().tolist()
+            gpt.allreduce_(q.grad, mirror, key=key)
+            worst = max(worst, float((p.grad.float() - q.grad.float()).abs().max()))
+        local.append(mine)
+        results.append({state._param_keys[id(p)]: p.grad.detach().float().numpy().tolist() for p in model.parameters() if p.grad is not None})
+        identical = identical and identical_everywhere(flat_grads(model))
+        opt.step()
+        ref_opt.step()
+    stats = state.stats()
+    del ddp
+    return {"max_diff_vs_allreduce": worst, "replicas_identical": identical, "stats": stats}, local, results
+
+
+def device_store_matches(params, local, results):
+    """Rank 0: an in-process 'device' store with one device per rank, pushed
+    every rank's local gradients, key by key and step by step: its sum over
+    the world size against what the hook gave (largest difference)."""
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, local)
+    if RANK != 0:
+        return None
+    store = kv.create("device")
+    if params["compress"] != "none":
+        store.set_compress(params)
+    worst = 0.0
+    for step, got in enumerate(results):
+        for key, value in got.items():
+            grads = [np.array(everyone[r][step][key], np.float32) for r in range(WORLD)]
+            if step == 0:
+                store.init(key, np.zeros_like(grads[0]))
+            store.push(key, grads)
+            out = np.zeros_like(grads[0])
+            store.pull(key, out=out)
+            want = out / np.float32(WORLD)
+            worst = max(worst, float(np.abs(np.array(value, np.float32) - want).max()))
+    return worst
+
+
+def scenario_schemes():
+    out = {}
+    for params in SCHEMES:
+        facts, local, results = hook_against_allreduce(params)
+        facts["device_store_max_diff"] = device_store_matches(params, local, results)
+        out[params["compress"]] = facts
+    return out
+
+
+def scenario_ddp_options():
+    """Bucket layouts and DDP's options, for a scheme with a residual and
+    one with random choices."""
+    out = {}
+    for params in (SCHEMES[1], SCHEMES[5], SCHEMES[7]):
+        name = params["compress"]
+        out[name + " no_sync"] = hook_against_allreduce(params, accumulate=2)[0]
+        out[name + " find_unused"] = hook_against_allreduce(params, unused=True, find_unused_parameters=True)[0]
+        out[name + " static_graph"] = hook_against_allreduce(params, static_graph=True)[0]
+        out[name + " bucket_view"] = hook_against_allreduce(params, gradient_as_bucket_view=True)[0]
+        out[name + " one bucket"] = hook_one_bucket(params)
+        for dtype in (torch.float16, torch.bfloat16):
+            out["%s %s" % (name, dtype)] = hook_against_allreduce(params, dtype=dtype)[0]
+    return out
+
+
+def hook_one_bucket(params):
+    global BUCKET_MB
+    saved, BUCKET_MB = BUCKET_MB, 25
+    try:
+        return hook_against_allreduce(params)[0]
+    finally:
+        BUCKET_MB = saved
+
+
+def scenario_start_and_rate():
+    params = SCHEMES[2]
+    out = {}
+    # start_iter: plain sums for the first 2 steps: exactly gloo's float32 sum / world.
+    model, ref, ddp, state = make(params, state_kw={"start_iter": 2})
+    plain_diff = 0.0
+    for step in range(4):
+        ddp.zero_grad()
+        ref.zero_grad()
+        loss_of(ddp, step, RANK).backward()
+        loss_of(ref, step, RANK).backward()
+        if step < 2:
+            want = flat_grads(ref)
+            dist.all_reduce(want)
+            plain_diff = max(plain_diff, float((flat_grads(model) - want / WORLD).abs().max()))
+    out["start_iter"] = {"plain_diff": plain_diff, "stats": state.stats()}
+    del ddp
+    # min_compression_rate: nothing shrinks a billion times.
+    model, ref, ddp, state = make(params, state_kw={"min_compression_rate": 1e9})
+    for step in range(2):
+        ddp.zero_grad()
+        loss_of(ddp, step, RANK).backward()
+    out["min_rate_huge"] = state.stats()
+    del ddp
+    # The default rate (2): the conv bias (4 values) goes plain, the rest compressed.
+    facts = hook_against_allreduce(params, state_kw={"min_compression_rate": 2.0})[0]
+    out["min_rate_default"] = facts
+    return out
+
+
+def train(params, steps, state_dict=None, stop_at=None):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    state = gpt.State(params, min_compression_rate=0)
+    ddp.register_comm_hook(state, gpt.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first = 0
+    if state_dict is not None:
+        model.load_state_dict(state_dict["model"])
+        opt.load_state_dict(state_dict["opt"])
+        state.load_state_dict(state_dict["gradpack"])
+        first = state_dict["step"]
+    saved = None
+    for step in range(first, steps):
+        if step == stop_at:
+            saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                     "gradpack": state.state_dict(), "step": step}
+        opt.zero_grad()
+        loss_of(ddp, step, RANK).backward()
+        opt.step()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    del ddp
+    return weights, saved
+
+
+def scenario_resume():
+    out = {}
+    for params in SCHEMES:
+        whole, saved = train(params, 6, stop_at=3)
+        resumed, _ = train(params, 6, state_dict=saved)
+        out[params["compress"]] = float((whole - resumed).abs().max())
+    return out
+
+
+def error_of(fn):
+    try:
+        fn()
+    except gradpack.Error as e:
+        return "gradpack.Error: " + str(e)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return "%s: %s" % (type(e).__name__, e)
+    return None
+
+
+def scenario_faults():
+    out = {}
+    params = {"compress": "2bit", "threshold": 0.05}
+    for scheme in (params, SCHEMES[2], SCHEMES[5], SCHEMES[7]):
+        model, ref, ddp, state = make(scheme)
+        ddp.zero_grad()
+        loss_of(ddp, 0, RANK).backward()
+        before = state.state_dict()["states"]
+        ddp.zero_grad()
+        loss = loss_of(ddp, 1, RANK)
+        if RANK == WORLD - 1:
+            loss = loss * float("nan")
+        out["nan " + scheme["compress"]] = error_of(lambda: loss.backward())
+        out["nan unchanged " + scheme["compress"]] = state.state_dict()["states"] == before
+        del ddp
+        dist.barrier()
+    # Mismatched compress_params on the last rank.
+    other = {"compress": "qsgd_mn", "bits": 4 if RANK == WORLD - 1 else 2}
+    model, ref, ddp, state = make(other)
+    out["mismatch"] = error_of(lambda: loss_of(ddp, 0, RANK).backward())
+    del ddp
+    dist.barrier()
+    # allreduce_ of another shape under the same key on the last rank.
+    state = gpt.State(SCHEMES[2])
+    shape = (6, 7) if RANK == WORLD - 1 else (7, 6)
+    out["layout"] = error_of(lambda: gpt.allreduce_(torch.ones(shape), state, key="w"))
+    # load_state_dict: another compression, world size, shapes.
+    state = gpt.State(SCHEMES[2], min_compression_rate=0)
+    gpt.allreduce_(torch.ones(3, 4), state, key="w")
+    good = state.state_dict()
+    other_state = gpt.State(SCHEMES[3], min_compression_rate=0)
+    out["load other compression"] = error_of(lambda: other_state.load_state_dict(good))
+    fresh = gpt.State(SCHEMES[2], min_compression_rate=0)
+    gpt.allreduce_(torch.ones(4, 3), fresh, key="w")
+    out["load other shape"] = error_of(lambda: fresh.load_state_dict(good))
+    out["load other shape unchanged"] = fresh.state_dict()["states"] != good["states"]
+    if WORLD > 2:
+        sub = dist.new_group([0, 1])
+        if RANK < 2:
+            small = gpt.State(SCHEMES[2], process_group=sub, min_compression_rate=0)
+            out["load other world"] = error_of(lambda: small.load_state_dict(good))
+    out["bad params"] = error_of(lambda: gpt.State({"compress": "qsgd_mn_ts", "bits": 4}))
+    out["local unselected"] = error_of(lambda: gpt.State({"compress": "grandk_mn", "bits": 2, "k": 4, "unselected": "local"}))
+    out["meta tensor"] = error_of(lambda: gpt.allreduce_(torch.ones(3, device="meta"), state, key="m"))
+    return out
+
+
+def scenario_dead_rank():
+    """The last rank exits after one step; the others' next step must end
+    with torch's own error within the process group's timeout."""
+    model, ref, ddp, state = make(SCHEMES[2])
+    ddp.zero_grad()
+    loss_of(ddp, 0, RANK).backward()
+    if RANK == WORLD - 1:
+        os._exit(0)
+    ddp.zero_grad()
+    return {"error": error_of(lambda: loss_of(ddp, 1, RANK).backward())}
+
+
+report = {"rank": RANK, "world": WORLD}
+for name in sys.argv[1:]:
+    report[name] = globals()["scenario_" + name]()
+with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % RANK), "w") as f:
+    json.dump(report, f)
+sys.stdout.flush()
+# A DDP model with a comm hook still alive when the process exits can abort
+# it in gloo's threads (torch's own hooks too): DDP objects sit in reference
+# cycles, so collect them before the process group goes.
+gc.collect()
+dist.destroy_process_group()

@@ -1,0 +1,141 @@
+"""gradpack.torch: every scheme as a DDP communication hook on real gloo
+ranks (separate processes started as torchrun starts them), against
+allreduce_ on the same gradients and against the 'device' store with one
+device per rank; DDP's options; start_iter and min_compression_rate;
+checkpoints; faults. The ranks are dist_scripts/torch_ddp.py."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEMES = ["none", "2bit", "qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts", "powersgd", "1bit"]
+# Float32 sums (no compression, PowerSGD's factors) are gloo's: with 3 ranks
+# their rounding depends on where a tensor sits in the buffer summed.
+FLOAT_SUMMED = ("none", "powersgd")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks(world, scenarios, tmp_path, timeout=240, expect_exit=None, **env):
+    """Starts `world` ranks with torchrun's variables; returns each rank's
+    report (None for a rank that wrote none)."""
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                GRADPACK_TEST_OUT=str(tmp_path), **env)
+    script = os.path.join(HERE, "dist_scripts", "torch_ddp.py")
+    procs = [subprocess.Popen([sys.executable, script] + scenarios, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, (r, out[-4000:])
+    reports = []
+    for r in range(world):
+        path = tmp_path / ("rank%d.json" % r)
+        reports.append(json.loads(path.read_text()) if path.exists() else None)
+    return reports
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def main_run(request, tmp_path_factory):
+    world = request.param
+    return world, ranks(world, ["schemes", "ddp_options", "start_and_rate", "resume"], tmp_path_factory.mktemp("torch%d" % world))
+
+
+def exact(world, name):
+    return world == 2 or name.split()[0] not in FLOAT_SUMMED
+
+
+def test_every_scheme_matches_allreduce_and_the_device_store(main_run):
+    world, reports = main_run
+    for rep in reports:
+        assert sorted(rep["schemes"]) == sorted(SCHEMES)
+        for name, s in rep["schemes"].items():
+            assert s["replicas_identical"], (name, s)
+            limit = 0.0 if exact(world, name) else 1e-6
+            assert s["max_diff_vs_allreduce"] <= limit, (world, name, s)
+            if rep["rank"] == 0:
+                assert s["device_store_max_diff"] <= limit, (world, name, s)
+            st = s["stats"]
+            assert st["steps"] == 3 and st["bytes_uncompressed"] == 3 * 4 * 5010, st
+            if name == "none":
+                assert st["compressed_steps"] == 0 and st["bytes_uncompressed"] < st["bytes_sent"] < 1.05 * st["bytes_uncompressed"], st
+            else:
+                assert st["compressed_steps"] == 3 and st["bytes_sent"] * 2 < st["bytes_uncompressed"], (name, st)
+
+
+def test_ddp_options_buckets_and_half_precision(main_run):
+    world, reports = main_run
+    for rep in reports:
+        names = rep["ddp_options"]
+        assert len(names) == 3 * 7, sorted(names)
+        for name, s in names.items():
+            assert s["replicas_identical"], (name, s)
+            limit = 0.0 if exact(world, name) else 1e-6
+            if "float16" in name or "bfloat16" in name:
+                limit = 0.0 if exact(world, name) else 1e-2  # rounded to half after the sum
+            assert s["max_diff_vs_allreduce"] <= limit, (world, name, s)
+            assert s["stats"]["compressed_steps"] == 3, (name, s)
+        # the unused layer's 30 values go through the hook too (as zeros)
+        assert names["2bit find_unused"]["stats"]["bytes_uncompressed"] == 3 * 4 * 5040
+
+
+def test_start_iter_and_min_compression_rate(main_run):
+    world, reports = main_run
+    for rep in reports:
+        s = rep["start_and_rate"]
+        assert s["start_iter"]["stats"]["steps"] == 4 and s["start_iter"]["stats"]["compressed_steps"] == 2, s
+        assert s["start_iter"]["plain_diff"] <= (0.0 if world == 2 else 1e-6), s
+        huge = s["min_rate_huge"]
+        assert huge["compressed_steps"] == 0 and huge["bytes_uncompressed"] < huge["bytes_sent"] < 1.05 * huge["bytes_uncompressed"], huge
+        d = s["min_rate_default"]
+        assert d["max_diff_vs_allreduce"] == 0.0 and d["stats"]["compressed_steps"] == 3, d
+
+
+def test_checkpoint_resume_continues_bit_for_bit(main_run):
+    world, reports = main_run
+    for rep in reports:
+        for name, diff in rep["resume"].items():
+            assert diff <= (0.0 if exact(world, name) else 1e-6), (world, name, diff)
+
+
+def test_faults_raise_the_same_error_on_every_rank(tmp_path):
+    reports = ranks(3, ["faults"], tmp_path)
+    for scheme in ("2bit", "qsgd_mn", "grandk_mn", "powersgd"):
+        errors = {rep["faults"]["nan " + scheme] for rep in reports}
+        assert len(errors) == 1, errors  # the same text on every rank
+        err = errors.pop()
+        assert err.startswith("gradpack.Error: gradpack: rank 2's") and "non-finite" in err and "nothing was applied on any rank" in err, err
+        assert all(rep["faults"]["nan unchanged " + scheme] for rep in reports)
+    for what, needle in [("mismatch", "disagree on compression parameters"), ("layout", "disagree on bucket layout")]:
+        errors = {rep["faults"][what] for rep in reports}
+        assert len(errors) == 1 and needle in errors.pop(), (what, errors)
+    for rep in reports:
+        f = rep["faults"]
+        assert "gradpack.Error" in f["load other compression"] and "qsgd_mn_ts" in f["load other compression"], f
+        assert "saved with shape [3, 4], initialized here with [4, 3]" in f["load other shape"], f
+        assert f["load other shape unchanged"], f
+        assert "'bits': 'qsgd_mn_ts' takes two values" in f["bad params"], f
+        assert "'unselected'" in f["local unselected"] and "replicas would differ" in f["local unselected"], f
+        assert "CPU tensors only" in f["meta tensor"], f
+    for rep in reports[:2]:
+        assert "worker %d of 3, this is worker %d of 2" % (rep["rank"], rep["rank"]) in rep["faults"]["load other world"], rep
+
+
+def test_a_dead_rank_ends_the_job_with_torchs_error(tmp_path):
+    reports = ranks(2, ["dead_rank"], tmp_path, timeout=120, GRADPACK_TEST_TIMEOUT="10")
+    assert reports[1] is None  # it left after one step
+    err = reports[0]["dead_rank"]["error"]
+    assert err is not None and err.startswith("RuntimeError") and ("Connection" in err or "timed out" in err.lower()), err

@@ -1,0 +1,249 @@
+//! C ABI of `group`: compression for a process group whose all-reduces the
+//! caller performs (gradpack.torch over torch.distributed).
+
+use std::ffi::{c_char, c_int, c_void};
+
+use super::{cstr, guard, params, slice, slice_mut, Raw};
+use crate::compression::Compression;
+use crate::error::{Error, Result};
+use crate::group::{Buffer, Engine, Group, Pending, ReduceOp, Tensor};
+use crate::key::Key;
+
+/// A process group's compression on one rank (`group::Group`).
+#[allow(non_camel_case_types)]
+pub struct gp_group_t(Group);
+
+/// A bucket between `gp_group_encode` and `gp_group_decode`.
+#[allow(non_camel_case_types)]
+pub struct gp_pending_t(Pending);
+
+/// The caller's blocking all-reduce: `op` 0 SUM, 1 MAX, 2 MIN; `dtype`
+/// 0 float32, 1 uint8, 2 64-bit words (summed as int64: a wrapping sum is
+/// exact); `data` holds `len` elements, valid only during the call. Returns
+/// 0, or nonzero when the reduction failed (the caller keeps its own error).
+#[allow(non_camel_case_types)]
+pub type gp_reduce_fn = Option<unsafe extern "C" fn(user: *mut c_void, op: c_int, dtype: c_int, data: *mut c_void, len: u64) -> c_int>;
+
+struct Callback {
+    f: unsafe extern "C" fn(*mut c_void, c_int, c_int, *mut c_void, u64) -> c_int,
+    user: *mut c_void,
+}
+
+impl Engine for Callback {
+    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        let (dtype, data, len) = match buf {
+            Buffer::F32(x) => (0, x.as_mut_ptr().cast::<c_void>(), x.len()),
+            Buffer::U8(x) => (1, x.as_mut_ptr().cast::<c_void>(), x.len()),
+            Buffer::U64(x) => (2, x.as_mut_ptr().cast::<c_void>(), x.len()),
+        };
+        // SAFETY: `data` is valid for `len` elements of `dtype` for the whole
+        // call (a live mutable slice); the callback is the caller's, as
+        // gp_group_encode's contract describes.
+        let status = unsafe { (self.f)(self.user, op as c_int, dtype, data, len as u64) };
+        if status != 0 {
+            return Err(Error::Transport(format!("the caller's all-reduce failed (status {status})")));
+        }
+        Ok(())
+    }
+}
+
+unsafe fn group<'a>(g: *const gp_group_t) -> Result<&'a Group> {
+    g.as_ref().map(|g| &g.0).ok_or(Error::NullPointer { what: "group" })
+}
+
+/// Creates the compression of rank `rank` of `world` from `compress_params`
+/// (`num` key/value strings, as gp_kvstore_set_compress takes them):
+/// tensors are summed plainly for their first `start_iter` pushes, and a
+/// tensor is compressed only when its bytes shrink at least
+/// `min_compression_rate` times. `*out` owns the handle (gp_group_free).
+///
+/// # Safety
+/// `keys`/`vals` point to `num` NUL-terminated strings each; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_new(keys: *const *const c_char, vals: *const *const c_char, num: c_int, rank: u64, world: u64, start_iter: u64, min_compression_rate: f64, out: *mut *mut gp_group_t) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Error::NullPointer { what: "out" });
+        }
+        let compression = Compression::from_params(params(keys, vals, num)?.iter().copied())?;
+        let (rank, world) = (usize::try_from(rank).unwrap_or(usize::MAX), usize::try_from(world).unwrap_or(usize::MAX));
+        let g = Group::new(compression, rank, world, start_iter, min_compression_rate)?;
+        *out = Box::into_raw(Box::new(gp_group_t(g)));
+        Ok(())
+    })
+}
+
+/// Releases a group (no call may use it afterwards; pending buckets keep
+/// what they need and may still be freed).
+///
+/// # Safety
+/// `g` is NULL or from gp_group_new, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_free(g: *mut gp_group_t) {
+    if !g.is_null() {
+        drop(Box::from_raw(g));
+    }
+}
+
+/// Agrees a bucket with every rank and runs its exchanges through
+/// `reduce` (called on this thread, every rank in the same order). The
+/// bucket holds `num` tensors one after another: tensor `i` has key
+/// `keys[i]` and `ndims[i]` dimensions, taken in turn from `dims`;
+/// `bucket_len` float32 elements in all. `last`: the bucket ends a step
+/// (counted in the stats). On success `*out` owns the pending bucket: SUM
+/// what gp_pending_buffers shows on every rank, then gp_group_decode. On
+/// error no state changed (unless `reduce` failed after the agreement).
+///
+/// # Safety
+/// Every pointer is valid for its stated length; `reduce` is callable with
+/// `user` during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_encode(
+    g: *const gp_group_t,
+    num: u64,
+    keys: *const *const c_char,
+    ndims: *const u64,
+    dims: *const u64,
+    bucket: *const f32,
+    bucket_len: u64,
+    last: c_int,
+    reduce: gp_reduce_fn,
+    user: *mut c_void,
+    out: *mut *mut gp_pending_t,
+) -> c_int {
+    guard(|| {
+        let group = group(g)?;
+        let f = reduce.ok_or(Error::NullPointer { what: "reduce" })?;
+        if out.is_null() {
+            return Err(Error::NullPointer { what: "out" });
+        }
+        Raw::new("keys", keys, num)?;
+        Raw::new("ndims", ndims, num)?;
+        let ndims = slice(ndims, num);
+        if let Some(d) = ndims.iter().find(|&&d| d > 32) {
+            return Err(Error::InvalidParam { key: "ndims".into(), problem: format!("{d} dimensions (at most 32)") });
+        }
+        let total_dims: u64 = ndims.iter().sum();
+        Raw::new("dims", dims, total_dims)?;
+        Raw::new("bucket", bucket, bucket_len)?;
+        let (dims, bucket) = (slice(dims, total_dims), slice(bucket, bucket_len));
+        let (mut tensors, mut d, mut at) = (Vec::with_capacity(num as usize), 0usize, 0usize);
+        for (i, &nd) in ndims.iter().enumerate() {
+            let key = Key::Str(cstr(*keys.add(i), "key")?.to_string());
+            key.check()?;
+            let shape: Vec<usize> = dims[d..d + nd as usize].iter().map(|&x| usize::try_from(x).unwrap_or(usize::MAX)).collect();
+            d += nd as usize;
+            let n = shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).filter(|&n| at.checked_add(n).is_some_and(|end| end <= bucket.len()));
+            let n = n.ok_or_else(|| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} of shape {shape:?} does not fit a bucket of {} elements after {at}", bucket.len()) })?;
+            tensors.push(Tensor { key, shape, grad: &bucket[at..at + n] });
+            at += n;
+        }
+        let pending = group.encode(&tensors, bucket.len(), last != 0, &mut Callback { f, user })?;
+        *out = Box::into_raw(Box::new(gp_pending_t(pending)));
+        Ok(())
+    })
+}
+
+/// What the caller SUMs on every rank: `*words` (`*num_words` 64-bit words,
+/// as int64) and `*floats` (`*num_floats` float32), both owned by the
+/// pending bucket and valid until it is decoded or freed; `*plain` 1 when
+/// nothing was compressed and the caller sums its bucket itself instead.
+///
+/// # Safety
+/// `p` is a live pending bucket; every output pointer is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_pending_buffers(p: *mut gp_pending_t, words: *mut *mut u64, num_words: *mut u64, floats: *mut *mut f32, num_floats: *mut u64, plain: *mut c_int) -> c_int {
+    guard(|| {
+        let p = &mut p.as_mut().ok_or(Error::NullPointer { what: "pending" })?.0;
+        if words.is_null() || num_words.is_null() || floats.is_null() || num_floats.is_null() || plain.is_null() {
+            return Err(Error::NullPointer { what: "an output" });
+        }
+        (*words, *num_words) = (p.words.as_mut_ptr(), p.words.len() as u64);
+        (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);
+        *plain = p.plain as c_int;
+        Ok(())
+    })
+}
+
+/// Decodes a pending bucket whose buffers were summed on every rank into
+/// `bucket` (`bucket_len` float32: the bucket given to gp_group_encode,
+/// holding its float32 sum when the bucket was plain): the sum over ranks
+/// divided by the world size. Consumes `p` whether or not it succeeds.
+///
+/// # Safety
+/// `p` is a live pending bucket of `g` (not used afterwards); `bucket` is
+/// valid for `bucket_len` writes and disjoint from the pending buffers.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_decode(g: *const gp_group_t, p: *mut gp_pending_t, bucket: *mut f32, bucket_len: u64) -> c_int {
+    guard(|| {
+        if p.is_null() {
+            return Err(Error::NullPointer { what: "pending" });
+        }
+        let pending = Box::from_raw(p).0;
+        let group = group(g)?;
+        let b = Raw::new("bucket", bucket, bucket_len)?;
+        let w = Raw::new("pending words", pending.words.as_ptr(), pending.words.len() as u64)?;
+        let f = Raw::new("pending floats", pending.floats.as_ptr(), pending.floats.len() as u64)?;
+        b.check_disjoint(&w)?;
+        b.check_disjoint(&f)?;
+        group.decode(pending, slice_mut(bucket, bucket_len))
+    })
+}
+
+/// Drops a pending bucket without decoding it (its keys' states return to
+/// the group).
+///
+/// # Safety
+/// `p` is NULL or a live pending bucket, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn gp_pending_free(p: *mut gp_pending_t) {
+    if !p.is_null() {
+        drop(Box::from_raw(p));
+    }
+}
+
+/// `out[0..4]`: bytes sent, bytes a float32 all-reduce would have sent,
+/// steps, compressed steps.
+///
+/// # Safety
+/// `out` is writable for 4 values.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_stats(g: *const gp_group_t, out: *mut u64) -> c_int {
+    guard(|| {
+        let s = group(g)?.stats();
+        Raw::new("out", out, 4)?;
+        slice_mut(out, 4).copy_from_slice(&[s.bytes_sent, s.bytes_uncompressed, s.steps, s.compressed_steps]);
+        Ok(())
+    })
+}
+
+/// Every key's compression state in a new buffer `*data` of `*len` bytes,
+/// released with gp_buffer_free.
+///
+/// # Safety
+/// `data` and `len` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_save(g: *const gp_group_t, data: *mut *mut u8, len: *mut u64) -> c_int {
+    guard(|| {
+        if data.is_null() || len.is_null() {
+            return Err(Error::NullPointer { what: "data/len" });
+        }
+        let blob = group(g)?.save()?.into_boxed_slice();
+        *len = blob.len() as u64;
+        *data = Box::into_raw(blob).cast::<u8>();
+        Ok(())
+    })
+}
+
+/// Replaces every key's state with a blob from gp_group_save; checked
+/// whole first, so a refused blob changes nothing.
+///
+/// # Safety
+/// `data` is readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_load(g: *const gp_group_t, data: *const u8, len: u64) -> c_int {
+    guard(|| {
+        Raw::new("data", data, len)?;
+        group(g)?.load(slice(data, len))
+    })
+}
