@@ -34,6 +34,8 @@ pub enum ReduceOp {
     Sum = 0,
     Max = 1,
     Min = 2,
+    /// Bitwise OR of 64-bit words.
+    Or = 3,
 }
 
 /// A buffer handed to the engine: float32 values, uint8 scale indices, or
@@ -85,12 +87,22 @@ impl Collective for Through<'_> {
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
         self.reduce(ReduceOp::Sum, Buffer::F32(x))
     }
+    /// Scale indices travel as thermometer codes: `count - 1` bits an
+    /// index, bit `j` set when the index is at most `j`, so that a bitwise
+    /// OR over ranks is the code of their minimum (an engine has no
+    /// lane-wise MIN; a byte an index would cost 8 bits instead of 1 to 7).
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
-        self.reduce(ReduceOp::Min, Buffer::U8(x))?;
-        match x.iter().position(|&l| l >= count) {
-            Some(i) => Err(Error::Transport(format!("the engine's MIN gave scale index {} at element {i}, of {count} scales", x[i]))),
-            None => Ok(()),
+        if let Some(i) = x.iter().position(|&l| l >= count) {
+            return Err(Error::Internal(format!("scale index {} at element {i}, of {count} scales", x[i])));
         }
+        let width = count.saturating_sub(1) as u32;
+        if width == 0 {
+            return Ok(()); // one scale: every index is 0
+        }
+        let mask = (1u64 << width) - 1;
+        let mut words = lanes::pack_slice(x, width, |l| (mask << l) & mask);
+        self.reduce(ReduceOp::Or, Buffer::U64(&mut words))?;
+        lanes::unpack_into(&words, width, x, |t| t.trailing_zeros().min(width) as u8)
     }
     fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
         let width = collective::sum_width(lo, hi, self.workers).ok_or_else(|| Error::InvalidParam { key: "workers".into(), problem: format!("{} ranks overflow a sum of codes in {lo}..={hi}", self.workers) })?;
@@ -103,6 +115,113 @@ impl Collective for Through<'_> {
             return Err(Error::Internal(format!("{n} codes in {} words of {width}-bit lanes cannot hold {} ranks' sum of {lo}..={hi}", words.len(), self.workers)));
         }
         self.reduce(ReduceOp::Sum, Buffer::U64(words))
+    }
+}
+
+/// A buffer owned while it travels between an encode thread and the engine.
+enum Data {
+    F32(Vec<f32>),
+    U8(Vec<u8>),
+    U64(Vec<u64>),
+}
+
+impl Data {
+    fn of(buf: &Buffer<'_>) -> Data {
+        match buf {
+            Buffer::F32(x) => Data::F32(x.to_vec()),
+            Buffer::U8(x) => Data::U8(x.to_vec()),
+            Buffer::U64(x) => Data::U64(x.to_vec()),
+        }
+    }
+
+    fn kind(&self) -> u8 {
+        match self {
+            Data::F32(_) => 0,
+            Data::U8(_) => 1,
+            Data::U64(_) => 2,
+        }
+    }
+}
+
+/// One encode thread's exchange, waiting for its batch.
+struct Request {
+    slot: usize,
+    op: ReduceOp,
+    data: Data,
+    reply: std::sync::mpsc::Sender<Result<Data>>,
+}
+
+enum Msg {
+    Reduce(Request),
+    Done { slot: usize, result: Result<(Vec<scheme::Part>, scheme::Part)> },
+}
+
+/// An encode thread's engine: each all-reduce waits for its batch's result.
+struct Batched {
+    tx: std::sync::mpsc::Sender<Msg>,
+    slot: usize,
+}
+
+impl Engine for Batched {
+    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        let (reply, answer) = std::sync::mpsc::channel();
+        let request = Request { slot: self.slot, op, data: Data::of(&buf), reply };
+        self.tx.send(Msg::Reduce(request)).map_err(|_| Error::Internal("the batching driver is gone".into()))?;
+        let data = answer.recv().map_err(|_| Error::Internal("the batching driver is gone".into()))??;
+        match (buf, data) {
+            (Buffer::F32(x), Data::F32(d)) if x.len() == d.len() => x.copy_from_slice(&d),
+            (Buffer::U8(x), Data::U8(d)) if x.len() == d.len() => x.copy_from_slice(&d),
+            (Buffer::U64(x), Data::U64(d)) if x.len() == d.len() => x.copy_from_slice(&d),
+            _ => return Err(Error::Internal("a batched reduction came back as another buffer".into())),
+        }
+        Ok(())
+    }
+}
+
+impl Batched {
+    /// Reduces the waiting requests (in tensor order) as one all-reduce per
+    /// (operation, element type), in the order of each pair's first request,
+    /// and answers each; an engine error answers every request left.
+    fn serve(waiting: Vec<Request>, coll: &mut Through) {
+        let mut groups: Vec<((ReduceOp, u8), Vec<Request>)> = Vec::new();
+        for r in waiting {
+            let id = (r.op, r.data.kind());
+            match groups.iter_mut().find(|(g, _)| *g == id) {
+                Some((_, members)) => members.push(r),
+                None => groups.push((id, vec![r])),
+            }
+        }
+        let mut failed: Option<String> = None;
+        for ((op, _), members) in groups {
+            if let Some(why) = &failed {
+                members.into_iter().for_each(|r| drop(r.reply.send(Err(Error::Transport(why.clone())))));
+                continue;
+            }
+            macro_rules! batch {
+                ($variant:ident, $t:ty) => {{
+                    let mut all: Vec<$t> = Vec::new();
+                    let lens: Vec<usize> = members.iter().map(|r| match &r.data { Data::$variant(d) => { all.extend_from_slice(d); d.len() } _ => 0 }).collect();
+                    match coll.reduce(op, Buffer::$variant(&mut all)) {
+                        Ok(()) => {
+                            let mut at = 0;
+                            for (r, len) in members.into_iter().zip(lens) {
+                                let _ = r.reply.send(Ok(Data::$variant(all[at..at + len].to_vec())));
+                                at += len;
+                            }
+                        }
+                        Err(e) => {
+                            failed = Some(e.to_string());
+                            members.into_iter().for_each(|r| drop(r.reply.send(Err(Error::Transport(e.to_string())))));
+                        }
+                    }
+                }};
+            }
+            match members[0].data {
+                Data::F32(_) => batch!(F32, f32),
+                Data::U8(_) => batch!(U8, u8),
+                Data::U64(_) => batch!(U64, u64),
+            }
+        }
     }
 }
 
@@ -255,7 +374,8 @@ impl Group {
             Compression::Qsgd(q) => {
                 let (k, levels) = (q.selected(n), q.levels());
                 let s0 = levels[0] as i32;
-                4 + if levels.len() > 1 { k as u64 } else { 0 } + collective::codes_bytes(k, -s0, s0, self.world)
+                let thermometer = if levels.len() > 1 { 8 * lanes::words_for(k, levels.len() as u32 - 1) as u64 } else { 0 };
+                4 + thermometer + collective::codes_bytes(k, -s0, s0, self.world)
             }
             Compression::PowerSgd { rank, .. } => match powersgd::factors(shape, *rank as usize) {
                 Some((rows, cols, r)) => 4 * ((rows + cols) * r) as u64,
@@ -393,7 +513,14 @@ impl Group {
         let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
         // Agreed: from here on only the engine can fail (a dead rank, which
         // ends the job), so the states change in place.
-        for ((t, e), &compress) in tensors.iter().zip(entries.iter_mut()).zip(&compresses) {
+        let mut jobs = Vec::new();
+        for (i, ((t, e), &compress)) in tensors.iter().zip(entries.iter_mut()).zip(&compresses).enumerate() {
+            if compress {
+                jobs.push((i, self.ctx(&t.key, &t.shape, e.state.step), t.grad, &mut e.state));
+            }
+        }
+        let mut encoded = self.encode_batched(jobs, coll)?.into_iter();
+        for (t, &compress) in tensors.iter().zip(&compresses) {
             if !compress {
                 let at = floats.len();
                 if !plain {
@@ -402,8 +529,7 @@ impl Group {
                 routes.push(Route::Plain(at..at + t.grad.len()));
                 continue;
             }
-            let ctx = self.ctx(&t.key, &t.shape, e.state.step);
-            let (exchanged, part) = scheme::encode(&self.compression, std::slice::from_mut(&mut e.state), &[t.grad], &ctx, coll)?;
+            let (exchanged, part) = encoded.next().ok_or_else(|| Error::Internal("a tensor's encode is missing".into()))?;
             let last = match part {
                 scheme::Part::Packed { words: w, n, lo, hi, width, .. } => {
                     let at = words.len();
@@ -422,6 +548,51 @@ impl Group {
         Ok((routes, words, floats, plain))
     }
 
+    /// Encodes each job (tensor index, context, gradient, state) on a thread
+    /// of its own, batching their exchanges: once every unfinished encode
+    /// waits on one, the waiting requests go to the engine as one
+    /// all-reduce per (operation, element type), concatenated in tensor
+    /// order. Every rank holds the same tensors and compression (agreed), so
+    /// every rank makes the same batched calls in the same order.
+    #[allow(clippy::type_complexity)]
+    fn encode_batched(&self, jobs: Vec<(usize, scheme::Ctx, &[f32], &mut scheme::State)>, coll: &mut Through) -> Result<Vec<(Vec<scheme::Part>, scheme::Part)>> {
+        let count = jobs.len();
+        let (tx, rx) = std::sync::mpsc::channel::<Msg>();
+        let compression = &self.compression;
+        let world = self.world;
+        std::thread::scope(|s| {
+            for (slot, (_, ctx, grad, state)) in jobs.into_iter().enumerate() {
+                let tx = tx.clone();
+                s.spawn(move || {
+                    let mut engine = Batched { tx: tx.clone(), slot };
+                    let mut own = Through { engine: &mut engine, workers: world, sent: 0 };
+                    let result = scheme::encode(compression, std::slice::from_mut(state), &[grad], &ctx, &mut own);
+                    let _ = tx.send(Msg::Done { slot, result });
+                });
+            }
+            drop(tx);
+            let mut results: Vec<Option<Result<(Vec<scheme::Part>, scheme::Part)>>> = (0..count).map(|_| None).collect();
+            let (mut live, mut waiting) = (count, Vec::<Request>::new());
+            while live > 0 {
+                match rx.recv() {
+                    Ok(Msg::Done { slot, result }) => {
+                        results[slot] = Some(result);
+                        live -= 1;
+                    }
+                    Ok(Msg::Reduce(r)) => waiting.push(r),
+                    Err(_) => break, // every encode thread has ended
+                }
+                if live > 0 && waiting.len() == live {
+                    waiting.sort_by_key(|r| r.slot);
+                    Batched::serve(std::mem::take(&mut waiting), coll);
+                }
+            }
+            results
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|| Err(Error::Internal("a tensor's encode ended without a result".into()))))
+                .collect()
+        })
+    }
     fn ctx<'a>(&self, key: &Key, shape: &'a [usize], step: u64) -> scheme::Ctx<'a> {
         scheme::Ctx { shape, step, key_hash: key.stable_hash(), member: self.rank as u64, workers: self.world }
     }
@@ -533,5 +704,227 @@ fn saved_shape(saved: &Saved, key: &Key) -> Vec<usize> {
 impl Drop for Pending {
     fn drop(&mut self) {
         Group::give_back(&self.keys, self.tensors.drain(..).map(|t| (t.key, t.entry)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Barrier, Condvar};
+
+    /// Ranks on threads of this process, reducing through shared memory in
+    /// rank order (float32 sums in rank order, as a device store folds;
+    /// words as wrapping 64-bit sums). Values travel as bit patterns.
+    struct Threads {
+        posted: Mutex<(u64, Vec<Option<Vec<u64>>>, Option<Vec<u64>>)>,
+        ready: Condvar,
+        done: Barrier,
+    }
+
+    struct Rank<'a> {
+        threads: &'a Threads,
+        rank: usize,
+    }
+
+    impl Threads {
+        fn new(world: usize) -> Threads {
+            Threads { posted: Mutex::new((0, vec![None; world], None)), ready: Condvar::new(), done: Barrier::new(world) }
+        }
+    }
+
+    fn fold(op: ReduceOp, float: bool, a: u64, b: u64) -> u64 {
+        if float {
+            let (x, y) = (f32::from_bits(a as u32), f32::from_bits(b as u32));
+            let r = match op {
+                ReduceOp::Sum => x + y,
+                ReduceOp::Max => x.max(y),
+                ReduceOp::Min => x.min(y),
+                ReduceOp::Or => panic!("OR of float32"),
+            };
+            return r.to_bits() as u64;
+        }
+        match op {
+            ReduceOp::Sum => a.wrapping_add(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Or => a | b,
+        }
+    }
+
+    impl Engine for Rank<'_> {
+        fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+            let (mine, float): (Vec<u64>, bool) = match &buf {
+                Buffer::F32(x) => (x.iter().map(|v| v.to_bits() as u64).collect(), true),
+                Buffer::U8(x) => (x.iter().map(|&v| v as u64).collect(), false),
+                Buffer::U64(x) => (x.to_vec(), false),
+            };
+            let t = self.threads;
+            let mut g = t.posted.lock().unwrap();
+            g.1[self.rank] = Some(mine);
+            if g.1.iter().all(Option::is_some) {
+                let all: Vec<Vec<u64>> = g.1.iter_mut().map(|x| x.take().unwrap()).collect();
+                let folded = all[1..].iter().fold(all[0].clone(), |acc, x| acc.iter().zip(x).map(|(&a, &b)| fold(op, float, a, b)).collect());
+                g.2 = Some(folded);
+                g.0 += 1;
+                t.ready.notify_all();
+            } else {
+                let round = g.0;
+                g = t.ready.wait_while(g, |g| g.0 == round).unwrap();
+            }
+            let result = g.2.clone().unwrap();
+            drop(g);
+            match buf {
+                Buffer::F32(x) => x.iter_mut().zip(&result).for_each(|(x, &r)| *x = f32::from_bits(r as u32)),
+                Buffer::U8(x) => x.iter_mut().zip(&result).for_each(|(x, &r)| *x = r as u8),
+                Buffer::U64(x) => x.copy_from_slice(&result),
+            }
+            t.done.wait(); // every rank has read the result before the next round
+            Ok(())
+        }
+    }
+
+    fn params(p: &[(&str, &str)]) -> Compression {
+        Compression::from_params(p.iter().copied()).unwrap()
+    }
+
+    /// Each rank pushes `grads[rank]` as one bucket of the given keys and
+    /// shapes; the results (or errors) of every rank.
+    fn push_all(groups: &[Group], keys: &[(&str, Vec<usize>)], grads: &[Vec<f32>]) -> Vec<Result<Vec<f32>>> {
+        let threads = Threads::new(groups.len());
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter()
+                .enumerate()
+                .map(|(rank, g)| {
+                    let (threads, grad) = (&threads, &grads[rank]);
+                    s.spawn(move || {
+                        let mut at = 0;
+                        let tensors: Vec<Tensor> = keys
+                            .iter()
+                            .map(|(k, shape)| {
+                                let n: usize = shape.iter().product();
+                                at += n;
+                                Tensor { key: Key::Str(k.to_string()), shape: shape.clone(), grad: &grad[at - n..at] }
+                            })
+                            .collect();
+                        let mut engine = Rank { threads, rank };
+                        let mut pending = g.encode(&tensors, grad.len(), true, &mut engine)?;
+                        let mut out = grad.clone();
+                        if pending.plain {
+                            engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out))?;
+                        } else {
+                            let (mut w, mut f) = (std::mem::take(&mut pending.words), std::mem::take(&mut pending.floats));
+                            engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut w))?;
+                            engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut f))?;
+                            (pending.words, pending.floats) = (w, f);
+                        }
+                        g.decode(pending, &mut out)?;
+                        Ok(out)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn grads(world: usize, n: usize, step: u64) -> Vec<Vec<f32>> {
+        (0..world).map(|r| (0..n).map(|i| (((i * 7 + r * 13 + step as usize * 5) % 17) as f32 - 8.0) / 16.0).collect()).collect()
+    }
+
+    #[test]
+    fn a_bucket_decodes_to_the_device_stores_sum_over_the_world_on_every_rank() {
+        let shapes = [("a", vec![6, 8]), ("b", vec![5])];
+        for c in [
+            params(&[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "3")]),
+            params(&[("compress", "2bit"), ("threshold", "0.25")]),
+            params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "9")]),
+            params(&[("compress", "qsgd_mn_ms"), ("bits", "[1,3,5,8]")]),
+            params(&[("compress", "1bit")]),
+        ] {
+            let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+            // The same pushes through the scheme path of an in-process store of two members.
+            let mut states: Vec<Vec<scheme::State>> = vec![vec![scheme::State::default(); 2]; 2];
+            for step in 0..3 {
+                let g = grads(2, 53, step);
+                let got = push_all(&groups, &shapes, &g);
+                let mut at = 0;
+                for (t, (key, shape)) in shapes.iter().enumerate() {
+                    let n: usize = shape.iter().product();
+                    let mine: Vec<&[f32]> = g.iter().map(|g| &g[at..at + n]).collect();
+                    let ctx = scheme::Ctx { shape, step, key_hash: Key::Str(key.to_string()).stable_hash(), member: 0, workers: 2 };
+                    let mut want = vec![0f32; n];
+                    scheme::allreduce(&c, &mut states[t], &mine, &ctx, &mut collective::InProcess::new(2), &mut want).unwrap();
+                    want.iter_mut().for_each(|x| *x /= 2.0);
+                    for r in &got {
+                        assert_eq!(&r.as_ref().unwrap()[at..at + n], &want[..], "{c:?} step {step} key {key}");
+                    }
+                    at += n;
+                }
+            }
+            let s = groups[0].stats();
+            assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (3, 3, 3 * 4 * 53));
+        }
+    }
+
+    #[test]
+    fn a_non_finite_gradient_or_a_mismatch_fails_every_rank_alike_and_changes_nothing() {
+        let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+        let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+        let shapes = [("w", vec![20])];
+        push_all(&groups, &shapes, &grads(2, 20, 0));
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let mut bad = grads(2, 20, 1);
+        bad[1][7] = f32::NAN;
+        let errors: Vec<String> = push_all(&groups, &shapes, &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+        assert_eq!(errors[0], errors[1]);
+        assert!(errors[0].contains("rank 1's residual + gradient of key 'w'") && errors[0].contains("nothing was applied"), "{}", errors[0]);
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved);
+        // Another compression on rank 1.
+        let other = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(params(&[("compress", "2bit"), ("threshold", "0.5")]), 1, 2, 0, 0.0).unwrap()];
+        let errors: Vec<String> = push_all(&other, &shapes, &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+        assert_eq!(errors[0], errors[1]);
+        assert!(errors[0].contains("disagree on compression parameters"), "{}", errors[0]);
+    }
+
+    #[test]
+    fn start_iter_and_min_rate_send_float32_sums_and_count_bytes() {
+        let c = params(&[("compress", "qsgd_mn"), ("bits", "2")]);
+        let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 1, 2.0).unwrap()).collect();
+        // "tiny": 3 values cost more packed (a scale and a word) than half their floats.
+        let shapes = [("big", vec![64]), ("tiny", vec![3])];
+        let g = grads(2, 67, 0);
+        let first = push_all(&groups, &shapes, &g);
+        let plain: Vec<f32> = (0..67).map(|i| (g[0][i] + g[1][i]) / 2.0).collect();
+        assert_eq!(first[0].as_ref().unwrap(), &plain); // push 0 < start_iter: plain
+        let second = push_all(&groups, &shapes, &grads(2, 67, 1));
+        let tiny: Vec<f32> = (64..67).map(|i| (grads(2, 67, 1)[0][i] + grads(2, 67, 1)[1][i]) / 2.0).collect();
+        assert_eq!(&second[1].as_ref().unwrap()[64..], &tiny[..]);
+        let s = groups[1].stats();
+        assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (2, 1, 2 * 4 * 67));
+        // Each push: a 5-field agreement (40 floats); then 67 floats, or a scale, 64 codes in lanes and 3 floats.
+        assert_eq!(s.bytes_sent, 2 * 160 + 4 * 67 + 4 + collective::codes_bytes(64, -3, 3, 2) + 4 * 3);
+    }
+
+    #[test]
+    fn saved_states_resume_and_a_blob_of_another_setting_is_refused_whole() {
+        let c = params(&[("compress", "powersgd"), ("rank", "1")]);
+        let group = Group::new(c, 0, 1, 0, 0.0).unwrap();
+        push_all(std::slice::from_ref(&group), &[("m", vec![4, 5])], &grads(1, 20, 0));
+        let blob = group.save().unwrap();
+        let resumed = Group::new(c, 0, 1, 0, 0.0).unwrap();
+        resumed.load(&blob).unwrap();
+        let a = push_all(std::slice::from_ref(&group), &[("m", vec![4, 5])], &grads(1, 20, 1));
+        let b = push_all(std::slice::from_ref(&resumed), &[("m", vec![4, 5])], &grads(1, 20, 1));
+        assert_eq!(a[0].as_ref().unwrap(), b[0].as_ref().unwrap());
+        let wrong_shape = Group::new(c, 0, 1, 0, 0.0).unwrap();
+        wrong_shape.load(&blob).unwrap(); // fresh: checked at the first push
+        let err = push_all(std::slice::from_ref(&wrong_shape), &[("m", vec![5, 4])], &grads(1, 20, 1)).remove(0).unwrap_err().to_string();
+        assert!(err.contains("loaded from a checkpoint with shape [4, 5], pushed now with [5, 4]"), "{err}");
+        let other = Group::new(params(&[("compress", "powersgd"), ("rank", "2")]), 0, 1, 0, 0.0).unwrap();
+        assert!(other.load(&blob).unwrap_err().to_string().contains("saved with PowerSgd"));
+        let two = Group::new(c, 0, 2, 0, 0.0).unwrap();
+        assert!(two.load(&blob).unwrap_err().to_string().contains("worker 0 of 1, this is worker 0 of 2"));
+        assert!(Group::new(params(&[("compress", "grandk_mn"), ("bits", "2"), ("k", "3"), ("unselected", "local")]), 0, 2, 0, 0.0).is_err());
+        assert!(Group::new(c, 2, 2, 0, 0.0).is_err() && Group::new(c, 0, 1, 0, f64::NAN).is_err());
     }
 }

@@ -247,6 +247,64 @@ int gp_kvstore_dropped(const gp_kvstore_t* store, uint64_t* out);
  * without asking the servers; 0 for other stores. */
 int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
 
+/* ----------------------------------------------------- process groups --
+ * Compression for a process group whose all-reduces the caller performs
+ * (gradpack.torch's DDP hook over torch.distributed). Each rank holds its
+ * tensors' states by key. A bucket is encoded with gp_group_encode, which
+ * first agrees the bucket with every rank (keys, shapes, push counts,
+ * compression, finite gradients) and then runs the scheme's exchanges
+ * through `reduce`, batched over the bucket's tensors; the caller then SUMs
+ * the pending buffers on every rank (asynchronously if it likes) and calls
+ * gp_group_decode, which writes the sum over ranks divided by the world
+ * size, identical on every rank. A difference between ranks or a
+ * non-finite gradient on any rank is the same error on every rank, before
+ * any state changed. Handles may be used from several threads; a key's
+ * bucket must be decoded (or freed) before the key is encoded again. */
+typedef struct gp_group_t gp_group_t;
+typedef struct gp_pending_t gp_pending_t;
+
+/* A blocking all-reduce, the same on every rank in the same order: `op` 0
+ * SUM, 1 MAX, 2 MIN, 3 bitwise OR; `dtype` 0 float32, 1 uint8, 2 64-bit
+ * words (summed as int64, wrapping); `data` holds `len` elements, valid only
+ * during the call. Returns 0, or nonzero when the reduction failed (the
+ * call then fails with a transport error; the caller keeps its own). */
+typedef int (*gp_reduce_fn)(void* user, int op, int dtype, void* data, uint64_t len);
+
+/* compress_params as gp_kvstore_set_compress takes them; rank `rank` of
+ * `world`; tensors are summed plainly for their first `start_iter` pushes
+ * and compressed only when that makes them `min_compression_rate` times
+ * smaller. `*out` owns the handle: gp_group_free. */
+int gp_group_new(const char* const* keys, const char* const* vals, int num, uint64_t rank,
+                 uint64_t world, uint64_t start_iter, double min_compression_rate,
+                 gp_group_t** out);
+void gp_group_free(gp_group_t* group);
+/* `num` tensors lie one after another in `bucket` (`bucket_len` float32,
+ * read only): tensor i has key `keys[i]` and `ndims[i]` dimensions, taken in
+ * turn from `dims`. `last` != 0 when the bucket ends a step (stats).
+ * `reduce` is called on this thread only. `*out` owns the pending bucket. */
+int gp_group_encode(const gp_group_t* group, uint64_t num, const char* const* keys,
+                    const uint64_t* ndims, const uint64_t* dims, const float* bucket,
+                    uint64_t bucket_len, int last, gp_reduce_fn reduce, void* user,
+                    gp_pending_t** out);
+/* The buffers to SUM on every rank, owned by the pending bucket: *words
+ * (int64) and *floats (float32); *plain 1 when nothing was compressed and
+ * the caller SUMs its bucket itself instead (then decodes into it). */
+int gp_pending_buffers(gp_pending_t* pending, uint64_t** words, uint64_t* num_words,
+                       float** floats, uint64_t* num_floats, int* plain);
+/* Writes the bucket's result into `bucket` (the one encoded; bucket_len
+ * float32). Consumes `pending`, also on error. */
+int gp_group_decode(const gp_group_t* group, gp_pending_t* pending, float* bucket, uint64_t bucket_len);
+/* Drops a pending bucket undecoded (its keys' states return to the group). */
+void gp_pending_free(gp_pending_t* pending);
+/* out[0..4]: bytes handed to `reduce` and the final sums, bytes a float32
+ * all-reduce would have moved, steps, compressed steps. */
+int gp_group_stats(const gp_group_t* group, uint64_t* out);
+/* Every key's state (residuals, PowerSGD's Q, push counts) in a new buffer
+ * (gp_buffer_free); loading checks compression, rank, world size and shapes
+ * first and changes nothing when refused. Not while a bucket is pending. */
+int gp_group_save(const gp_group_t* group, uint8_t** data, uint64_t* len);
+int gp_group_load(const gp_group_t* group, const uint8_t* data, uint64_t len);
+
 /* ---------------------------------------------------------------- CUDA --
  * gradpack's kernels on GPU memory (docs/cuda.md). `device` is a GPU ordinal
  * and `stream` a CUstream of that GPU's primary context (the one CuPy,

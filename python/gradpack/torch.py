@@ -51,7 +51,7 @@ LIB.gp_buffer_free.restype = None
 # The C ABI's buffer codes and reductions.
 _BUFFERS = {0: (torch.float32, ctypes.c_float), 1: (torch.uint8, ctypes.c_uint8),
             2: (torch.int64, ctypes.c_int64)}
-_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.MIN}
+_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.BOR}
 _WIDENED = (torch.float16, torch.bfloat16)
 _STATE_FORMAT = "gradpack.torch/1"
 

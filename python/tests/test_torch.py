@@ -139,3 +139,28 @@ def test_a_dead_rank_ends_the_job_with_torchs_error(tmp_path):
     assert reports[1] is None  # it left after one step
     err = reports[0]["dead_rank"]["error"]
     assert err is not None and err.startswith("RuntimeError") and ("Connection" in err or "timed out" in err.lower()), err
+
+
+def torchrun(world, script, args, timeout=600):
+    root = os.path.dirname(os.path.dirname(HERE))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_port", str(free_port()), os.path.join(root, script)] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_example_trains_under_torchrun():
+    out = torchrun(2, "examples/torch_ddp.py", ["--compress", "qsgd_mn", "--bits", "2", "--epochs", "3"])
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    lines = out.stdout.splitlines()
+    accuracy = next(float(l.split()[2].rstrip("%")) for l in lines if l.startswith("test accuracy"))
+    fewer = next(float(l.split("(")[1].split("x")[0]) for l in lines if l.startswith("bytes sent"))
+    assert accuracy > 85 and fewer > 5, lines
+    assert any(l.endswith("ms per step") for l in lines), lines
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_scheme_trains_within_a_point_of_uncompressed(world):
+    out = torchrun(world, "benches/torch_convergence.py", ["--check", "1.0"])
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    rows = [l for l in out.stdout.splitlines() if "%" in l]
+    assert len(rows) == len(SCHEMES), out.stdout

@@ -17,7 +17,7 @@ pub struct gp_group_t(Group);
 #[allow(non_camel_case_types)]
 pub struct gp_pending_t(Pending);
 
-/// The caller's blocking all-reduce: `op` 0 SUM, 1 MAX, 2 MIN; `dtype`
+/// The caller's blocking all-reduce: `op` 0 SUM, 1 MAX, 2 MIN, 3 bitwise OR; `dtype`
 /// 0 float32, 1 uint8, 2 64-bit words (summed as int64: a wrapping sum is
 /// exact); `data` holds `len` elements, valid only during the call. Returns
 /// 0, or nonzero when the reduction failed (the caller keeps its own error).
