@@ -431,16 +431,29 @@ impl Group {
         }
     }
 
-    /// The first non-finite gradient of the bucket (2-bit: residual +
-    /// gradient), as (tensor index, element).
-    fn first_non_finite(&self, tensors: &[Tensor], entries: &[Entry]) -> Option<(usize, usize)> {
-        tensors.iter().zip(entries).enumerate().find_map(|(i, (t, e))| {
-            let finite = match &self.compression {
-                Compression::TwoBit(_) if e.state.residual.len() == t.grad.len() => codec::check_finite("gradient", t.grad, &e.state.residual).is_ok(),
-                _ => qsgd::max_abs(t.grad).is_some(),
-            };
-            (!finite).then(|| (i, t.grad.iter().position(|x| !x.is_finite()).unwrap_or(0)))
-        })
+    /// This rank's fault code for the bucket's tensors that `compress`:
+    /// 0, or (rank + 1) << 32 | (index + 1) of the first whose gradient (2-bit:
+    /// residual + gradient) holds a non-finite value. The largest code over
+    /// ranks names one rank and tensor on every rank alike. Tensors summed
+    /// plainly are not checked: like torch's own all-reduce, they carry a
+    /// NaN to every rank (where a loss scaler sees it).
+    fn fault_code(&self, tensors: &[Tensor], entries: &[Entry], compress: &[bool]) -> u64 {
+        let first = tensors.iter().zip(entries).zip(compress).position(|((t, e), &c)| {
+            c && match &self.compression {
+                Compression::TwoBit(_) if e.state.residual.len() == t.grad.len() => codec::check_finite("gradient", t.grad, &e.state.residual).is_err(),
+                _ => qsgd::max_abs(t.grad).is_none(),
+            }
+        });
+        first.map_or(0, |i| ((self.rank as u64 + 1) << 32) | (i as u64 + 1))
+    }
+
+    /// The error every rank raises for the largest fault code over ranks.
+    fn non_finite(&self, code: u64, tensors: &[Tensor], entries: &[Entry]) -> Error {
+        let (rank, i) = ((code >> 32) - 1, (code & 0xFFFF_FFFF) as usize - 1);
+        let key = tensors.get(i).map_or_else(|| "?".to_string(), |t| t.key.to_string());
+        let step = entries.get(i).map_or(0, |e| e.state.step);
+        let what = if matches!(self.compression, Compression::TwoBit(_)) { "residual + gradient" } else { "gradient" };
+        Error::Store(format!("gradpack: rank {rank}'s {what} of key {key} holds a non-finite value (inf or NaN) at push {step}; nothing was applied on any rank"))
     }
 
     /// Agrees the bucket with every rank, then runs its exchanges through
@@ -493,7 +506,12 @@ impl Group {
             t.shape.iter().fold(crate::hash::finalize(h ^ t.shape.len() as u64), |h, &d| crate::hash::finalize(h ^ d as u64))
         }));
         let pushes = entries.iter().fold(0u64, |h, e| crate::hash::finalize(h ^ e.state.step));
-        let fault = self.first_non_finite(tensors, entries).map_or(0, |(i, _)| ((self.rank as u64 + 1) << 32) | (i as u64 + 1));
+        let compresses: Vec<bool> = tensors.iter().zip(entries.iter()).map(|(t, e)| self.compresses(&t.shape, e.state.step)).collect();
+        // QSGD changes no state before its shared scale, which is not finite
+        // on every rank when a rank's gradient is not: its check comes after
+        // (no second read of the gradients); other schemes check first.
+        let qsgd = matches!(self.compression, Compression::Qsgd(_));
+        let fault = if qsgd { 0 } else { self.fault_code(tensors, entries, &compresses) };
         let settings = crate::allreduce::fingerprint(&format!("{} {} {}", self.world, self.start_iter, self.min_rate));
         let fields = [layout, pushes, self.fingerprint, settings, fault];
         const NAMES: [&str; 4] = ["bucket layout (the tensors' keys and shapes)", "push counts (a checkpoint loaded on some ranks only?)", "compression parameters", "world size, start_iter or min_compression_rate"];
@@ -503,12 +521,8 @@ impl Group {
             return Err(mismatch(format!("{} of a bucket of {} tensors (first key {}); every rank must run the same model with the same gradpack State settings", named.join(", "), tensors.len(), tensors[0].key)));
         }
         if max[4] != 0 {
-            let (rank, i) = ((max[4] >> 32) - 1, (max[4] & 0xFFFF_FFFF) as usize - 1);
-            let key = tensors.get(i).map_or_else(|| "?".to_string(), |t| t.key.to_string());
-            let what = if matches!(self.compression, Compression::TwoBit(_)) { "residual + gradient" } else { "gradient" };
-            return Err(Error::Store(format!("gradpack: rank {rank}'s {what} of key {key} holds a non-finite value (inf or NaN) at push {}; nothing was applied on any rank", entries[i].state.step)));
+            return Err(self.non_finite(max[4], tensors, entries));
         }
-        let compresses: Vec<bool> = tensors.iter().zip(entries.iter()).map(|(t, e)| self.compresses(&t.shape, e.state.step)).collect();
         let plain = !compresses.iter().any(|&c| c);
         let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
         // Agreed: from here on only the engine can fail (a dead rank, which
@@ -519,7 +533,16 @@ impl Group {
                 jobs.push((i, self.ctx(&t.key, &t.shape, e.state.step), t.grad, &mut e.state));
             }
         }
-        let mut encoded = self.encode_batched(jobs, coll)?.into_iter();
+        let encoded = self.encode_batched(jobs, coll);
+        if let Some(err) = encoded.iter().find_map(|r| r.as_ref().err()) {
+            if !qsgd || matches!(err, Error::Transport(_) | Error::Internal(_)) {
+                return Err(encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())));
+            }
+            // A non-finite scale, the same on every rank: name the rank and tensor alike everywhere.
+            let (max, _) = collective::compare_fields(coll, &[self.fault_code(tensors, entries, &compresses)])?;
+            return Err(if max[0] != 0 { self.non_finite(max[0], tensors, entries) } else { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) });
+        }
+        let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
         for (t, &compress) in tensors.iter().zip(&compresses) {
             if !compress {
                 let at = floats.len();
@@ -555,7 +578,7 @@ impl Group {
     /// order. Every rank holds the same tensors and compression (agreed), so
     /// every rank makes the same batched calls in the same order.
     #[allow(clippy::type_complexity)]
-    fn encode_batched(&self, jobs: Vec<(usize, scheme::Ctx, &[f32], &mut scheme::State)>, coll: &mut Through) -> Result<Vec<(Vec<scheme::Part>, scheme::Part)>> {
+    fn encode_batched(&self, jobs: Vec<(usize, scheme::Ctx, &[f32], &mut scheme::State)>, coll: &mut Through) -> Vec<Result<(Vec<scheme::Part>, scheme::Part)>> {
         let count = jobs.len();
         let (tx, rx) = std::sync::mpsc::channel::<Msg>();
         let compression = &self.compression;
@@ -637,7 +660,7 @@ impl Group {
                     scheme::recycle(states, std::mem::take(exchanged));
                 }
             }
-            out.iter_mut().for_each(|x| *x /= world);
+            crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= world));
         }
         if result.is_ok() {
             let mut keys = lock(&self.keys);
@@ -879,6 +902,20 @@ mod tests {
         assert_eq!(errors[0], errors[1]);
         assert!(errors[0].contains("rank 1's residual + gradient of key 'w'") && errors[0].contains("nothing was applied"), "{}", errors[0]);
         assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved);
+        // QSGD finds it through its shared scale, after the agreement: the same error.
+        let q = params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,4]")]);
+        let groups: Vec<Group> = (0..2).map(|r| Group::new(q, r, 2, 0, 0.0).unwrap()).collect();
+        let two = [("u", vec![20]), ("v", vec![4, 5])];
+        push_all(&groups, &two, &grads(2, 40, 0));
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let mut bad = grads(2, 40, 1);
+        bad[0][33] = f32::INFINITY;
+        let errors: Vec<String> = push_all(&groups, &two, &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+        assert_eq!(errors[0], errors[1]);
+        assert!(errors[0].contains("rank 0's gradient of key 'v'") && errors[0].contains("at push 1"), "{}", errors[0]);
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved);
+        let again = push_all(&groups, &two, &grads(2, 40, 1)); // the job goes on
+        assert!(again.iter().all(|r| r.is_ok()));
         // Another compression on rank 1.
         let other = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(params(&[("compress", "2bit"), ("threshold", "0.5")]), 1, 2, 0, 0.0).unwrap()];
         let errors: Vec<String> = push_all(&other, &shapes, &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();

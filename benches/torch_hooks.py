@@ -1,0 +1,244 @@
+"""gradpack's DDP hooks beside torch's own, on 2 gloo ranks, in one run
+(a program that prints figures, not a test):
+
+  .venv/bin/python benches/torch_hooks.py                # loopback: the digits CNN and the 12.6M model
+  .venv/bin/python benches/torch_hooks.py --netns 1gbit 10gbit   # as root: the ranks on two
+        network namespaces joined by a veth pair limited with tc (tbf)
+
+Each hook trains the same model from the same weights on the same shards:
+  digits  the CNN of examples/torch_ddp.py, 220 steps of 32 images a rank
+          (plain SGD 0.5 a batch; 0.3 for 1bit): ms per step, bytes per
+          step handed to torch.distributed, test accuracy;
+  big     an MLP of 12.6M parameters (3 layers of 2048 x 2048), batch 8
+          of random data: ms per step over 10 steps after 3 of warm-up.
+Bytes are counted by wrapping torch.distributed.all_reduce, the one call
+every hook here (torch's and gradpack's) hands its tensors to. torch's
+powerSGD_hook runs with a single bucket (it aborts on gloo with more);
+--torch-powersgd-buckets shows that failure.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NS = ("gp_torch_a", "gp_torch_b")
+ADDR = ("10.47.0.1", "10.47.0.2")
+
+# (label, kind, spec): kind 'torch' names a hook of torch's, 'gradpack' gives compress_params.
+HOOKS = [
+    ("allreduce_hook", "torch", "allreduce"),
+    ("fp16_compress_hook", "torch", "fp16"),
+    ("bf16_compress_hook", "torch", "bf16"),
+    ("powerSGD_hook r=1 (1 bucket)", "torch", "powersgd1"),
+    ("powerSGD_hook r=2 (1 bucket)", "torch", "powersgd2"),
+    ("gradpack none", "gradpack", {"compress": "none"}),
+    ("gradpack qsgd_mn 2", "gradpack", {"compress": "qsgd_mn", "bits": 2}),
+    ("gradpack qsgd_mn_ts [2,6]", "gradpack", {"compress": "qsgd_mn_ts", "bits": [2, 6]}),
+    ("gradpack qsgd_mn_ms [2,4,8]", "gradpack", {"compress": "qsgd_mn_ms", "bits": [2, 4, 8]}),
+    ("gradpack grandk_mn 8 k=n/4", "gradpack", {"compress": "grandk_mn", "bits": 8, "k": "quarter"}),
+    ("gradpack grandk_mn_ts k=n/4", "gradpack", {"compress": "grandk_mn_ts", "bits": [2, 6], "k": "quarter"}),
+    ("gradpack 2bit 0.1", "gradpack", {"compress": "2bit", "threshold": 0.1}),
+    ("gradpack 1bit", "gradpack", {"compress": "1bit"}),
+    ("gradpack powersgd r=1", "gradpack", {"compress": "powersgd", "rank": 1}),
+    ("gradpack powersgd r=2", "gradpack", {"compress": "powersgd", "rank": 2}),
+]
+
+
+def rank_main(args):
+    """One rank: every hook on the asked model; rank 0 writes the figures."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradpack.torch as gpt
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import torch_ddp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sent = [0]
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *a, **kw):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return real_all_reduce(tensor, *a, **kw)
+
+    dist.all_reduce = counting_all_reduce
+
+    def big_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                   torch.nn.ReLU(), torch.nn.Linear(2048, 2048))
+
+    def register(ddp, kind, spec, n_largest):
+        if kind == "gradpack":
+            params = dict(spec)
+            if params.get("k") == "quarter":
+                params["k"] = n_largest // 4
+            state = gpt.State(params)
+            ddp.register_comm_hook(state, gpt.hook)
+            return state
+        if spec == "allreduce":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif spec == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif spec == "bf16":
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        else:
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(spec[-1]),
+                                                start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None
+
+    data = torch_ddp.digits()
+    results = []
+    for label, kind, spec in [h for h in HOOKS if not args.only or any(o in h[0] for o in args.only)]:
+        one_bucket = kind == "torch" and spec.startswith("powersgd") and not args.torch_powersgd_buckets
+        cap = 4096 if one_bucket else 25
+        if args.model == "digits":
+            torch.manual_seed(0)
+            model = torch_ddp.DigitsCNN()
+            xtr, ytr, xte, yte = data
+            lr = 0.3 if kind == "gradpack" and spec["compress"] == "1bit" else 0.5
+            opt = torch.optim.SGD(model.parameters(), lr=lr / 32)
+            mine = torch.arange(rank, len(ytr), world)
+            batches = []
+            for epoch in range(5 * world):
+                order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
+                batches += [order[i:i + 32] for i in range(0, len(order) - 31, 32)]
+            warm = 0
+        else:
+            model = big_model()
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(rank)
+            batches = [(torch.randn(8, 2048, generator=g), torch.randn(8, 2048, generator=g)) for _ in range(13)]
+            warm = 3
+        ddp = DDP(model, bucket_cap_mb=cap)
+        register(ddp, kind, spec, max(p.numel() for p in model.parameters()))
+        dist.barrier()
+        elapsed, counted = 0.0, 0
+        for i, b in enumerate(batches):
+            if i == warm:
+                sent[0] = 0
+            begin = time.perf_counter()
+            opt.zero_grad()
+            if args.model == "digits":
+                loss = torch.nn.functional.cross_entropy(ddp(xtr[b]), ytr[b], reduction="sum")
+            else:
+                loss = torch.nn.functional.mse_loss(ddp(b[0]), b[1])
+            loss.backward()
+            opt.step()
+            if i >= warm:
+                elapsed += time.perf_counter() - begin
+                counted += 1
+        accuracy = None
+        if args.model == "digits":
+            with torch.no_grad():
+                accuracy = (model(xte).argmax(1) == yte).float().mean().item()
+        results.append({"hook": label, "ms_per_step": 1000 * elapsed / counted, "bytes_per_step": sent[0] / counted,
+                        "accuracy": accuracy, "steps": counted})
+        del ddp
+        import gc
+        gc.collect()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def sh(cmd):
+    subprocess.run(cmd, shell=True, check=True)
+
+
+def netns_up(rate):
+    netns_down()
+    a, b = NS
+    sh("ip netns add %s && ip netns add %s" % (a, b))
+    sh("ip link add gptveth_a type veth peer name gptveth_b")
+    sh("ip link set gptveth_a netns %s && ip link set gptveth_b netns %s" % (a, b))
+    for ns, dev, addr in ((a, "gptveth_a", ADDR[0]), (b, "gptveth_b", ADDR[1])):
+        sh("ip netns exec %s ip addr add %s/24 dev %s" % (ns, addr, dev))
+        sh("ip netns exec %s ip link set %s up && ip netns exec %s ip link set lo up" % (ns, dev, ns))
+        sh("ip netns exec %s tc qdisc add dev %s root tbf rate %s burst 4mb latency 100ms" % (ns, dev, rate))
+
+
+def netns_down():
+    for ns in NS:
+        subprocess.run("ip netns del %s" % ns, shell=True, stderr=subprocess.DEVNULL)
+
+
+def run(model, link, only, torch_powersgd_buckets=False, timeout=3600):
+    """Starts 2 ranks (in the namespaces when `link` is a rate); rank 0's figures."""
+    out = tempfile.mktemp(suffix=".json")
+    port = str(20000 + int(time.time() * 1000) % 20000)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1")
+        argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--model", model, "--out", out]
+        argv += sum((["--only", o] for o in only), [])
+        if torch_powersgd_buckets:
+            argv.append("--torch-powersgd-buckets")
+        if link:
+            env["GLOO_SOCKET_IFNAME"] = "gptveth_" + "ab"[rank]
+            argv = ["ip", "netns", "exec", NS[rank]] + argv
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        return None, "\n".join(l[-1500:] for l in logs)
+    with open(out) as f:
+        return json.load(f), None
+
+
+def table(model, link, rows):
+    base = next((r for r in rows if r["hook"] == "allreduce_hook"), None)
+    print("\n%s model, 2 ranks, %s" % (model, link or "loopback"))
+    print("| hook | ms per step | vs allreduce_hook | bytes per step | accuracy |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        speed = "%.2fx" % (base["ms_per_step"] / r["ms_per_step"]) if base else "-"
+        acc = "%.2f%%" % (100 * r["accuracy"]) if r["accuracy"] is not None else "-"
+        print("| %s | %.1f | %s | %d | %s |" % (r["hook"], r["ms_per_step"], speed, r["bytes_per_step"], acc))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=["digits", "big"], action="append")
+    ap.add_argument("--only", action="append", default=[], help="hooks whose labels contain this (repeatable)")
+    ap.add_argument("--netns", nargs="*", help="link rates for tc, e.g. 1gbit 10gbit (root)")
+    ap.add_argument("--torch-powersgd-buckets", action="store_true",
+                    help="run torch's powerSGD_hook with DDP's default buckets (it fails on gloo)")
+    args = ap.parse_args()
+    if args.rank_main:
+        args.model = args.model[0]
+        return rank_main(args)
+    links = args.netns if args.netns else [None]
+    models = args.model or (["big"] if args.netns else ["digits", "big"])
+    try:
+        for link in links:
+            if link:
+                netns_up(link)
+            for model in models:
+                rows, failure = run(model, link, args.only, args.torch_powersgd_buckets)
+                if rows is None:
+                    print("\n%s model, %s: the job failed:\n%s" % (model, link or "loopback", failure))
+                else:
+                    table(model, link, rows)
+    finally:
+        if args.netns:
+            netns_down()
+
+
+if __name__ == "__main__":
+    main()
