@@ -2,7 +2,7 @@
 //! (`torch.distributed` under `gradpack.torch`'s DDP communication hook):
 //! each rank holds its own tensors' states, keyed by name; a bucket of
 //! tensors is encoded here, its exchanges are handed to the caller's
-//! `Engine` one all-reduce at a time (SUM, MAX or MIN on float32, uint8 or
+//! `Engine` one all-reduce at a time (SUM or MAX of float32, SUM or OR of
 //! 64-bit words), its final contributions come back as two buffers for the
 //! caller to SUM, and `decode` turns the sums into every rank's identical
 //! result: the sum over ranks divided by the world size.
@@ -33,17 +33,15 @@ use crate::quant::{lanes, powersgd, qsgd, scheme};
 pub enum ReduceOp {
     Sum = 0,
     Max = 1,
-    Min = 2,
     /// Bitwise OR of 64-bit words.
-    Or = 3,
+    Or = 2,
 }
 
-/// A buffer handed to the engine: float32 values, uint8 scale indices, or
-/// 64-bit words of packed lanes (summed as integers: lanes never carry
-/// into each other, so a wrapping 64-bit sum is exact).
+/// A buffer handed to the engine: float32 values, or 64-bit words of
+/// packed lanes (summed as integers: lanes never carry into each other, so
+/// a wrapping 64-bit sum is exact).
 pub enum Buffer<'a> {
     F32(&'a mut [f32]),
-    U8(&'a mut [u8]),
     U64(&'a mut [u64]),
 }
 
@@ -51,7 +49,6 @@ impl Buffer<'_> {
     pub fn bytes(&self) -> u64 {
         match self {
             Buffer::F32(x) => 4 * x.len() as u64,
-            Buffer::U8(x) => x.len() as u64,
             Buffer::U64(x) => 8 * x.len() as u64,
         }
     }
@@ -121,7 +118,6 @@ impl Collective for Through<'_> {
 /// A buffer owned while it travels between an encode thread and the engine.
 enum Data {
     F32(Vec<f32>),
-    U8(Vec<u8>),
     U64(Vec<u64>),
 }
 
@@ -129,7 +125,6 @@ impl Data {
     fn of(buf: &Buffer<'_>) -> Data {
         match buf {
             Buffer::F32(x) => Data::F32(x.to_vec()),
-            Buffer::U8(x) => Data::U8(x.to_vec()),
             Buffer::U64(x) => Data::U64(x.to_vec()),
         }
     }
@@ -137,8 +132,7 @@ impl Data {
     fn kind(&self) -> u8 {
         match self {
             Data::F32(_) => 0,
-            Data::U8(_) => 1,
-            Data::U64(_) => 2,
+            Data::U64(_) => 1,
         }
     }
 }
@@ -170,7 +164,6 @@ impl Engine for Batched {
         let data = answer.recv().map_err(|_| Error::Internal("the batching driver is gone".into()))??;
         match (buf, data) {
             (Buffer::F32(x), Data::F32(d)) if x.len() == d.len() => x.copy_from_slice(&d),
-            (Buffer::U8(x), Data::U8(d)) if x.len() == d.len() => x.copy_from_slice(&d),
             (Buffer::U64(x), Data::U64(d)) if x.len() == d.len() => x.copy_from_slice(&d),
             _ => return Err(Error::Internal("a batched reduction came back as another buffer".into())),
         }
@@ -218,7 +211,6 @@ impl Batched {
             }
             match members[0].data {
                 Data::F32(_) => batch!(F32, f32),
-                Data::U8(_) => batch!(U8, u8),
                 Data::U64(_) => batch!(U64, u64),
             }
         }
@@ -761,7 +753,6 @@ mod tests {
             let r = match op {
                 ReduceOp::Sum => x + y,
                 ReduceOp::Max => x.max(y),
-                ReduceOp::Min => x.min(y),
                 ReduceOp::Or => panic!("OR of float32"),
             };
             return r.to_bits() as u64;
@@ -769,7 +760,6 @@ mod tests {
         match op {
             ReduceOp::Sum => a.wrapping_add(b),
             ReduceOp::Max => a.max(b),
-            ReduceOp::Min => a.min(b),
             ReduceOp::Or => a | b,
         }
     }
@@ -778,7 +768,6 @@ mod tests {
         fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
             let (mine, float): (Vec<u64>, bool) = match &buf {
                 Buffer::F32(x) => (x.iter().map(|v| v.to_bits() as u64).collect(), true),
-                Buffer::U8(x) => (x.iter().map(|&v| v as u64).collect(), false),
                 Buffer::U64(x) => (x.to_vec(), false),
             };
             let t = self.threads;
@@ -798,7 +787,6 @@ mod tests {
             drop(g);
             match buf {
                 Buffer::F32(x) => x.iter_mut().zip(&result).for_each(|(x, &r)| *x = f32::from_bits(r as u32)),
-                Buffer::U8(x) => x.iter_mut().zip(&result).for_each(|(x, &r)| *x = r as u8),
                 Buffer::U64(x) => x.copy_from_slice(&result),
             }
             t.done.wait(); // every rank has read the result before the next round

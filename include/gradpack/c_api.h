@@ -264,8 +264,8 @@ typedef struct gp_group_t gp_group_t;
 typedef struct gp_pending_t gp_pending_t;
 
 /* A blocking all-reduce, the same on every rank in the same order: `op` 0
- * SUM, 1 MAX, 2 MIN, 3 bitwise OR; `dtype` 0 float32, 1 uint8, 2 64-bit
- * words (summed as int64, wrapping); `data` holds `len` elements, valid only
+ * SUM, 1 MAX, 2 bitwise OR; `dtype` 0 float32, 1 64-bit words (summed as
+ * int64, wrapping); `data` holds `len` elements, valid only
  * during the call. Returns 0, or nonzero when the reduction failed (the
  * call then fails with a transport error; the caller keeps its own). */
 typedef int (*gp_reduce_fn)(void* user, int op, int dtype, void* data, uint64_t len);

@@ -49,9 +49,8 @@ LIB.gp_buffer_free.argtypes = [ctypes.POINTER(ctypes.c_uint8), _u64]
 LIB.gp_buffer_free.restype = None
 
 # The C ABI's buffer codes and reductions.
-_BUFFERS = {0: (torch.float32, ctypes.c_float), 1: (torch.uint8, ctypes.c_uint8),
-            2: (torch.int64, ctypes.c_int64)}
-_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.BOR}
+_BUFFERS = {0: (torch.float32, ctypes.c_float), 1: (torch.int64, ctypes.c_int64)}
+_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.BOR}
 _WIDENED = (torch.float16, torch.bfloat16)
 _STATE_FORMAT = "gradpack.torch/1"
 
@@ -92,7 +91,7 @@ class _Pending:
         if plain.value:
             sums = [self.flat]
         else:
-            sums = [_view(words.value, nwords.value, 2), _view(floats.value, nfloats.value, 0)]
+            sums = [_view(words.value, nwords.value, 1), _view(floats.value, nfloats.value, 0)]
         self.sums = [t for t in sums if t.numel() > 0]
         group = self.state.process_group
         # Futures only: a gloo Work object kept past the process group's

@@ -17,8 +17,8 @@ pub struct gp_group_t(Group);
 #[allow(non_camel_case_types)]
 pub struct gp_pending_t(Pending);
 
-/// The caller's blocking all-reduce: `op` 0 SUM, 1 MAX, 2 MIN, 3 bitwise OR; `dtype`
-/// 0 float32, 1 uint8, 2 64-bit words (summed as int64: a wrapping sum is
+/// The caller's blocking all-reduce: `op` 0 SUM, 1 MAX, 2 bitwise OR;
+/// `dtype` 0 float32, 1 64-bit words (summed as int64: a wrapping sum is
 /// exact); `data` holds `len` elements, valid only during the call. Returns
 /// 0, or nonzero when the reduction failed (the caller keeps its own error).
 #[allow(non_camel_case_types)]
@@ -33,8 +33,7 @@ impl Engine for Callback {
     fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
         let (dtype, data, len) = match buf {
             Buffer::F32(x) => (0, x.as_mut_ptr().cast::<c_void>(), x.len()),
-            Buffer::U8(x) => (1, x.as_mut_ptr().cast::<c_void>(), x.len()),
-            Buffer::U64(x) => (2, x.as_mut_ptr().cast::<c_void>(), x.len()),
+            Buffer::U64(x) => (1, x.as_mut_ptr().cast::<c_void>(), x.len()),
         };
         // SAFETY: `data` is valid for `len` elements of `dtype` for the whole
         // call (a live mutable slice); the callback is the caller's, as
