@@ -15,6 +15,7 @@ import os
 import sys
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -64,10 +65,13 @@ def main():
                 failed.append(p["compress"])
         if failed:
             print("more than %.2f points below uncompressed: %s" % (args.check, ", ".join(failed)))
-    verdict = [len(failed)]
-    dist.broadcast_object_list(verdict, src=0)
+    # A tensor, not broadcast_object_list: torch 2.15's object collectives
+    # on gloo can abort the process at exit.
+    verdict = torch.tensor([len(failed)])
+    dist.broadcast(verdict, src=0)
+    dist.barrier()  # every rank done before any tears down (torch 2.15 on gloo can abort otherwise)
     dist.destroy_process_group()
-    sys.exit(1 if verdict[0] else 0)
+    sys.exit(1 if verdict.item() else 0)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def rank_main(args):
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
+    dist.barrier()  # every rank done before any tears down (torch 2.15 on gloo can abort otherwise)
     dist.destroy_process_group()
 
 

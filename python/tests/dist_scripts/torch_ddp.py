@@ -103,7 +103,7 @@ def hook_against_allreduce(params, steps=3, dtype=torch.float32, accumulate=1, u
             if p.grad is None:
                 continue
             key = state._param_keys[id(p)]
-            mine[key] = q.grad.detach().float().clone().numpy().tolist()
+            mine[key] = q.grad.detach().float().clone()
             gpt.allreduce_(q.grad, mirror, key=key)
             worst = max(worst, float((p.grad.float() - q.grad.float()).abs().max()))
         local.append(mine)
@@ -120,8 +120,15 @@ def device_store_matches(params, local, results):
     """Rank 0: an in-process 'device' store with one device per rank, pushed
     every rank's local gradients, key by key and step by step: its sum over
     the world size against what the hook gave (largest difference)."""
-    everyone = [None] * WORLD
-    dist.all_gather_object(everyone, local)
+    # Tensor collectives only: torch 2.15's object collectives on gloo can
+    # abort the process at exit.
+    everyone = [[{} for _ in local] for _ in range(WORLD)]
+    for step, mine in enumerate(local):
+        for key, value in mine.items():
+            parts = [torch.empty_like(value) for _ in range(WORLD)]
+            dist.all_gather(parts, value)
+            for r in range(WORLD):
+                everyone[r][step][key] = parts[r].numpy()
     if RANK != 0:
         return None
     store = kv.create("device")
@@ -130,7 +137,7 @@ def device_store_matches(params, local, results):
     worst = 0.0
     for step, got in enumerate(results):
         for key, value in got.items():
-            grads = [np.array(everyone[r][step][key], np.float32) for r in range(WORLD)]
+            grads = [everyone[r][step][key] for r in range(WORLD)]
             if step == 0:
                 store.init(key, np.zeros_like(grads[0]))
             store.push(key, grads)
@@ -315,8 +322,11 @@ for name in sys.argv[1:]:
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % RANK), "w") as f:
     json.dump(report, f)
 sys.stdout.flush()
-# A DDP model with a comm hook still alive when the process exits can abort
-# it in gloo's threads (torch's own hooks too): DDP objects sit in reference
-# cycles, so collect them before the process group goes.
+# torch 2.15 on gloo can abort a process at exit ("terminate called without
+# an active exception") when one rank tears down while another is still
+# busy, with or without a hook: every rank waits for the others first.
 gc.collect()
+if "dead_rank" in sys.argv:
+    os._exit(0)  # its peer is gone: no collective can complete
+dist.barrier()
 dist.destroy_process_group()
