@@ -18,31 +18,20 @@ import sys
 import tempfile
 import time
 
+import veth
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
 NS = ("gpbench_a", "gpbench_b")  # workers, servers+scheduler
 ADDR = ("10.77.0.1", "10.77.0.2")
 
 
-def sh(cmd):
-    subprocess.run(cmd, shell=True, check=True)
-
-
 def netns_up(rate):
-    netns_down()
-    a, b = NS
-    sh("ip netns add %s && ip netns add %s" % (a, b))
-    sh("ip link add gpveth_a type veth peer name gpveth_b")
-    sh("ip link set gpveth_a netns %s && ip link set gpveth_b netns %s" % (a, b))
-    for ns, dev, addr in ((a, "gpveth_a", ADDR[0]), (b, "gpveth_b", ADDR[1])):
-        sh("ip netns exec %s ip addr add %s/24 dev %s" % (ns, addr, dev))
-        sh("ip netns exec %s ip link set %s up && ip netns exec %s ip link set lo up" % (ns, dev, ns))
-        sh("ip netns exec %s tc qdisc add dev %s root tbf rate %s burst 1mb latency 100ms" % (ns, dev, rate))
+    veth.up(NS, ("gpveth_a", "gpveth_b"), ADDR, rate)
 
 
 def netns_down():
-    for ns in NS:
-        subprocess.run("ip netns del %s" % ns, shell=True, stderr=subprocess.DEVNULL)
+    veth.down(NS)
 
 
 def run_job(impl, compress, n, iters, netns, timeout=900):

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+import veth
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NS = ("gp_torch_a", "gp_torch_b")
 ADDR = ("10.47.0.1", "10.47.0.2")
@@ -156,27 +158,6 @@ def rank_main(args):
     dist.destroy_process_group()
 
 
-def sh(cmd):
-    subprocess.run(cmd, shell=True, check=True)
-
-
-def netns_up(rate):
-    netns_down()
-    a, b = NS
-    sh("ip netns add %s && ip netns add %s" % (a, b))
-    sh("ip link add gptveth_a type veth peer name gptveth_b")
-    sh("ip link set gptveth_a netns %s && ip link set gptveth_b netns %s" % (a, b))
-    for ns, dev, addr in ((a, "gptveth_a", ADDR[0]), (b, "gptveth_b", ADDR[1])):
-        sh("ip netns exec %s ip addr add %s/24 dev %s" % (ns, addr, dev))
-        sh("ip netns exec %s ip link set %s up && ip netns exec %s ip link set lo up" % (ns, dev, ns))
-        sh("ip netns exec %s tc qdisc add dev %s root tbf rate %s burst 4mb latency 100ms" % (ns, dev, rate))
-
-
-def netns_down():
-    for ns in NS:
-        subprocess.run("ip netns del %s" % ns, shell=True, stderr=subprocess.DEVNULL)
-
-
 def run(model, link, only, torch_powersgd_buckets=False, timeout=3600):
     """Starts 2 ranks (in the namespaces when `link` is a rate); rank 0's figures."""
     out = tempfile.mktemp(suffix=".json")
@@ -229,7 +210,7 @@ def main():
     try:
         for link in links:
             if link:
-                netns_up(link)
+                veth.up(NS, ("gptveth_a", "gptveth_b"), ADDR, link, burst="4mb")
             for model in models:
                 rows, failure = run(model, link, args.only, args.torch_powersgd_buckets)
                 if rows is None:
@@ -238,7 +219,7 @@ def main():
                     table(model, link, rows)
     finally:
         if args.netns:
-            netns_down()
+            veth.down(NS)
 
 
 if __name__ == "__main__":
