@@ -94,8 +94,6 @@ class _Pending:
             sums = [_view(words.value, nwords.value, 1), _view(floats.value, nfloats.value, 0)]
         self.sums = [t for t in sums if t.numel() > 0]
         group = self.state.process_group
-        # Futures only: a gloo Work object kept past the process group's
-        # destruction aborts the process at exit.
         self.futures = [dist.all_reduce(t, group=group, async_op=True).get_future()
                         for t in self.sums]
         return self
