@@ -8,7 +8,7 @@ use std::ffi::{c_char, c_int, c_void};
 
 use half::{bf16, f16};
 
-use super::{cstr, dtype_of, guard, owned, params, slice, slice_mut, Raw};
+use super::{cstr, dtype_of, guard, params, slice, slice_mut, Raw};
 use crate::compression::Compression;
 use crate::dist::{self, Config};
 use crate::error::{Dtype, Error, Result};
@@ -148,6 +148,10 @@ impl Outputs {
 
 unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a gp_kvstore_t> {
     s.as_ref().ok_or(Error::NullPointer { what: "store" })
+}
+
+fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 /// Creates a store of `type`: "local", "device", or a worker of "dist_sync",

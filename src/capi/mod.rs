@@ -154,10 +154,6 @@ pub(crate) unsafe fn cstr<'a>(p: *const c_char, what: &'static str) -> Result<&'
     CStr::from_ptr(p).to_str().map_err(|_| Error::InvalidParam { key: what.into(), problem: "is not UTF-8".into() })
 }
 
-pub(crate) fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-}
-
 /// # Safety
 /// `keys` and `vals` are NULL (with `num` 0) or point to `num` NUL-terminated strings each.
 pub(crate) unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> Result<Vec<(&'a str, &'a str)>> {
