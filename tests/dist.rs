@@ -337,7 +337,7 @@ fn a_dead_server_fails_pending_requests_within_the_timeout() {
     let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
     // A "server" that registers, then goes silent: its postoffice stops heartbeating.
     let server = thread::spawn(move || {
-        let post = gradpack::dist::postoffice::Postoffice::start(config(Role::Server, port, 1, 1), Some(Box::new(|_| Vec::new()))).unwrap();
+        let post = gradpack::dist::postoffice::Postoffice::start(config(Role::Server, port, 1, 1), Some(Box::new(|_: &gradpack::dist::postoffice::NodeInfo| -> gradpack::dist::postoffice::RequestHandler { Box::new(|_| Vec::new()) }))).unwrap();
         post.stop();
         std::thread::sleep(Duration::from_secs(5));
     });
@@ -617,7 +617,7 @@ fn a_job_with_a_secret_drops_every_forged_message() {
     ];
     // The same frames signed with another secret.
     let other = Auth::new(Secret::new(b"a guess").unwrap());
-    let signed: Vec<Vec<Vec<u8>>> = forged.iter().map(|f| { let tag = other.sign(&f[0], &f[1]); vec![f[0].clone(), f[1].clone(), tag] }).collect();
+    let signed: Vec<Vec<Vec<u8>>> = forged.iter().map(|f| { let tag = other.sign(1, &f[0], &f[1]).unwrap(); vec![f[0].clone(), f[1].clone(), tag] }).collect();
     let send_all = |host: &str, port: u16| {
         let s = outsider(host, port, 1000);
         for f in forged.iter().chain(&signed) {
@@ -789,17 +789,13 @@ fn a_scheme_push_that_fails_on_one_worker_fails_the_round_for_all() {
 /// server sends it (no input reaches a panic to test it end to end).
 #[test]
 fn a_server_that_stops_serving_ends_the_job_with_its_reason() {
-    use gradpack::dist::auth::Auth;
-    use gradpack::dist::message::{Command, Meta};
+    use gradpack::dist::message::{Command, Message, Meta, Payload};
     let secret = Secret::new(b"job").unwrap();
     let (sched, server, post, w) = one_server_job_with(Some(secret.clone()));
     w.init(&Key::Int(1), Array { shape: &[2], data: Grad::F32(&[1.0, 2.0]) }).unwrap();
     let mut m = Meta::new(Command::NodeFailed, post.me.id);
     m.body = "server node 8 stopped serving after an internal error (a bug in gradpack)".into();
-    let header = m.encode();
-    let tag = Auth::new(secret).sign(&header, &[]);
-    let s = outsider("127.0.0.1", post.config.root_port, 1000);
-    s.send_multipart([header, Vec::new(), tag], 0).unwrap();
+    post.van.send(1, Message { meta: m, data: Payload::empty() }).unwrap();
     let err = sched.join().unwrap().unwrap_err().to_string();
     assert!(err.contains("server 0") && err.contains("stopped serving after an internal error"), "{err}");
     let err = server.join().unwrap().unwrap_err().to_string();

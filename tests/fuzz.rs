@@ -146,8 +146,8 @@ fn seeds() -> Vec<(Vec<u8>, Vec<u8>)> {
         (meta(Command::Register, None, 0, 0, &encode_pairs([("role", "worker"), ("host", "127.0.0.1"), ("port", "9"), ("job", "workers=1")])).encode(), Vec::new()),
         (meta(Command::SetCompress, None, 0, 0, &encode_pairs([("compress", "2bit"), ("threshold", "0.5")])).encode(), Vec::new()),
         (meta(Command::SetOptimizer, None, 0, 0, &encode_pairs([("name", "sgd"), ("learning_rate", "0.1")])).encode(), Vec::new()),
-        (meta(Command::Init, k.clone(), 40, 0, &encode_pairs([("shape", "4,10")])).encode(), f32s_to_bytes(&g)),
-        (meta(Command::Init, s.clone(), 40, 0, "").encode(), f32s_to_bytes(&g)),
+        (meta(Command::Init, k.clone(), 40, 0, &encode_pairs([("shape", "4,10"), ("sync", "1")])).encode(), f32s_to_bytes(&g)),
+        (meta(Command::Init, s.clone(), 40, 0, &encode_pairs([("sync", "1")])).encode(), f32s_to_bytes(&g)),
         (meta(Command::Push, k.clone(), 40, 0, "").encode(), f32s_to_bytes(&g)),
         (meta(Command::Push, k.clone(), 40, Flag::Compressed.bit(), "").encode(), f32s_to_bytes(&compr)),
         (meta(Command::Push, k.clone(), 40, Flag::Async.bit(), "").encode(), f32s_to_bytes(&g)),
@@ -228,8 +228,8 @@ fn a_server_survives_100k_mutated_requests() {
         if !params.is_empty() {
             setup(&mut server, Command::SetCompress, Key::Int(0), encode_pairs(params.iter().copied()), Vec::new());
         }
-        setup(&mut server, Command::Init, Key::Int(5), String::new(), f32s_to_bytes(&[1.0; 40]));
-        setup(&mut server, Command::Init, Key::from("w"), String::new(), f32s_to_bytes(&[1.0; 40]));
+        setup(&mut server, Command::Init, Key::Int(5), encode_pairs([("sync", "1")]), f32s_to_bytes(&[1.0; 40]));
+        setup(&mut server, Command::Init, Key::from("w"), encode_pairs([("sync", "1")]), f32s_to_bytes(&[1.0; 40]));
         for i in 0..56_000 {
             let (h, p) = &seeds[3 + i % (seeds.len() - 3)];
             let (h, p) = if rng.below(2) == 0 { (mutate(&mut rng, h), p.clone()) } else { (h.clone(), mutate(&mut rng, p)) };
@@ -243,7 +243,7 @@ fn a_server_survives_100k_mutated_requests() {
             handled += 1;
         }
         // Still serving: a new key inits, and pulls back exactly.
-        setup(&mut server, Command::Init, Key::Int(12345), String::new(), f32s_to_bytes(&[2.5; 40]));
+        setup(&mut server, Command::Init, Key::Int(12345), encode_pairs([("sync", "1")]), f32s_to_bytes(&[2.5; 40]));
         let replies = server.handle(Message { meta: meta(Command::Pull, Some(Key::Int(12345)), 40, 0, ""), data: Vec::new().into() });
         assert_eq!(replies.len(), 1);
         assert_eq!(f32_view(&replies[0].1.data).unwrap().into_owned(), vec![2.5; 40], "{}", replies[0].1.meta.body);

@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 
 #[derive(Default)]
 struct State {
-    /// request id -> (responses expected, responses so far)
-    pending: HashMap<u64, (usize, Vec<Message>)>,
+    /// request id -> (nodes yet to answer, responses so far)
+    pending: HashMap<u64, (Vec<i32>, Vec<Message>)>,
     failure: Option<String>,
     terminated: bool,
     barriers_done: u64,
@@ -26,21 +26,26 @@ pub struct Customer {
 }
 
 impl Customer {
-    /// A new request id expecting `expected` responses.
-    pub fn start(&self, expected: usize) -> u64 {
+    /// A new request id expecting one response from each node of `from`.
+    pub fn start(&self, from: Vec<i32>) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
-        self.state.lock().unwrap().pending.insert(id, (expected, Vec::with_capacity(expected)));
+        let n = from.len();
+        self.state.lock().unwrap().pending.insert(id, (from, Vec::with_capacity(n)));
         id
     }
 
-    /// Files a response; false if no request waits for it.
+    /// Files a response; false if no request waits for one from its sender.
     pub fn deliver(&self, msg: Message) -> bool {
         let mut s = self.state.lock().unwrap();
         let known = match s.pending.get_mut(&msg.meta.request_id) {
-            Some((_, got)) => {
-                got.push(msg);
-                true
-            }
+            Some((from, got)) => match from.iter().position(|&n| n == msg.meta.sender) {
+                Some(i) => {
+                    from.swap_remove(i);
+                    got.push(msg);
+                    true
+                }
+                None => false,
+            },
             None => false,
         };
         drop(s);
@@ -74,8 +79,8 @@ impl Customer {
                 s.pending.remove(&id);
                 return Err(Error::JobFailed(reason));
             }
-            let (expected, got) = s.pending.get(&id).expect("request id was started");
-            if got.len() >= *expected {
+            let (from, _) = s.pending.get(&id).expect("request id was started");
+            if from.is_empty() {
                 let (_, got) = s.pending.remove(&id).unwrap();
                 return Ok(got);
             }

@@ -25,6 +25,9 @@ pub enum Command {
     NodeFailed = 8,
     WorkerDone = 9,
     Terminate = 10,
+    /// The scheduler's answer to a registration signed outside the job: the
+    /// job id (`job=`), under which the node registers again.
+    Challenge = 11,
     // data (worker <-> server)
     SetCompress = 20,
     SetOptimizer = 21,
@@ -50,6 +53,7 @@ impl Command {
             8 => NodeFailed,
             9 => WorkerDone,
             10 => Terminate,
+            11 => Challenge,
             20 => SetCompress,
             21 => SetOptimizer,
             22 => SetScaling,

@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use super::config::{Config, Role};
 use super::customer::Customer;
+use super::auth::{job_from_hex, job_to_hex, Origin};
 use super::message::{decode_pairs, encode_pairs, Command, Message, Meta, Payload};
-use super::van::{local_address_towards, Receiver, Van};
+use super::van::{local_address_towards, Answer, Receiver, Van};
 use crate::error::{Error, Result};
 
 pub const SCHEDULER_ID: i32 = 1;
@@ -35,6 +36,8 @@ pub struct NodeInfo {
     pub rank: usize,
     pub host: String,
     pub port: u16,
+    /// The nonce its authenticated registration was signed with (0 without a secret).
+    pub nonce: u64,
 }
 
 impl NodeInfo {
@@ -45,6 +48,14 @@ impl NodeInfo {
 
 /// Handles a data request on a server; returns the messages to send back.
 pub type RequestHandler = Box<dyn FnMut(Message) -> Vec<(i32, Message)> + Send>;
+
+/// Makes a server's handler once the node knows who it is, before anything is
+/// served: no request is ever answered under an id the node does not have yet.
+pub type MakeHandler = Box<dyn FnOnce(&NodeInfo) -> RequestHandler + Send>;
+
+/// Messages that may arrive before this node has the node table, kept for
+/// after it; more are dropped (only a flood has more).
+const EARLY_LIMIT: usize = 4096;
 
 fn log(config: &Config, who: &str, level: u32, text: &str) {
     if config.verbose >= level {
@@ -70,20 +81,26 @@ impl Postoffice {
     /// Registers this worker or server with the scheduler, waits for the node
     /// table, connects to its peers and starts the receive and heartbeat
     /// threads. Servers pass the handler for data requests.
-    pub fn start(config: Config, mut handler: Option<RequestHandler>) -> Result<Arc<Postoffice>> {
+    pub fn start(config: Config, handler: Option<MakeHandler>) -> Result<Arc<Postoffice>> {
         debug_assert!(config.role != Role::Scheduler);
         let van = Arc::new(Van::new(config.secret.clone()));
         let host = config.node_host.clone().unwrap_or_else(|| local_address_towards(&config.root_uri, config.root_port));
         let (receiver, port) = van.bind(&host, 0)?;
         let mut scheduler_link = van.connect_watched(SCHEDULER_ID, &config.root_uri, config.root_port)?;
-        let mut reg = Meta::new(Command::Register, 0);
-        reg.body = encode_pairs([
-            ("role", config.role.name()),
-            ("host", host.as_str()),
-            ("port", port.to_string().as_str()),
-            ("job", config.job_fingerprint().as_str()),
-        ]);
-        van.send(SCHEDULER_ID, message(reg))?;
+        let register = |van: &Van| {
+            let mut reg = Meta::new(Command::Register, 0);
+            reg.body = encode_pairs([
+                ("role", config.role.name()),
+                ("host", host.as_str()),
+                ("port", port.to_string().as_str()),
+                ("job", config.job_fingerprint().as_str()),
+            ]);
+            van.send(SCHEDULER_ID, message(reg))
+        };
+        // With a secret, this first registration is signed under no job; the
+        // scheduler's challenge names the job, and the node registers again in it.
+        register(&van)?;
+        let mut joined = van.auth().is_none();
         let who = format!("{} {}:{}", config.role.name(), host, port);
         log(&config, &who, 1, &format!("registering with the scheduler at {}:{}", config.root_uri, config.root_port));
 
@@ -92,15 +109,21 @@ impl Postoffice {
         let started = Instant::now();
         let unreachable_after = config.heartbeat_timeout.max(Duration::from_secs(10));
         // Every node must register before the table comes; allow for slow starts.
-        let deadline = Instant::now() + config.heartbeat_timeout.max(Duration::from_secs(60)) * 2;
+        let patience = config.heartbeat_timeout.max(Duration::from_secs(60)) * 2;
+        let deadline = started + patience;
         // Peers that got the table first may already send requests: keep them for later.
-        let mut early: Vec<Message> = Vec::new();
+        let mut early: Vec<(Message, Origin)> = Vec::new();
         let (me, nodes) = loop {
+            van.traffic.flush_log(&who);
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
                 return Err(Error::JobFailed(format!(
-                    "no answer from the scheduler at {}:{} within {:?} (is it running, and did all {} workers and {} servers start?)",
-                    config.root_uri, config.root_port, deadline.duration_since(deadline - remaining), config.num_workers, config.num_servers
+                    "no answer from the scheduler at {}:{} within {:.0} s (is it running, and did all {} workers and {} servers start?)",
+                    config.root_uri,
+                    config.root_port,
+                    patience.as_secs_f64(),
+                    config.num_workers,
+                    config.num_servers
                 )));
             }
             if !scheduler_link.ever_up() && started.elapsed() > unreachable_after {
@@ -125,26 +148,58 @@ impl Postoffice {
                     config.role.name()
                 )));
             }
-            if let Some(why) = van.notice_from(SCHEDULER_ID) {
-                return Err(Error::JobFailed(if why.starts_with("the scheduler refused") {
-                    format!("{why} (the scheduler at {}:{})", config.root_uri, config.root_port)
-                } else {
-                    format!(
-                        "the scheduler at {}:{} refused this {}'s messages: {why}. Every node of a job needs the same GRADPACK_SECRET (or GRADPACK_SECRET_FILE)",
-                        config.root_uri, config.root_port, config.role.name()
-                    )
-                }));
-            }
-            match receiver.recv(remaining.min(Duration::from_millis(200)), &van)? {
-                Some(Ok(msg)) if msg.meta.command == Command::AddNodes => break parse_table(&msg.meta.body)?,
-                Some(Ok(msg)) if msg.meta.command == Command::Refused => {
-                    return Err(Error::JobFailed(format!("the scheduler refused this {}: {}", config.role.name(), msg.meta.body)));
+            match van.answer_from(SCHEDULER_ID) {
+                Some(Answer::Notice(why)) => {
+                    return Err(Error::JobFailed(if why.starts_with("the scheduler refused") {
+                        format!("{why} (the scheduler at {}:{})", config.root_uri, config.root_port)
+                    } else {
+                        format!(
+                            "the scheduler at {}:{} refused this {}'s messages: {why}. Every node of a job needs the same GRADPACK_SECRET (or GRADPACK_SECRET_FILE)",
+                            config.root_uri, config.root_port, config.role.name()
+                        )
+                    }));
                 }
-                Some(Ok(msg)) => early.push(msg),
-                Some(Err(e)) => eprintln!("[gradpack {who}] {e}"),
+                Some(Answer::Message(msg, origin)) if msg.meta.command == Command::Challenge && msg.meta.sender == SCHEDULER_ID && !joined => {
+                    let job = decode_pairs(&msg.meta.body).ok().and_then(|p| p.into_iter().find(|(k, _)| k == "job")).and_then(|(_, v)| job_from_hex(&v));
+                    match (job, van.auth()) {
+                        (Some(job), Some(auth)) => {
+                            auth.join(job, SCHEDULER_ID, origin.nonce);
+                            joined = true;
+                            register(&van)?;
+                        }
+                        _ => van.traffic.drop_message(&who, format_args!("a challenge without a job id")),
+                    }
+                }
+                Some(Answer::Message(msg, _)) => van.traffic.drop_message(&who, format_args!("an unexpected {:?} on the connection to the scheduler", msg.meta.command)),
+                Some(Answer::Bad(e)) => van.traffic.drop_message(&who, format_args!("a message on the connection to the scheduler: {e}")),
+                None => {}
+            }
+            match receiver.recv(remaining.min(Duration::from_millis(50)), &van)? {
+                Some(Ok((msg, origin))) if matches!(msg.meta.command, Command::AddNodes | Command::Refused) => {
+                    if let Err(e) = van.check_sender(SCHEDULER_ID, &origin).and(if msg.meta.sender == SCHEDULER_ID { Ok(()) } else { Err(Error::Transport(format!("sent by node {}", msg.meta.sender))) }) {
+                        van.traffic.drop_message(&who, format_args!("a {:?} not from the scheduler: {e}", msg.meta.command));
+                        continue;
+                    }
+                    if msg.meta.command == Command::Refused {
+                        return Err(Error::JobFailed(format!("the scheduler refused this {}: {}", config.role.name(), msg.meta.body)));
+                    }
+                    let (me, nodes) = parse_table(&msg.meta.body)?;
+                    if van.auth().is_some_and(|a| a.nonce() != me.nonce) {
+                        return Err(Error::JobFailed(format!("the scheduler's node table names another process as this {} (node {})", config.role.name(), me.id)));
+                    }
+                    break (me, nodes);
+                }
+                Some(Ok(early_msg)) if early.len() < EARLY_LIMIT => early.push(early_msg),
+                Some(Ok((msg, _))) => van.traffic.drop_message(&who, format_args!("a {:?} from node {} before this node joined ({EARLY_LIMIT} are kept)", msg.meta.command, msg.meta.sender)),
+                Some(Err(e)) => van.traffic.drop_message(&who, format_args!("a message: {e}")),
                 None => {}
             }
         };
+        if let Some(auth) = van.auth() {
+            for n in &nodes {
+                auth.bind(n.id, n.nonce);
+            }
+        }
         for n in &nodes {
             if n.id != me.id && n.role != Role::Scheduler && n.role != me.role {
                 van.connect(n.id, &n.host, n.port)?;
@@ -160,9 +215,10 @@ impl Postoffice {
         // Customer thread), so that control messages (heartbeat acks,
         // failure notices, terminate) are never queued behind data work.
         let mut threads = Vec::new();
-        let data = match handler.take() {
+        let data = match handler {
             None => None,
-            Some(mut h) => {
+            Some(make) => {
+                let mut h = make(&post.me);
                 let (tx, rx) = std::sync::mpsc::channel::<Message>();
                 let p = post.clone();
                 threads.push(
@@ -208,16 +264,44 @@ impl Postoffice {
         }
     }
 
-    fn receive_loop(&self, receiver: Receiver, early: Vec<Message>, data: Option<std::sync::mpsc::Sender<Message>>, last_contact: &Mutex<Instant>) {
+    /// Whether `msg` may come from its sender: signed by the process that
+    /// registered under its id, which has the role that sends such a command.
+    fn admit(&self, msg: &Message, origin: &Origin) -> std::result::Result<(), String> {
+        let sender = msg.meta.sender;
+        self.van.check_sender(sender, origin).map_err(|e| e.to_string())?;
+        let role = self.nodes.iter().find(|n| n.id == sender).map(|n| n.role);
+        let may = match msg.meta.command {
+            Command::HeartbeatAck | Command::BarrierDone | Command::NodeFailed | Command::Terminate => role == Some(Role::Scheduler),
+            Command::Response => role == Some(Role::Server) && self.me.role == Role::Worker,
+            Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => {
+                role == Some(Role::Worker) && self.me.role == Role::Server
+            }
+            _ => false,
+        };
+        match (may, role) {
+            (true, _) => Ok(()),
+            (false, Some(role)) => Err(format!("a {:?} from node {sender}, a {}: a {} does not take it from one", msg.meta.command, role.name(), self.me.role.name())),
+            (false, None) => Err(format!("a {:?} from node {sender}, which is not in this job", msg.meta.command)),
+        }
+    }
+
+    fn receive_loop(&self, receiver: Receiver, early: Vec<(Message, Origin)>, data: Option<std::sync::mpsc::Sender<Message>>, last_contact: &Mutex<Instant>) {
         let mut early = early.into_iter();
         while !self.customer.is_over() {
+            self.van.traffic.flush_log(&self.who());
             let next = match early.next() {
                 Some(msg) => Ok(Some(Ok(msg))),
                 None => receiver.recv(Duration::from_millis(100), &self.van),
             };
             let msg = match next {
                 Ok(None) => continue,
-                Ok(Some(Ok(msg))) => msg,
+                Ok(Some(Ok((msg, origin)))) => {
+                    if let Err(why) = self.admit(&msg, &origin) {
+                        self.van.traffic.drop_message(&self.who(), format_args!("{why}"));
+                        continue;
+                    }
+                    msg
+                }
                 Ok(Some(Err(e))) => {
                     self.van.traffic.drop_message(&self.who(), format_args!("a message: {e}"));
                     continue;
@@ -237,8 +321,9 @@ impl Postoffice {
                 Command::NodeFailed => self.customer.fail(msg.meta.body.clone()),
                 Command::Terminate => self.customer.terminate(),
                 Command::Response => {
+                    let (sender, id) = (msg.meta.sender, msg.meta.request_id);
                     if !self.customer.deliver(msg) {
-                        self.van.traffic.drop_message(&self.who(), format_args!("a response to an unknown request"));
+                        self.van.traffic.drop_message(&self.who(), format_args!("a response from node {sender} to request {id}, which does not wait for one from it"));
                     }
                 }
                 Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => match &data {
@@ -303,7 +388,7 @@ impl Postoffice {
         if let Some(reason) = self.customer.failure() {
             return Err(Error::JobFailed(reason));
         }
-        let id = self.customer.start(parts.len());
+        let id = self.customer.start(parts.iter().map(|p| p.0).collect());
         for (to, mut meta, data) in parts {
             meta.sender = self.me.id;
             meta.request_id = id;
@@ -357,7 +442,7 @@ fn parse_table(body: &str) -> Result<(NodeInfo, Vec<NodeInfo>)> {
             "me" => me = Some(v.parse::<i32>().map_err(|_| bad("me"))?),
             "node" => {
                 let f: Vec<&str> = v.split_whitespace().collect();
-                if f.len() != 5 {
+                if f.len() != 6 {
                     return Err(bad(&v));
                 }
                 nodes.push(NodeInfo {
@@ -366,6 +451,7 @@ fn parse_table(body: &str) -> Result<(NodeInfo, Vec<NodeInfo>)> {
                     rank: f[2].parse().map_err(|_| bad("rank"))?,
                     host: f[3].to_string(),
                     port: f[4].parse().map_err(|_| bad("port"))?,
+                    nonce: u64::from_str_radix(f[5], 16).map_err(|_| bad("nonce"))?,
                 });
             }
             _ => return Err(bad(&k)),
@@ -378,9 +464,39 @@ fn parse_table(body: &str) -> Result<(NodeInfo, Vec<NodeInfo>)> {
 
 /// Runs the scheduler until every worker is done (Ok) or a node fails (Err).
 pub fn run_scheduler(config: Config) -> Result<()> {
+    Scheduler::bind(config)?.run()
+}
+
+/// A scheduler that holds its port and its job id, before it runs.
+pub struct Scheduler {
+    config: Config,
+    /// Its transport (tests sign with it as the scheduler does).
+    pub van: Arc<Van>,
+    receiver: Receiver,
+}
+
+impl Scheduler {
+    /// Binds the scheduler's port and, with a secret, makes the job's id.
+    pub fn bind(config: Config) -> Result<Scheduler> {
+        let van = Arc::new(Van::new(config.secret.clone()));
+        let (receiver, _) = van.bind(&config.root_uri, config.root_port).or_else(|_| van.bind("0.0.0.0", config.root_port))?;
+        if let Some(auth) = van.auth() {
+            auth.start_job();
+        }
+        Ok(Scheduler { config, van, receiver })
+    }
+
+    /// Runs until every worker is done (Ok) or a node fails (Err).
+    pub fn run(self) -> Result<()> {
+        let Scheduler { config, van, receiver } = self;
+        schedule(config, &van, receiver)
+    }
+}
+
+fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
     let who = "scheduler".to_string();
-    let van = Van::new(config.secret.clone());
-    let (receiver, _) = van.bind(&config.root_uri, config.root_port).or_else(|_| van.bind("0.0.0.0", config.root_port))?;
+    // The job's id: nodes learn it from the challenge to their first registration.
+    let job = van.auth().map(|a| a.job());
     log(&config, &who, 1, &format!("waiting for {} workers and {} servers on port {}", config.num_workers, config.num_servers, config.root_port));
     let expected = config.num_workers + config.num_servers;
     let mut registered: Vec<NodeInfo> = Vec::new();
@@ -389,7 +505,8 @@ pub fn run_scheduler(config: Config) -> Result<()> {
     let mut at_barrier: Vec<i32> = Vec::new();
     let mut done: Vec<i32> = Vec::new();
     loop {
-        let polled = receiver.recv(Duration::from_millis(50), &van)?;
+        van.traffic.flush_log("scheduler");
+        let polled = receiver.recv(Duration::from_millis(50), van)?;
         if let Some(nodes) = &table {
             // Failure detection: every node must be heard from within the timeout.
             for n in nodes.iter().filter(|n| n.role != Role::Scheduler) {
@@ -419,9 +536,41 @@ pub fn run_scheduler(config: Config) -> Result<()> {
             }
             Some(Ok(m)) => m,
         };
+        let (msg, origin) = msg;
         log(&config, &who, 2, &format!("received {:?} from node {}", msg.meta.command, msg.meta.sender));
-        last_seen.insert(msg.meta.sender, Instant::now());
+        // Only registrations come from no node; everything else from a node
+        // of the table, signed by the process that registered as it.
+        let sender = table.as_ref().and_then(|t| t.iter().find(|n| n.id == msg.meta.sender && n.role != Role::Scheduler)).map(|n| n.role);
+        if msg.meta.command != Command::Register {
+            let allowed = match msg.meta.command {
+                Command::Heartbeat | Command::NodeFailed => sender.is_some(),
+                Command::Barrier | Command::WorkerDone => sender == Some(Role::Worker),
+                _ => false,
+            };
+            if let Err(why) = van.check_sender(msg.meta.sender, &origin).map_err(|e| e.to_string()).and(if allowed {
+                Ok(())
+            } else {
+                Err(format!("a {:?} from node {}, which {}", msg.meta.command, msg.meta.sender, if sender.is_some() { "does not send it" } else { "is not in this job" }))
+            }) {
+                van.traffic.drop_message("scheduler", format_args!("{why}"));
+                continue;
+            }
+            last_seen.insert(msg.meta.sender, Instant::now());
+        }
         match msg.meta.command {
+            Command::Register if msg.meta.sender != 0 => van.traffic.drop_message("scheduler", format_args!("a registration that claims to come from node {}", msg.meta.sender)),
+            Command::Register if !origin.in_job => {
+                // The first registration of a node, signed under no job: the
+                // challenge tells it the job, under which it registers again.
+                let mut m = Meta::new(Command::Challenge, SCHEDULER_ID);
+                m.body = encode_pairs([("job", job_to_hex(&job.unwrap_or_default()).as_str())]);
+                if let Err(e) = receiver.reply_last(van, message(m)) {
+                    van.traffic.drop_message("scheduler", format_args!("a registration: cannot answer it: {e}"));
+                }
+            }
+            Command::Register if registered.iter().any(|n| n.nonce == origin.nonce && origin.nonce != 0) => {
+                van.traffic.drop_message("scheduler", format_args!("a second registration of one process"));
+            }
             Command::Register => {
                 let pairs: HashMap<String, String> = match decode_pairs(&msg.meta.body) {
                     Ok(p) => p.into_iter().collect(),
@@ -465,12 +614,16 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                 }
                 let rank = registered.iter().filter(|n| n.role == role).count();
                 let id = if role == Role::Worker { worker_id(rank) } else { server_id(rank) };
-                registered.push(NodeInfo { id, role, rank, host: host.clone(), port });
+                registered.push(NodeInfo { id, role, rank, host: host.clone(), port, nonce: origin.nonce });
+                if let Some(auth) = van.auth() {
+                    auth.bind(id, origin.nonce);
+                }
                 log(&config, &who, 1, &format!("{} registered ({}/{expected})", registered.last().unwrap().describe(), registered.len()));
                 if registered.len() == expected {
                     let mut nodes = registered.clone();
-                    nodes.push(NodeInfo { id: SCHEDULER_ID, role: Role::Scheduler, rank: 0, host: config.root_uri.clone(), port: config.root_port });
-                    let lines: String = nodes.iter().map(|n| format!("node={} {} {} {} {}\n", n.id, n.role.name(), n.rank, n.host, n.port)).collect();
+                    let nonce = van.auth().map_or(0, |a| a.nonce());
+                    nodes.push(NodeInfo { id: SCHEDULER_ID, role: Role::Scheduler, rank: 0, host: config.root_uri.clone(), port: config.root_port, nonce });
+                    let lines: String = nodes.iter().map(|n| format!("node={} {} {} {} {} {:x}\n", n.id, n.role.name(), n.rank, n.host, n.port, n.nonce)).collect();
                     for n in &registered {
                         van.connect(n.id, &n.host, n.port)?;
                         let mut m = Meta::new(Command::AddNodes, SCHEDULER_ID);
@@ -497,7 +650,7 @@ pub fn run_scheduler(config: Config) -> Result<()> {
                     }
                 }
             }
-            Command::NodeFailed if table.as_ref().is_some_and(|t| t.iter().any(|n| n.id == msg.meta.sender && n.role != Role::Scheduler)) => {
+            Command::NodeFailed => {
                 // A node reports that it can no longer serve: the job ends, everywhere, with its reason.
                 let nodes = table.as_ref().unwrap();
                 let who = nodes.iter().find(|n| n.id == msg.meta.sender).map(|n| n.describe()).unwrap_or_default();

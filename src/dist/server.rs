@@ -148,6 +148,9 @@ pub struct Server {
     slots: BTreeMap<(Key, u64), Slot>,
     optimizer: Option<Optimizer>,
     compression: Compression,
+    /// dist_sync (true) or dist_async, as the first init said; a push of the
+    /// other kind is refused (a replayed or a foreign worker's).
+    sync: Option<bool>,
     /// Set when a handler panicked (a bug): the state is unknown from then
     /// on, so every later request is refused with this reason.
     broken: Option<String>,
@@ -156,6 +159,14 @@ pub struct Server {
     /// Workers (node ids) that closed their store: no sync round can
     /// complete after the first, so such rounds fail instead of waiting.
     closed: Vec<i32>,
+}
+
+fn mode_name(sync: bool) -> &'static str {
+    if sync {
+        "dist_sync"
+    } else {
+        "dist_async"
+    }
 }
 
 fn closed_error(node: i32, key: &Key) -> Error {
@@ -196,7 +207,7 @@ fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec
 
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
-        Server { num_workers, my_id, slots: BTreeMap::new(), optimizer: None, compression: Compression::None, broken: None, report_broken: false, closed: Vec::new() }
+        Server { num_workers, my_id, slots: BTreeMap::new(), optimizer: None, compression: Compression::None, sync: None, broken: None, report_broken: false, closed: Vec::new() }
     }
 
     /// Handles one request; returns the responses to send (a sync push is
@@ -287,6 +298,14 @@ impl Server {
                 }
                 let n = value.len();
                 let pairs = decode_pairs(&meta.body)?;
+                let sync = match pairs.iter().find(|(k, _)| k == "sync").map(|(_, v)| v.as_str()) {
+                    Some("1") => true,
+                    Some("0") => false,
+                    _ => return Err(Error::Transport("malformed message: an init that does not say sync=1 or sync=0".into())),
+                };
+                if self.sync.is_some_and(|s| s != sync) {
+                    return Err(Error::Key { key: key.to_string(), problem: format!("init from a {} store, but this server's keys are {}", mode_name(sync), mode_name(!sync)) });
+                }
                 let half = match pairs.iter().find(|(k, _)| k == "dtype").map(|(_, v)| v.as_str()) {
                     None | Some("float32") => false,
                     Some("float16") => true,
@@ -311,6 +330,7 @@ impl Server {
                         return Err(Error::Key { key: key.to_string(), problem: format!("init of elements {}..{end}, but this server holds {at}..{} of it", meta.offset, at + other.value.len() as u64) });
                     }
                 }
+                self.sync = Some(sync);
                 self.slots.insert(
                     (key, meta.offset),
                     Slot {
@@ -414,6 +434,11 @@ impl Server {
     }
 
     fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
+        let asynchronous = msg.meta.has(Flag::Async);
+        if self.sync == Some(asynchronous) {
+            let key = Self::key_of(&msg.meta)?;
+            return Err(Error::Key { key: key.to_string(), problem: format!("a {} push to a server of a {} job", mode_name(!asynchronous), mode_name(asynchronous)) });
+        }
         if !msg.meta.has(Flag::Async) {
             if let (Some(&node), Ok(key)) = (self.closed.first(), Self::key_of(&msg.meta)) {
                 return Err(closed_error(node, &key));
@@ -652,24 +677,21 @@ pub fn run_server(config: Config) -> Result<()> {
 /// waits for the job's end (`post.customer.wait_until_over()`), then stops it.
 pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
     let num_workers = config.num_workers;
-    // The server's id is known only after registration; responses carry it.
-    let server = std::sync::Arc::new(std::sync::Mutex::new(None::<Server>));
-    let s = server.clone();
-    let handler = Box::new(move |msg: Message| {
-        let mut guard = s.lock().unwrap();
-        let srv = guard.get_or_insert_with(|| Server::new(num_workers, 0));
-        let mut replies = srv.handle(msg);
-        if let Some(why) = srv.take_broken() {
-            // A server that can no longer serve says so; the scheduler ends the job.
-            let mut m = Meta::new(Command::NodeFailed, srv.my_id);
-            m.body = why;
-            replies.push((crate::dist::postoffice::SCHEDULER_ID, Message { meta: m, data: Payload::empty() }));
-        }
-        replies
+    // The handler is made once the node has its id: every response carries it.
+    let make = Box::new(move |me: &crate::dist::postoffice::NodeInfo| -> crate::dist::postoffice::RequestHandler {
+        let mut srv = Server::new(num_workers, me.id);
+        Box::new(move |msg: Message| {
+            let mut replies = srv.handle(msg);
+            if let Some(why) = srv.take_broken() {
+                // A server that can no longer serve says so; the scheduler ends the job.
+                let mut m = Meta::new(Command::NodeFailed, srv.my_id);
+                m.body = why;
+                replies.push((crate::dist::postoffice::SCHEDULER_ID, Message { meta: m, data: Payload::empty() }));
+            }
+            replies
+        })
     });
-    let post = Postoffice::start(config, Some(handler))?;
-    server.lock().unwrap().get_or_insert_with(|| Server::new(num_workers, post.me.id)).my_id = post.me.id;
-    Ok(post)
+    Postoffice::start(config, Some(make))
 }
 
 #[cfg(test)]
@@ -704,7 +726,7 @@ mod tests {
             let mut m = Meta::new(command, 9);
             (m.key, m.offset, m.len, m.request_id) = (Some(Key::Int(3)), offset, len, 1);
             if command == Command::Init {
-                m.body = encode_pairs([("shape", "30")]);
+                m.body = encode_pairs([("shape", "30"), ("sync", "1")]);
             }
             let data = if command == Command::Init { f32s_to_bytes(&vec![offset as f32; len as usize]) } else { Vec::new() };
             let replies = server.handle(Message { meta: m, data: Payload::from(data) });

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::auth::{Auth, Secret};
+use super::auth::{Auth, Origin, Secret};
 use super::message::{Message, Meta};
 use crate::error::{Error, Result};
 
@@ -126,10 +126,7 @@ impl Traffic {
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
         let now = std::time::Instant::now();
         if w.start.is_none_or(|s| now.duration_since(s) >= Duration::from_secs(1)) {
-            if w.suppressed > 0 {
-                eprintln!("[gradpack {who}] dropped {} more messages in the last second without saying why (at most {DROP_LOG_PER_SECOND} a second are logged)", w.suppressed);
-                self.logged.fetch_add(1, Ordering::Relaxed);
-            }
+            self.summarise(who, &mut w);
             *w = LogWindow { start: Some(now), printed: 0, suppressed: 0 };
         }
         if w.printed < DROP_LOG_PER_SECOND {
@@ -138,6 +135,25 @@ impl Traffic {
             eprintln!("[gradpack {who}] dropped {why}");
         } else {
             w.suppressed += 1;
+        }
+    }
+}
+
+impl Traffic {
+    fn summarise(&self, who: &str, w: &mut LogWindow) {
+        if w.suppressed > 0 {
+            eprintln!("[gradpack {who}] dropped {} more messages in the last second without saying why (at most {DROP_LOG_PER_SECOND} a second are logged)", w.suppressed);
+            self.logged.fetch_add(1, Ordering::Relaxed);
+            w.suppressed = 0;
+        }
+    }
+
+    /// Says how many drops went unlogged once their second is over, whether
+    /// or not another drop comes (the receive loops call it as they poll).
+    pub fn flush_log(&self, who: &str) {
+        let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
+        if w.suppressed > 0 && w.start.is_some_and(|s| s.elapsed() >= Duration::from_secs(1)) {
+            self.summarise(who, &mut w);
         }
     }
 }
@@ -187,6 +203,14 @@ mod tests {
         // Ten lines, plus a summary line for each second boundary the loop crossed (normally none).
         let logged = t.logged.load(Ordering::Relaxed);
         assert!((10..=20).contains(&logged), "{logged} lines for 5000 drops");
+        // The summary of the last second comes without another drop.
+        t.flush_log("test");
+        assert_eq!(t.logged.load(Ordering::Relaxed), logged, "not before its second is over");
+        std::thread::sleep(Duration::from_millis(1100));
+        t.flush_log("test");
+        assert_eq!(t.logged.load(Ordering::Relaxed), logged + 1);
+        t.flush_log("test");
+        assert_eq!(t.logged.load(Ordering::Relaxed), logged + 1, "said once");
     }
 }
 
@@ -199,11 +223,20 @@ pub struct Van {
     auth: Option<Auth>,
 }
 
+/// What came back on a connection this node opened (`Van::answer_from`).
+pub enum Answer {
+    Notice(String),
+    Message(Message, Origin),
+    Bad(Error),
+}
+
 /// The receiving end, owned by one thread.
 pub struct Receiver {
     socket: zmq::Socket,
     /// The connection the last message came from, for `refuse_last`.
     last_peer: std::cell::RefCell<Vec<u8>>,
+    /// The nonce that signed it, for `reply_last`.
+    last_nonce: std::cell::Cell<u64>,
 }
 
 /// The address of this host as seen from `peer` (the interface that routes there).
@@ -239,12 +272,44 @@ impl Van {
         Van { ctx, senders: Mutex::default(), traffic: Traffic::default(), auth: secret.map(Auth::new) }
     }
 
-    /// A notice the node `id` sent back on this node's connection to it
-    /// (see `NOTICE`), if one arrived.
-    pub fn notice_from(&self, id: i32) -> Option<String> {
+    /// What the node `id` sent back on this node's connection to it, if
+    /// anything arrived: a notice (see `NOTICE`), or a message (the
+    /// scheduler's challenge to a registering node), verified like any other.
+    pub fn answer_from(&self, id: i32) -> Option<Answer> {
         let senders = self.senders.lock().unwrap();
-        let bytes = senders.get(&id)?.recv_bytes(zmq::DONTWAIT).ok()?;
-        bytes.strip_prefix(NOTICE).map(|r| String::from_utf8_lossy(r).into_owned())
+        let frames = senders.get(&id)?.recv_multipart(zmq::DONTWAIT).ok()?;
+        drop(senders);
+        match &frames[..] {
+            [one] => one.strip_prefix(NOTICE).map(|r| Answer::Notice(String::from_utf8_lossy(r).into_owned())),
+            [header, payload, rest @ ..] if rest.len() == usize::from(self.auth.is_some()) => {
+                let origin = match (&self.auth, rest) {
+                    (Some(auth), [tag]) => match auth.verify(header, payload, tag) {
+                        Ok(o) => o,
+                        Err(e) => return Some(Answer::Bad(e)),
+                    },
+                    _ => Origin::UNAUTHENTICATED,
+                };
+                match Meta::decode(header) {
+                    Ok(meta) => Some(Answer::Message(Message { meta, data: zmq::Message::from(&payload[..]).into() }, origin)),
+                    Err(e) => Some(Answer::Bad(e)),
+                }
+            }
+            _ => Some(Answer::Bad(Error::Transport(format!("malformed message: {} frames on a connection to node {id}", frames.len())))),
+        }
+    }
+
+    /// The job's authentication, when it has a secret.
+    pub fn auth(&self) -> Option<&Auth> {
+        self.auth.as_ref()
+    }
+
+    /// Whether a message naming `sender` may be believed (always, without a
+    /// secret: then anyone can claim anything).
+    pub fn check_sender(&self, sender: i32, origin: &Origin) -> Result<()> {
+        match &self.auth {
+            Some(auth) => auth.check_sender(sender, origin),
+            None => Ok(()),
+        }
     }
 
     /// Binds the receiving socket on `host:port` (port 0: any free port) and
@@ -260,7 +325,7 @@ impl Van {
             .map_err(|e| zmq_error("reading the bound endpoint", e))?
             .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
         let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
-        Ok((Receiver { socket, last_peer: Default::default() }, port))
+        Ok((Receiver { socket, last_peer: Default::default(), last_nonce: Default::default() }, port))
     }
 
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
@@ -302,7 +367,7 @@ impl Van {
         let senders = self.senders.lock().unwrap();
         let socket = senders.get(&to).ok_or_else(|| Error::Transport(format!("no connection to node {to}")))?;
         // Signed under the lock, so one peer sees this node's sequence numbers in order.
-        let tag = self.auth.as_ref().map(|a| a.sign(&meta, &msg.data));
+        let tag = self.auth.as_ref().map(|a| a.sign(to, &meta, &msg.data)).transpose()?;
         socket.send(meta, zmq::SNDMORE).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
         let last = if tag.is_some() { zmq::SNDMORE } else { 0 };
         socket.send(zmq::Message::from(msg.data), last).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
@@ -318,7 +383,7 @@ impl Receiver {
     /// Waits up to `timeout` for a message. `Ok(None)`: nothing arrived.
     /// `Ok(Some(Err(_)))`: something arrived that is not a valid message (the
     /// caller logs it and goes on). `Err(_)`: the socket itself failed.
-    pub fn recv(&self, timeout: Duration, van: &Van) -> Result<Option<Result<Message>>> {
+    pub fn recv(&self, timeout: Duration, van: &Van) -> Result<Option<Result<(Message, Origin)>>> {
         let ready = self.socket.poll(zmq::POLLIN, timeout.as_millis().min(i64::MAX as u128) as i64).map_err(|e| zmq_error("polling", e))?;
         if ready == 0 {
             return Ok(None);
@@ -350,11 +415,15 @@ impl Receiver {
             self.notify(&frames[0], &why);
             return Ok(Some(Err(Error::Transport(format!("malformed message: {why}")))));
         }
+        let mut origin = Origin::UNAUTHENTICATED;
         if let Some(auth) = &van.auth {
             // Checked before anything of the message is parsed.
-            if let Err(e) = auth.verify(&frames[1], &frames[2], &frames[3]) {
-                self.notify(&frames[0], &e.to_string());
-                return Ok(Some(Err(e)));
+            match auth.verify(&frames[1], &frames[2], &frames[3]) {
+                Ok(o) => origin = o,
+                Err(e) => {
+                    self.notify(&frames[0], &e.to_string());
+                    return Ok(Some(Err(e)));
+                }
             }
             frames.pop();
         }
@@ -363,7 +432,20 @@ impl Receiver {
             Ok(m) => m,
             Err(e) => return Ok(Some(Err(e))),
         };
-        Ok(Some(Ok(Message { meta, data: data.into() })))
+        self.last_nonce.set(origin.nonce);
+        Ok(Some(Ok((Message { meta, data: data.into() }, origin))))
+    }
+
+    /// Answers the last message received with `msg`, on the connection it
+    /// came from, signed under no job for the process that signed it (the
+    /// scheduler's challenge to a registering node).
+    pub fn reply_last(&self, van: &Van, msg: Message) -> Result<()> {
+        let header = msg.meta.encode();
+        let mut frames: Vec<Vec<u8>> = vec![self.last_peer.borrow().clone(), header, msg.data.to_vec()];
+        if let Some(auth) = &van.auth {
+            frames.push(auth.sign_reply(self.last_nonce.get(), &frames[1], &frames[2]));
+        }
+        self.socket.send_multipart(frames, zmq::DONTWAIT).map_err(|e| zmq_error("answering a registration", e))
     }
 
     /// Sends `NOTICE` and `why` back on the connection a refused message came from.

@@ -425,7 +425,7 @@ impl DistWorker {
                 .iter()
                 .map(|s| {
                     let mut m = s.meta(Command::Init, key);
-                    m.body = encode_pairs([("shape", shape.as_str()), ("dtype", if half { "float16" } else { "float32" })]);
+                    m.body = encode_pairs([("shape", shape.as_str()), ("dtype", if half { "float16" } else { "float32" }), ("sync", if self.asynchronous { "0" } else { "1" })]);
                     (s.server, m, f32s_to_bytes(&data[s.offset..s.offset + s.len]))
                 })
                 .collect();
