@@ -860,3 +860,221 @@ fn a_checkpoint_resumes_every_scheme_on_dist_sync() {
         }
     }
 }
+
+/// A job of `workers` workers and `servers` servers with a secret, every
+/// node of which the test can reach: the scheduler's transport, each
+/// server's postoffice, the workers (by rank).
+struct Secured {
+    port: u16,
+    scheduler: std::sync::Arc<gradpack::dist::van::Van>,
+    sched: Node,
+    servers: Vec<(std::sync::Arc<gradpack::dist::postoffice::Postoffice>, Node)>,
+    workers: Vec<DistWorker>,
+}
+
+fn secured_job(secret: &Secret, workers: usize, servers: usize) -> Secured {
+    let port = free_port();
+    let node = |role| Config { secret: Some(secret.clone()), ..config(role, port, workers, servers) };
+    let scheduler = gradpack::dist::postoffice::Scheduler::bind(node(Role::Scheduler)).unwrap();
+    let van = scheduler.van.clone();
+    let sched = thread::spawn(move || scheduler.run());
+    let server_threads: Vec<_> = (0..servers)
+        .map(|_| {
+            let c = node(Role::Server);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = thread::spawn(move || {
+                let post = gradpack::dist::server::start_server(c)?;
+                tx.send(post.clone()).unwrap();
+                let result = post.customer.wait_until_over();
+                post.stop();
+                result
+            });
+            (rx, t)
+        })
+        .collect();
+    let worker_threads: Vec<_> = (0..workers).map(|_| { let c = node(Role::Worker); thread::spawn(move || DistWorker::start("dist_sync", c).unwrap()) }).collect();
+    let mut ws: Vec<DistWorker> = worker_threads.into_iter().map(|t| t.join().unwrap()).collect();
+    ws.sort_by_key(|w| w.rank());
+    let mut srv: Vec<_> = server_threads.into_iter().map(|(rx, t)| (rx.recv_timeout(Duration::from_secs(60)).unwrap(), t)).collect();
+    srv.sort_by_key(|(p, _)| p.me.rank);
+    Secured { port, scheduler: van, sched, servers: srv, workers: ws }
+}
+
+impl Secured {
+    /// Every worker pushes its gradient of `key` once, then all pull.
+    fn round(&self, key: &Key, grads: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        thread::scope(|s| {
+            let hs: Vec<_> = self.workers.iter().zip(grads).map(|(w, g)| s.spawn(move || {
+                w.push(key, &[Array { shape: &[g.len()], data: Grad::F32(g) }]).unwrap();
+                pull(w, key, &[g.len()])
+            })).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn init(&self, key: &Key, value: &[f32]) {
+        thread::scope(|s| {
+            for w in &self.workers {
+                s.spawn(move || w.init(key, Array { shape: &[value.len()], data: Grad::F32(value) }).unwrap());
+            }
+        });
+    }
+
+    fn end(self) {
+        for w in &self.workers {
+            w.close();
+        }
+        self.sched.join().unwrap().unwrap();
+        for (_, t) in self.servers {
+            t.join().unwrap().unwrap();
+        }
+    }
+}
+
+/// The frames `van` would send node `to`: header, payload and its genuine
+/// authentication frame (signed as the node signs, with its own key state).
+fn genuine(van: &gradpack::dist::van::Van, to: i32, meta: gradpack::dist::message::Meta, payload: Vec<u8>) -> Vec<Vec<u8>> {
+    let header = meta.encode();
+    let tag = van.auth().unwrap().sign(to, &header, &payload).unwrap();
+    vec![header, payload, tag]
+}
+
+/// Waits until `count` reaches `want` (60 s at most), then checks it stays there.
+fn reaches(what: &str, count: impl Fn() -> u64, want: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while count() < want {
+        assert!(std::time::Instant::now() < deadline, "{what}: {} of {want}", count());
+        thread::sleep(Duration::from_millis(10));
+    }
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(count(), want, "{what}");
+}
+
+/// Frames each node genuinely signed for one node, replayed to another of
+/// the same job: the scheduler's BarrierDone for worker 0 sent to worker 1
+/// (it used to release worker 1 early, which then hung in its next barrier),
+/// a worker's push for one server sent to the other (it used to end the job:
+/// "not initialized on this server"). An insider's frame that names another
+/// sender, a command from a role that never sends it, and an async push to
+/// a dist_sync job are refused too. Each is counted where it arrived; the
+/// job's values stay exact and its barriers hold.
+#[test]
+fn genuine_frames_replayed_to_another_node_are_refused() {
+    use gradpack::dist::message::{Command, Meta};
+    use gradpack::dist::protocol::Flag;
+    let secret = Secret::new(b"one job").unwrap();
+    let job = secured_job(&secret, 2, 2);
+    let k = Key::Int(3);
+    job.init(&k, &[1.0; 4]);
+    let (w0, w1) = (&job.workers[0], &job.workers[1]);
+    let (p0, p1) = (w0.postoffice(), w1.postoffice());
+    let (s8, s10) = (&job.servers[0].0, &job.servers[1].0);
+    let push = |sender: i32, flags: u16| {
+        let mut m = Meta::new(Command::Push, sender);
+        (m.key, m.len, m.flags, m.request_id) = (Some(k.clone()), 4, flags, 1 << 40);
+        m
+    };
+    let values = gradpack::dist::message::f32s_to_bytes(&[1000.0; 4]);
+    let send = |host: &str, port: u16, frames: Vec<Vec<u8>>| outsider(host, port, 1000).send_multipart(frames, 0).unwrap();
+    let at = |p: &gradpack::dist::postoffice::Postoffice| (p.me.host.clone(), p.me.port);
+    let dropped = |p: &gradpack::dist::postoffice::Postoffice| p.van.traffic.dropped.load(Ordering::Relaxed);
+
+    // To worker 1: the scheduler's BarrierDone and worker 0's Terminate (a worker never sends one).
+    let (h, port) = at(p1);
+    send(&h, port, genuine(&job.scheduler, p0.me.id, Meta::new(Command::BarrierDone, 1), Vec::new()));
+    send(&h, port, genuine(&p0.van, p1.me.id, Meta::new(Command::Terminate, p0.me.id), Vec::new()));
+    reaches("worker 1's drops", || dropped(p1), 2);
+    // To each server: worker 0's push for the other; one that names worker 1
+    // as its sender; an async push (dist_sync job), answered with an error that
+    // worker 0 drops (no request of its waits for it); a server's push.
+    for (to, other) in [(s8, s10), (s10, s8)] {
+        let (h, port) = at(to);
+        send(&h, port, genuine(&p0.van, other.me.id, push(p0.me.id, 0), values.clone()));
+        send(&h, port, genuine(&p0.van, to.me.id, push(p1.me.id, 0), values.clone()));
+        send(&h, port, genuine(&other.van, to.me.id, push(other.me.id, 0), values.clone()));
+    }
+    reaches("server 0's drops", || dropped(s8), 3);
+    reaches("server 1's drops", || dropped(s10), 3);
+    let before = dropped(p0);
+    for to in [s8, s10] {
+        let (h, port) = at(to);
+        send(&h, port, genuine(&p0.van, to.me.id, push(p0.me.id, Flag::Async.bit()), values.clone()));
+    }
+    reaches("worker 0's drops of the refusals of its async pushes", || dropped(p0), before + 2);
+    // The value was not touched, and worker 1's barrier was not released early.
+    assert_eq!(pull(w0, &k, &[4]), vec![1.0; 4]);
+    let early = thread::scope(|s| {
+        let h = s.spawn(|| w1.barrier().map(|_| std::time::Instant::now()));
+        thread::sleep(Duration::from_millis(500));
+        let released_after = std::time::Instant::now();
+        w0.barrier().unwrap();
+        h.join().unwrap().unwrap() < released_after
+    });
+    assert!(!early, "worker 1 left its barrier before worker 0 reached it");
+    assert_eq!(job.round(&k, &[vec![0.5; 4], vec![0.25; 4]]), vec![vec![0.75; 4]; 2]);
+    job.end();
+}
+
+/// Two jobs that share one secret (or one job run again with the same secret
+/// file): job A's genuine frames replayed into job B — a push to B's server
+/// of the same node id, the scheduler's Terminate to B's worker, a worker's
+/// WorkerDone and Barrier to B's scheduler — are refused and counted (they
+/// used to give B wrong values silently, end its worker, end the job). A job
+/// started again on A's port refuses A's frames the same way.
+#[test]
+fn frames_of_another_job_with_the_same_secret_are_refused() {
+    use gradpack::dist::message::{f32s_to_bytes, Command, Meta};
+    let secret = Secret::new(b"a secret file used twice").unwrap();
+    let a = secured_job(&secret, 1, 1);
+    let b = secured_job(&secret, 1, 1);
+    let k = Key::Int(7);
+    a.init(&k, &[1.0; 4]);
+    b.init(&k, &[1.0; 4]);
+    let (aw, bw) = (a.workers[0].postoffice().clone(), b.workers[0].postoffice().clone());
+    let (a_srv, b_srv) = (a.servers[0].0.clone(), b.servers[0].0.clone());
+    assert_eq!((aw.me.id, a_srv.me.id), (bw.me.id, b_srv.me.id), "the same node ids in both jobs");
+    let mut push = Meta::new(Command::Push, aw.me.id);
+    (push.key, push.len, push.request_id) = (Some(k.clone()), 4, 1 << 40);
+    let send = |host: &str, port: u16, frames: Vec<Vec<u8>>| outsider(host, port, 1000).send_multipart(frames, 0).unwrap();
+    send(&b_srv.me.host, b_srv.me.port, genuine(&aw.van, a_srv.me.id, push.clone(), f32s_to_bytes(&[1000.0; 4])));
+    send(&bw.me.host, bw.me.port, genuine(&a.scheduler, aw.me.id, Meta::new(Command::Terminate, 1), Vec::new()));
+    let to_scheduler = vec![
+        genuine(&aw.van, 1, Meta::new(Command::Barrier, aw.me.id), Vec::new()),
+        genuine(&aw.van, 1, Meta::new(Command::WorkerDone, aw.me.id), Vec::new()),
+    ];
+    for f in &to_scheduler {
+        send("127.0.0.1", b.port, f.clone());
+    }
+    let dropped = |v: &gradpack::dist::van::Van| v.traffic.dropped.load(Ordering::Relaxed);
+    reaches("job B's server drops", || dropped(&b_srv.van), 1);
+    reaches("job B's worker drops", || dropped(&bw.van), 1);
+    reaches("job B's scheduler drops", || dropped(&b.scheduler), 2);
+    // Job B goes on with exact values; its worker was not ended.
+    assert_eq!(b.round(&k, &[vec![0.5; 4]]), vec![vec![0.5; 4]]);
+    assert_eq!(a.round(&k, &[vec![0.25; 4]]), vec![vec![0.25; 4]]);
+    let a_port = a.port;
+    a.end();
+    b.end();
+    // A job run again on A's port with the same secret refuses A's frames to A's scheduler.
+    let port = a_port;
+    let c_sched = gradpack::dist::postoffice::Scheduler::bind(Config { secret: Some(secret.clone()), ..config(Role::Scheduler, port, 1, 1) }).unwrap();
+    let c_van = c_sched.van.clone();
+    let c = thread::spawn(move || c_sched.run());
+    let more = vec![
+        genuine(&aw.van, 1, Meta::new(Command::Barrier, aw.me.id), Vec::new()),
+        genuine(&aw.van, 1, Meta::new(Command::WorkerDone, aw.me.id), Vec::new()),
+    ];
+    for f in to_scheduler.into_iter().chain(more) {
+        send("127.0.0.1", port, f);
+    }
+    reaches("the new scheduler's drops", || dropped(&c_van), 4);
+    let node = |role| Config { secret: Some(secret.clone()), ..config(role, port, 1, 1) };
+    let (sc, wc) = (node(Role::Server), node(Role::Worker));
+    let server = thread::spawn(move || serve(sc));
+    let w = DistWorker::start("dist_sync", wc).unwrap();
+    w.init(&k, Array { shape: &[4], data: Grad::F32(&[2.0; 4]) }).unwrap();
+    assert_eq!(pull(&w, &k, &[4]), vec![2.0; 4]);
+    w.close();
+    c.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}

@@ -319,6 +319,12 @@ impl DistWorker {
         self.post.van.traffic.dropped.load(Ordering::Relaxed)
     }
 
+    /// This worker's membership and transport (tests sign with it as the worker does).
+    #[doc(hidden)]
+    pub fn postoffice(&self) -> &Arc<Postoffice> {
+        &self.post
+    }
+
     /// Where this worker listens (host, port).
     pub fn address(&self) -> (String, u16) {
         (self.post.me.host.clone(), self.post.me.port)

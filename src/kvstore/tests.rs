@@ -771,6 +771,33 @@ fn random_k_keeps_every_devices_gradient_where_nothing_was_sent() {
     assert!((sent - 6.0).abs() < 2.0, "{v:?}"); // the quantized sum of 1 and 5 at the selected one
 }
 
+/// Random-K refuses a non-finite gradient wherever it is, as every scheme
+/// does: a NaN or inf in a coordinate this step does not send used to be
+/// accepted, put in the value under unselected='local' and dropped silently
+/// under 'zero'. The value and the states stay as they were.
+#[test]
+fn random_k_refuses_a_non_finite_value_in_a_coordinate_it_does_not_send() {
+    for unselected in ["local", "zero"] {
+        let kv = KVStore::new("device").unwrap();
+        kv.set_compress(Compression::from_params([("compress", "grandk_mn"), ("k", "1"), ("bits", "2"), ("seed", "0"), ("unselected", unselected)]).unwrap()).unwrap();
+        let k = Key::Int(0);
+        let shape = [4usize];
+        kv.init(&k, Array { shape: &shape, data: Grad::F32(&[0.0; 4]) }).unwrap();
+        let ones = [1.0f32; 4];
+        kv.push(&k, &[Array { shape: &shape, data: Grad::F32(&ones) }, Array { shape: &shape, data: Grad::F32(&ones) }]).unwrap();
+        let before = (kv.value(&k).unwrap(), kv.save_compression_states().unwrap());
+        for bad in [f32::NAN, f32::INFINITY] {
+            for at in 0..4 {
+                let mut g = [1.0f32; 4];
+                g[at] = bad;
+                let err = kv.push(&k, &[Array { shape: &shape, data: Grad::F32(&ones) }, Array { shape: &shape, data: Grad::F32(&g) }]).unwrap_err().to_string();
+                assert!(err.contains("pushed value 1") && err.contains(&format!("at element {at}")) && err.contains("non-finite"), "{unselected}: {err}");
+                assert_eq!((kv.value(&k).unwrap(), kv.save_compression_states().unwrap()), before, "{unselected}");
+            }
+        }
+    }
+}
+
 /// Every compression's state survives a checkpoint: a device store saved
 /// after 3 of 6 pushes and restored into a fresh store (value, optimizer and
 /// compression states) continues bit for bit as the uninterrupted one.

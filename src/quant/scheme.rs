@@ -624,13 +624,16 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     let len = xs[0].len();
     // A non-finite gradient anywhere poisons the shared scale, so every
     // worker fails this push together instead of waiting on the others.
-    let mut scale = [xs.iter().map(|x| qsgd::max_abs(x).unwrap_or(f32::INFINITY)).fold(0f32, f32::max)];
+    // Random-K sends k coordinates, but a non-finite value in any of them is
+    // refused as every scheme refuses it: 'zero' would drop it silently and
+    // 'local' would put it in the value (one more read of the gradient).
+    let whole_finite = idx.is_none() || grads.iter().all(|g| qsgd::max_abs(g).is_some());
+    let mut scale = [if whole_finite { xs.iter().map(|x| qsgd::max_abs(x).unwrap_or(f32::INFINITY)).fold(0f32, f32::max) } else { f32::INFINITY }];
     let mine_finite = scale[0].is_finite();
     coll.max_f32(&mut scale)?;
     if !mine_finite {
-        // A member here: say which value and element (of the whole gradient).
-        let (m, j) = xs.iter().enumerate().find_map(|(m, x)| x.iter().position(|v| !v.is_finite()).map(|j| (m, j))).unwrap_or((0, 0));
-        let i = idx.as_ref().map_or(j, |idx| idx[j]);
+        // A member here: say which value and element.
+        let (m, i) = grads.iter().enumerate().find_map(|(m, g)| g.iter().position(|v| !v.is_finite()).map(|i| (m, i))).unwrap_or((0, 0));
         return Err(Error::Store(format!("pushed value {m} holds {} at element {i}, a non-finite value; nothing was applied", grads[m][i])));
     }
     if !scale[0].is_finite() {
