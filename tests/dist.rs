@@ -28,6 +28,7 @@ fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
         bigarray_bound: 1000,
         // Scheme keys of 1500 elements and more take several slices per server.
         partition_bytes: 6000,
+        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
         secret: None,
     }
 }

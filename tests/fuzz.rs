@@ -272,6 +272,7 @@ fn a_live_server_survives_mutated_frames() {
         verbose: 0,
         bigarray_bound: 1000,
         partition_bytes: 4 << 20,
+        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
         secret: None,
     };
     let sched = { let c = config(Role::Scheduler); thread::spawn(move || serve(c)) };

@@ -15,6 +15,7 @@
 //! | `PS_VERBOSE` | 1: log membership events, 2: every message | 0 |
 //! | `MXNET_KVSTORE_BIGARRAY_BOUND` | keys of at least this many elements are split over all servers | 1000000 |
 //! | `GRADPACK_PARTITION_BYTES` | a split scheme key (not PowerSGD) is cut into slices of at most this many float32 bytes, dealt round the servers, so one slice's reply overlaps the next slice's push (BytePS's `BYTEPS_PARTITION_BYTES`) | 4194304 |
+//! | `GRADPACK_MAX_MESSAGE_BYTES` | the largest frame a worker or server takes (ZeroMQ refuses a longer one before it is buffered): a key slice's bytes plus its header must fit; a worker refuses to init a key whose slice would not | 536870912 (512 MiB) |
 //! | `GRADPACK_SECRET` | the job's shared secret: every message is authenticated (`auth`) | none (a warning) |
 //! | `GRADPACK_SECRET_FILE` | a file holding the secret, so it need not appear in the environment | none |
 
@@ -23,6 +24,18 @@ use std::time::Duration;
 
 use super::auth::Secret;
 use crate::error::{Error, Result};
+
+/// `GRADPACK_MAX_MESSAGE_BYTES`'s default: a slice of 128M float32.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 512 << 20;
+
+/// The least `GRADPACK_MAX_MESSAGE_BYTES` may be.
+pub const MIN_MESSAGE_BYTES: usize = 64 << 10;
+
+/// The largest frame the scheduler takes: it gets only control messages.
+pub const CONTROL_MESSAGE_BYTES: usize = 64 << 10;
+
+/// Header room a data frame needs beside its payload (the key, the body).
+pub const HEADER_BYTES: usize = 16 << 10;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -64,6 +77,8 @@ pub struct Config {
     pub bigarray_bound: usize,
     /// The most float32 bytes in one slice of a split scheme key.
     pub partition_bytes: usize,
+    /// The largest frame a worker or server receives (the scheduler: `CONTROL_MESSAGE_BYTES`).
+    pub max_message_bytes: usize,
     /// The job's shared secret; None: messages are not authenticated.
     pub secret: Option<Secret>,
 }
@@ -123,6 +138,13 @@ impl Config {
         if partition_bytes < 4 {
             return Err(config_error("GRADPACK_PARTITION_BYTES", &format!("must hold at least one float32 (4 bytes), got {partition_bytes}")));
         }
+        let max_message_bytes = match var("GRADPACK_MAX_MESSAGE_BYTES") {
+            Some(t) => number::<usize>("GRADPACK_MAX_MESSAGE_BYTES", &t)?,
+            None => DEFAULT_MAX_MESSAGE_BYTES,
+        };
+        if max_message_bytes < MIN_MESSAGE_BYTES {
+            return Err(config_error("GRADPACK_MAX_MESSAGE_BYTES", &format!("must be at least {MIN_MESSAGE_BYTES} (a header and a small slice), got {max_message_bytes}")));
+        }
         Ok(Config {
             role,
             root_uri: required("DMLC_PS_ROOT_URI")?,
@@ -135,6 +157,7 @@ impl Config {
             verbose: var("PS_VERBOSE").map(|v| number::<u32>("PS_VERBOSE", &v)).transpose()?.unwrap_or(0),
             bigarray_bound,
             partition_bytes,
+            max_message_bytes,
             secret: Secret::from_env()?,
         })
     }
@@ -142,6 +165,9 @@ impl Config {
     /// What every node of one job must agree on; a node whose fingerprint
     /// differs from the scheduler's is refused.
     pub fn job_fingerprint(&self) -> String {
-        format!("workers={} servers={} bigarray_bound={} partition_bytes={}", self.num_workers, self.num_servers, self.bigarray_bound, self.partition_bytes)
+        format!(
+            "workers={} servers={} bigarray_bound={} partition_bytes={} max_message_bytes={}",
+            self.num_workers, self.num_servers, self.bigarray_bound, self.partition_bytes, self.max_message_bytes
+        )
     }
 }

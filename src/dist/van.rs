@@ -108,6 +108,12 @@ pub struct Traffic {
     window: Mutex<LogWindow>,
 }
 
+/// Messages that may wait per connection before ZeroMQ stops reading it.
+pub const RECEIVE_QUEUE: i32 = 64;
+
+/// How long a new connection has to finish ZeroMQ's handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Dropped messages said on stderr per second; a flood is summarised.
 pub const DROP_LOG_PER_SECOND: u32 = 10;
 
@@ -237,7 +243,12 @@ pub struct Receiver {
     last_peer: std::cell::RefCell<Vec<u8>>,
     /// The nonce that signed it, for `reply_last`.
     last_nonce: std::cell::Cell<u64>,
+    /// Refusal notices sent this second: (when the second began, how many).
+    notices: std::cell::Cell<(std::time::Instant, u32)>,
 }
+
+/// Refusal notices a node sends per second.
+pub const NOTICES_PER_SECOND: u32 = 10;
 
 /// The address of this host as seen from `peer` (the interface that routes there).
 pub fn local_address_towards(peer: &str, port: u16) -> String {
@@ -314,10 +325,17 @@ impl Van {
 
     /// Binds the receiving socket on `host:port` (port 0: any free port) and
     /// returns it with the port actually bound.
-    pub fn bind(&self, host: &str, port: u16) -> Result<(Receiver, u16)> {
+    /// ZeroMQ refuses (and disconnects) a frame longer than `max_frame`
+    /// before buffering it; at most `RECEIVE_QUEUE` messages wait per
+    /// connection (then ZeroMQ stops reading it: the sender waits); a
+    /// connection that does not finish ZeroMQ's handshake in
+    /// `HANDSHAKE_TIMEOUT` is closed.
+    pub fn bind(&self, host: &str, port: u16, max_frame: usize) -> Result<(Receiver, u16)> {
         let socket = self.ctx.socket(zmq::ROUTER).map_err(|e| zmq_error("creating a socket", e))?;
         socket.set_linger(0).map_err(|e| zmq_error("setting linger", e))?;
-        socket.set_rcvhwm(0).map_err(|e| zmq_error("setting the receive high-water mark", e))?;
+        socket.set_rcvhwm(RECEIVE_QUEUE).map_err(|e| zmq_error("setting the receive high-water mark", e))?;
+        socket.set_maxmsgsize(max_frame.min(i64::MAX as usize) as i64).map_err(|e| zmq_error("setting the largest message", e))?;
+        socket.set_handshake_ivl(HANDSHAKE_TIMEOUT.as_millis() as i32).map_err(|e| zmq_error("setting the handshake timeout", e))?;
         let endpoint = if port == 0 { format!("tcp://{host}:*") } else { format!("tcp://{host}:{port}") };
         socket.bind(&endpoint).map_err(|e| zmq_error(&format!("binding {endpoint}"), e))?;
         let bound = socket
@@ -325,7 +343,7 @@ impl Van {
             .map_err(|e| zmq_error("reading the bound endpoint", e))?
             .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
         let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
-        Ok((Receiver { socket, last_peer: Default::default(), last_nonce: Default::default() }, port))
+        Ok((Receiver { socket, last_peer: Default::default(), last_nonce: Default::default(), notices: std::cell::Cell::new((std::time::Instant::now(), 0)) }, port))
     }
 
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
@@ -448,8 +466,19 @@ impl Receiver {
         self.socket.send_multipart(frames, zmq::DONTWAIT).map_err(|e| zmq_error("answering a registration", e))
     }
 
-    /// Sends `NOTICE` and `why` back on the connection a refused message came from.
+    /// Sends `NOTICE` and `why` back on the connection a refused message
+    /// came from, at most `NOTICES_PER_SECOND` a second: a node that
+    /// registers with another secret learns why at once, and a flood of
+    /// garbage costs no answer per message.
     fn notify(&self, identity: &[u8], why: &str) {
+        let (start, sent) = self.notices.get();
+        let now = std::time::Instant::now();
+        let (start, sent) = if now.duration_since(start) >= Duration::from_secs(1) { (now, 0) } else { (start, sent) };
+        if sent >= NOTICES_PER_SECOND {
+            self.notices.set((start, sent));
+            return;
+        }
+        self.notices.set((start, sent + 1));
         let notice = [NOTICE, why.as_bytes()].concat();
         let _ = self.socket.send_multipart([identity, &notice[..]], zmq::DONTWAIT);
     }

@@ -425,6 +425,17 @@ impl DistWorker {
         let servers = self.servers();
         let per_server = slices_per_server(&compression, data.len(), servers.len(), self.post.config.partition_bytes);
         let slices = slices_for(key, data.len(), &servers, self.post.config.bigarray_bound, align, per_server);
+        let widest = slices.iter().map(|s| s.len).max().unwrap_or(0);
+        let frame = (widest as u64).saturating_mul(4).saturating_add(super::config::HEADER_BYTES as u64 + key.to_string().len() as u64);
+        if frame > self.post.config.max_message_bytes as u64 {
+            return Err(key_error(
+                key,
+                format!(
+                    "a slice of {widest} float32 values ({frame} bytes with its header) exceeds GRADPACK_MAX_MESSAGE_BYTES={} on every node of this job: raise it, or add servers (MXNET_KVSTORE_BIGARRAY_BOUND splits keys over them)",
+                    self.post.config.max_message_bytes
+                ),
+            ));
+        }
         if self.rank() == 0 {
             let shape = value.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
             let parts = slices
