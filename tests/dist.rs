@@ -1079,3 +1079,104 @@ fn frames_of_another_job_with_the_same_secret_are_refused() {
     c.join().unwrap().unwrap();
     server.join().unwrap().unwrap();
 }
+
+/// Runs `work` on each worker of a 2-worker, 1-server dist_sync job at once;
+/// what each returned, by rank. The job then ends (its nodes may have failed).
+fn two_workers<T: Send>(work: impl Fn(usize, &DistWorker) -> T + Sync) -> Vec<T> {
+    let port = free_port();
+    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 2, 1)));
+    let server = thread::spawn(move || serve(config(Role::Server, port, 2, 1)));
+    let out = thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|_| {
+                let work = &work;
+                s.spawn(move || {
+                    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 2, 1)).unwrap();
+                    let out = (w.rank(), work(w.rank(), &w));
+                    w.close();
+                    out
+                })
+            })
+            .collect();
+        let mut out: Vec<(usize, T)> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        out.sort_by_key(|o| o.0);
+        out.into_iter().map(|o| o.1).collect()
+    });
+    let _ = sched.join().unwrap();
+    let _ = server.join().unwrap();
+    out
+}
+
+/// Worker 0 pushes a key twice, worker 1 once, then both call barrier(): it
+/// used to deadlock (worker 0 in its push, worker 1 in the barrier). Now
+/// worker 1's barrier tells the server, which fails worker 0's push naming
+/// the barrier; the barrier then fails on both, naming the push counts.
+#[test]
+fn a_barrier_after_unequal_pushes_is_an_error_on_every_worker() {
+    let errors = two_workers(|rank, w| {
+        let k = Key::Int(2);
+        w.init(&k, Array { shape: &[4], data: Grad::F32(&[0.0; 4]) }).unwrap();
+        let g = [1.0f32; 4];
+        let mut errs = Vec::new();
+        for _ in 0..2 - rank {
+            if let Err(e) = w.push(&k, &[Array { shape: &[4], data: Grad::F32(&g) }]) {
+                errs.push(e.to_string());
+            }
+        }
+        errs.push(w.barrier().unwrap_err().to_string());
+        errs
+    });
+    assert_eq!(errors[0].len(), 2, "{errors:?}");
+    assert!(errors[0][0].contains("waiting in barrier") && errors[0][0].contains("unequal numbers of times"), "{}", errors[0][0]);
+    for e in [&errors[0][1], &errors[1][0]] {
+        assert!(e.contains("different sync pushes") && e.contains("worker 0") && e.contains("): 2;") && e.contains("): 1)"), "{e}");
+    }
+}
+
+/// Equal rounds, then worker 0 closes its store and worker 1 calls
+/// barrier(): it used to wait for ever. Now it fails at once, naming worker 0.
+#[test]
+fn a_barrier_that_a_closed_worker_will_never_reach_fails() {
+    let results = two_workers(|rank, w| {
+        let k = Key::Int(2);
+        w.init(&k, Array { shape: &[4], data: Grad::F32(&[0.0; 4]) }).unwrap();
+        w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[1.0; 4]) }]).unwrap();
+        if rank == 0 {
+            w.close();
+            return None;
+        }
+        thread::sleep(Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        let e = w.barrier().unwrap_err().to_string();
+        Some((e, t.elapsed()))
+    });
+    let (e, took) = results[1].clone().unwrap();
+    assert!(e.contains("worker 0") && e.contains("closed its store"), "{e}");
+    assert!(took < Duration::from_secs(30), "{took:?}");
+}
+
+/// Workers of one job that differ in what they must share are told at the
+/// init's barrier, each with the same error naming what differs: another
+/// threshold, 2-bit against float32, the same size in another shape (each
+/// used to run on silently).
+#[test]
+fn workers_that_disagree_on_compression_or_shape_all_get_an_error() {
+    let cases: [(&str, fn(usize) -> (Option<f32>, Vec<usize>)); 3] = [
+        ("compression", |rank| (Some(if rank == 0 { 0.5 } else { 1.0 }), vec![4, 6])),
+        ("compression", |rank| ((rank == 0).then_some(0.5), vec![4, 6])),
+        ("init", |rank| (None, if rank == 0 { vec![4, 6] } else { vec![6, 4] })),
+    ];
+    for (what, case) in cases {
+        let errors = two_workers(|rank, w| {
+            let (threshold, shape) = case(rank);
+            if let Some(t) = threshold {
+                let params = vec![("compress".to_string(), "2bit".to_string()), ("threshold".to_string(), t.to_string())];
+                let c = Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap();
+                w.set_compress(c, &params).unwrap();
+            }
+            w.init(&Key::Int(1), Array { shape: &shape, data: Grad::F32(&[0.0; 24]) }).unwrap_err().to_string()
+        });
+        assert_eq!(errors[0], errors[1], "{what}");
+        assert!(errors[0].contains(&format!("different {what}")) && errors[0].contains("worker 0") && errors[0].contains("worker 1"), "{what}: {}", errors[0]);
+    }
+}

@@ -16,6 +16,8 @@ struct State {
     failure: Option<String>,
     terminated: bool,
     barriers_done: u64,
+    /// Why the last barrier failed (the workers disagree, or one ended).
+    barrier_failure: Option<String>,
 }
 
 #[derive(Default)]
@@ -134,8 +136,12 @@ impl Customer {
         self.state.lock().unwrap().barriers_done
     }
 
-    pub fn release_barrier(&self) {
-        self.state.lock().unwrap().barriers_done += 1;
+    /// Ends the barrier a worker waits in: Ok, or failed with the scheduler's reason.
+    pub fn release_barrier(&self, failure: Option<String>) {
+        let mut s = self.state.lock().unwrap();
+        s.barriers_done += 1;
+        s.barrier_failure = failure;
+        drop(s);
         self.cond.notify_all();
     }
 
@@ -147,7 +153,10 @@ impl Customer {
                 return Err(Error::JobFailed(reason.clone()));
             }
             if s.barriers_done > seen {
-                return Ok(());
+                return match s.barrier_failure.take() {
+                    None => Ok(()),
+                    Some(why) => Err(Error::Store(why)),
+                };
             }
             if s.terminated {
                 return Err(Error::JobFailed("the job has ended".into()));

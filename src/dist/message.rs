@@ -79,7 +79,9 @@ pub struct Meta {
     /// First element of the slice this message carries, and its length.
     pub offset: u64,
     pub len: u64,
-    /// 0 ok; non-zero: `body` holds the error message.
+    /// In a response: 0 ok; non-zero: `body` holds the error message. In a
+    /// request: the barriers its worker has passed (servers fail a sync push
+    /// that another worker's barrier blocks).
     pub status: i32,
     /// Text: registration data, node tables, parameters, error messages.
     pub body: String,

@@ -273,7 +273,7 @@ impl Postoffice {
         let may = match msg.meta.command {
             Command::HeartbeatAck | Command::BarrierDone | Command::NodeFailed | Command::Terminate => role == Some(Role::Scheduler),
             Command::Response => role == Some(Role::Server) && self.me.role == Role::Worker,
-            Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => {
+            Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier => {
                 role == Some(Role::Worker) && self.me.role == Role::Server
             }
             _ => false,
@@ -317,7 +317,7 @@ impl Postoffice {
             }
             match msg.meta.command {
                 Command::HeartbeatAck => {}
-                Command::BarrierDone => self.customer.release_barrier(),
+                Command::BarrierDone => self.customer.release_barrier((msg.meta.status != 0).then(|| msg.meta.body.clone())),
                 Command::NodeFailed => self.customer.fail(msg.meta.body.clone()),
                 Command::Terminate => self.customer.terminate(),
                 Command::Response => {
@@ -326,7 +326,7 @@ impl Postoffice {
                         self.van.traffic.drop_message(&self.who(), format_args!("a response from node {sender} to request {id}, which does not wait for one from it"));
                     }
                 }
-                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone => match &data {
+                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier => match &data {
                     Some(tx) => {
                         if tx.send(msg).is_err() {
                             self.customer.fail(format!("{} can no longer serve requests (its serving thread ended)", self.who()));
@@ -392,6 +392,8 @@ impl Postoffice {
         for (to, mut meta, data) in parts {
             meta.sender = self.me.id;
             meta.request_id = id;
+            // In a request, `status` says how many barriers the sender has passed.
+            meta.status = self.customer.barriers_done().min(i32::MAX as u64) as i32;
             if let Err(e) = self.van.send(to, Message { meta, data: data.into() }) {
                 self.customer.cancel(id);
                 return Err(e);
@@ -400,10 +402,19 @@ impl Postoffice {
         Ok(id)
     }
 
-    /// Waits until every worker reached the barrier.
-    pub fn barrier(&self) -> Result<()> {
+    /// Waits until every worker reached the barrier. `state` says what this
+    /// worker has done (`name=value` lines: its store, compression, pushes,
+    /// the key it just initialized): the scheduler fails the barrier on every
+    /// worker, naming the line, when the workers' states differ, and when a
+    /// worker ends while others wait.
+    pub fn barrier(&self, state: &str) -> Result<()> {
+        if let Some(reason) = self.customer.failure() {
+            return Err(Error::JobFailed(reason));
+        }
         let seen = self.customer.barriers_done();
-        self.van.send(SCHEDULER_ID, message(Meta::new(Command::Barrier, self.me.id)))?;
+        let mut m = Meta::new(Command::Barrier, self.me.id);
+        m.body = state.chars().take(4000).collect();
+        self.van.send(SCHEDULER_ID, message(m))?;
         self.customer.wait_barrier(seen)
     }
 
@@ -503,7 +514,8 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
     let mut registered: Vec<NodeInfo> = Vec::new();
     let mut table: Option<Vec<NodeInfo>> = None;
     let mut last_seen: HashMap<i32, Instant> = HashMap::new();
-    let mut at_barrier: Vec<i32> = Vec::new();
+    // Workers in the barrier, with the state each reported.
+    let mut at_barrier: Vec<(i32, String)> = Vec::new();
     let mut done: Vec<i32> = Vec::new();
     loop {
         van.traffic.flush_log("scheduler");
@@ -642,13 +654,26 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
                 }
             }
             Command::Barrier => {
-                if !at_barrier.contains(&msg.meta.sender) {
-                    at_barrier.push(msg.meta.sender);
+                if !at_barrier.iter().any(|(id, _)| *id == msg.meta.sender) {
+                    at_barrier.push((msg.meta.sender, msg.meta.body.clone()));
                 }
-                if at_barrier.len() == config.num_workers {
-                    for id in at_barrier.drain(..) {
-                        let _ = van.send(id, message(Meta::new(Command::BarrierDone, SCHEDULER_ID)));
+                let nodes = table.as_deref().unwrap_or_default();
+                let failure = if let Some(gone) = done.iter().find(|d| !at_barrier.iter().any(|(id, _)| id == *d)) {
+                    Some(format!("{} closed its store while other workers wait in a barrier it will never reach", describe(nodes, *gone)))
+                } else if at_barrier.len() == config.num_workers {
+                    disagreement(nodes, &at_barrier)
+                } else {
+                    continue;
+                };
+                if let Some(why) = &failure {
+                    eprintln!("[gradpack scheduler] a barrier failed: {why}");
+                }
+                for (id, _) in at_barrier.drain(..) {
+                    let mut m = Meta::new(Command::BarrierDone, SCHEDULER_ID);
+                    if let Some(why) = &failure {
+                        (m.status, m.body) = (1, why.clone());
                     }
+                    let _ = van.send(id, message(m));
                 }
             }
             Command::NodeFailed => {
@@ -668,6 +693,16 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
                 if !done.contains(&msg.meta.sender) {
                     done.push(msg.meta.sender);
                 }
+                // Workers waiting in a barrier this one never reached: it will not come.
+                if !at_barrier.is_empty() && !at_barrier.iter().any(|(id, _)| *id == msg.meta.sender) {
+                    let why = format!("{} closed its store while other workers wait in a barrier it will never reach", describe(table.as_deref().unwrap_or_default(), msg.meta.sender));
+                    eprintln!("[gradpack scheduler] a barrier failed: {why}");
+                    for (id, _) in at_barrier.drain(..) {
+                        let mut m = Meta::new(Command::BarrierDone, SCHEDULER_ID);
+                        (m.status, m.body) = (1, why.clone());
+                        let _ = van.send(id, message(m));
+                    }
+                }
                 if done.len() == config.num_workers {
                     if let Some(nodes) = &table {
                         for n in nodes.iter().filter(|n| n.role != Role::Scheduler) {
@@ -681,6 +716,29 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
             other => van.traffic.drop_message("scheduler", format_args!("an unexpected {other:?} message from node {}", msg.meta.sender)),
         }
     }
+}
+
+fn describe(nodes: &[NodeInfo], id: i32) -> String {
+    nodes.iter().find(|n| n.id == id).map_or_else(|| format!("node {id}"), |n| n.describe())
+}
+
+/// The first line of the workers' barrier states that differs, said with
+/// each worker's value; None when they all agree.
+fn disagreement(nodes: &[NodeInfo], at_barrier: &[(i32, String)]) -> Option<String> {
+    let lines = |s: &str| s.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    let states: Vec<(i32, Vec<(String, String)>)> = at_barrier.iter().map(|(id, s)| (*id, lines(s))).collect();
+    let mut names: Vec<&String> = states.iter().flat_map(|(_, l)| l.iter().map(|(k, _)| k)).collect();
+    names.sort();
+    names.dedup();
+    for name in names {
+        let values: Vec<(i32, Option<&String>)> = states.iter().map(|(id, l)| (*id, l.iter().find(|(k, _)| k == name).map(|(_, v)| v))).collect();
+        if values.iter().any(|(_, v)| *v != values[0].1) {
+            let mut said: Vec<String> = values.iter().map(|(id, v)| format!("{}: {}", describe(nodes, *id), v.map_or("(none)", |v| v.as_str()))).collect();
+            said.sort();
+            return Some(format!("the workers reached a barrier with different {name} ({})", said.join("; ")));
+        }
+    }
+    None
 }
 
 /// A host a registration may name: an IP address, or a DNS name (letters,

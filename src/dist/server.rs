@@ -3,7 +3,7 @@
 //! async: each push), then runs the optimizer or stores the sum. A bad request
 //! gets an error response and changes nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::config::Config;
 use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, Payload};
@@ -151,6 +151,9 @@ pub struct Server {
     /// dist_sync (true) or dist_async, as the first init said; a push of the
     /// other kind is refused (a replayed or a foreign worker's).
     sync: Option<bool>,
+    /// The barrier (counted from 1) each worker that told this server it
+    /// entered one is in, or last was in.
+    in_barrier: HashMap<i32, u64>,
     /// Set when a handler panicked (a bug): the state is unknown from then
     /// on, so every later request is refused with this reason.
     broken: Option<String>,
@@ -159,6 +162,13 @@ pub struct Server {
     /// Workers (node ids) that closed their store: no sync round can
     /// complete after the first, so such rounds fail instead of waiting.
     closed: Vec<i32>,
+}
+
+fn barrier_error(node: i32, number: u64, key: &Key) -> Error {
+    Error::Key {
+        key: key.to_string(),
+        problem: format!("worker node {node} is waiting in barrier {number} without pushing this key in this round: the workers pushed it unequal numbers of times, so the round cannot complete"),
+    }
 }
 
 fn mode_name(sync: bool) -> &'static str {
@@ -207,7 +217,7 @@ fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec
 
 impl Server {
     pub fn new(num_workers: usize, my_id: i32) -> Server {
-        Server { num_workers, my_id, slots: BTreeMap::new(), optimizer: None, compression: Compression::None, sync: None, broken: None, report_broken: false, closed: Vec::new() }
+        Server { num_workers, my_id, slots: BTreeMap::new(), optimizer: None, compression: Compression::None, sync: None, in_barrier: HashMap::new(), broken: None, report_broken: false, closed: Vec::new() }
     }
 
     /// Handles one request; returns the responses to send (a sync push is
@@ -248,6 +258,11 @@ impl Server {
         }
         match meta.command {
             Command::WorkerDone => self.worker_closed(meta.sender),
+            Command::Barrier => {
+                let mut replies = self.worker_in_barrier(meta.sender, meta.status as u64 + 1);
+                replies.push(response(&meta, self.my_id, Ok(Vec::new())));
+                replies
+            }
             Command::Push => match self.push(msg) {
                 Ok(replies) => replies,
                 Err(e) => vec![response(&meta, self.my_id, Err(e))],
@@ -421,6 +436,33 @@ impl Server {
         replies
     }
 
+    /// Worker `node` entered barrier `number`: a sync round that waits for it
+    /// cannot complete (it pushes again only after the barrier, which waits
+    /// for the workers in the round), so each fails with an error to its
+    /// workers.
+    fn worker_in_barrier(&mut self, node: i32, number: u64) -> Vec<(i32, Message)> {
+        self.in_barrier.insert(node, number);
+        let mut replies = Vec::new();
+        for ((key, _), slot) in self.slots.iter_mut() {
+            let mut meta = Meta::new(Command::Push, 0);
+            (meta.key, meta.offset, meta.len) = (Some(key.clone()), slot.offset, slot.value.len() as u64);
+            let why = || Err(barrier_error(node, number, key));
+            if !slot.pushed.is_empty() && !slot.pushed.iter().any(|(s, _)| *s == node) {
+                let waiting: Vec<_> = slot.pushed.drain(..).collect();
+                slot.round = Round::Empty;
+                slot.aborted = None;
+                replies.extend(answer_all(&meta, self.my_id, waiting, why()));
+            }
+            if !slot.scheme.waiting.is_empty() && !slot.scheme.waiting.iter().any(|(s, _)| *s == node) {
+                let waiting: Vec<_> = slot.scheme.waiting.drain(..).collect();
+                slot.scheme.acc = None;
+                slot.scheme.aborted = None;
+                replies.extend(answer_all(&meta, self.my_id, waiting, why()));
+            }
+        }
+        replies
+    }
+
     /// A sync round some worker aborted: once every worker took its turn,
     /// all get the abort's error and the round is dropped (value unchanged).
     fn end_failed_round(slot: &mut Slot, meta: &Meta, me: i32, num_workers: usize) -> Vec<(i32, Message)> {
@@ -438,6 +480,11 @@ impl Server {
         if self.sync == Some(asynchronous) {
             let key = Self::key_of(&msg.meta)?;
             return Err(Error::Key { key: key.to_string(), problem: format!("a {} push to a server of a {} job", mode_name(!asynchronous), mode_name(asynchronous)) });
+        }
+        // A worker in a barrier this one has not reached will not join this round.
+        let passed = msg.meta.status as u64;
+        if let (false, Some((&node, &number))) = (asynchronous, self.in_barrier.iter().find(|(&n, &b)| n != msg.meta.sender && b > passed)) {
+            return Err(barrier_error(node, number, &Self::key_of(&msg.meta)?));
         }
         if !msg.meta.has(Flag::Async) {
             if let (Some(&node), Ok(key)) = (self.closed.first(), Self::key_of(&msg.meta)) {

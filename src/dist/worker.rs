@@ -258,6 +258,8 @@ pub struct DistWorker {
     keys: RwLock<HashMap<Key, Arc<Mutex<WorkerKey>>>>,
     str_keys: Mutex<Option<bool>>,
     closed: AtomicBool,
+    /// Sync pushes this worker made (tried), for the barrier's agreement.
+    pushes: AtomicU64,
     /// Pulls answered from the values a round brought back (`WorkerKey::pulled`).
     local_pulls: AtomicU64,
 }
@@ -281,6 +283,7 @@ impl DistWorker {
             keys: RwLock::default(),
             str_keys: Mutex::default(),
             closed: AtomicBool::new(false),
+            pushes: AtomicU64::new(0),
             local_pulls: AtomicU64::new(0),
         })
     }
@@ -298,7 +301,24 @@ impl DistWorker {
     }
 
     pub fn barrier(&self) -> Result<()> {
-        self.post.barrier()
+        self.barrier_with(None)
+    }
+
+    /// The barrier, saying what every worker must agree on: the store type,
+    /// the compression, the sync pushes so far (a worker that pushed more is
+    /// stuck in a round the others will not join) and the key just
+    /// initialized with its shape and dtype. Servers first fail the rounds
+    /// that wait for this worker, which is now in the barrier.
+    fn barrier_with(&self, init: Option<String>) -> Result<()> {
+        let mut state = format!("store type={}\ncompression={:?}\n", self.type_name, *self.compression.read().unwrap());
+        if !self.asynchronous {
+            state += &format!("sync pushes={}\n", self.pushes.load(Ordering::SeqCst));
+            self.to_all_servers(Command::Barrier, String::new())?;
+        }
+        if let Some(init) = init {
+            state += &format!("init={init}\n");
+        }
+        self.post.barrier(&state)
     }
 
     /// (bytes sent, bytes received) by this node's transport.
@@ -450,13 +470,16 @@ impl DistWorker {
         }
         let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default(), pulled: None };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
-        self.post.barrier()
+        self.barrier_with(Some(format!("key {key} of shape {:?} and dtype {}", value.shape, if half { "float16" } else { "float32" })))
     }
 
     /// Merges `values` (one per local device), then one push per server slice:
     /// packed 2-bit blocks when compression is set, else float32.
     pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
         let entry = self.entry(key)?;
+        if !self.asynchronous {
+            self.pushes.fetch_add(1, Ordering::SeqCst);
+        }
         let compression = *self.compression.read().unwrap();
         let mut guard = entry.lock().unwrap();
         let e = &mut *guard;
