@@ -3,26 +3,45 @@
     python -m gradpack.launch -n 2 -s 2 python train.py --epochs 3
 
 starts a scheduler, the servers (``python -m gradpack.node``) and the workers
-(your command), each with MXNet's DMLC_* variables. It ends every process it
-started when the job ends, when one of them fails and when it gets SIGINT,
-SIGTERM or SIGHUP, and returns non-zero on failure. On Linux its processes get
-SIGKILL when it dies, even by SIGKILL. ``--launcher ssh -H hostfile`` starts
-servers and workers round-robin on the hosts listed (one per line) over ssh;
-the scheduler runs here.
+(your command), each with MXNet's DMLC_* variables, and returns non-zero on
+failure. ``--launcher ssh -H hostfile`` starts servers and workers
+round-robin on the hosts listed (one per line) over ssh; the scheduler runs
+here.
 
-Every process gets the job's secret (GRADPACK_SECRET), so that its messages
-are authenticated: the caller's GRADPACK_SECRET or GRADPACK_SECRET_FILE when
-set, otherwise a random one made for this job. It travels in the environment
-of local processes and on the standard input of ssh, never on a command line."""
+Ending. Every process it starts leads a session, so a process group, of its
+own, and the launcher ends the group, not only that process (SIGTERM, then
+SIGKILL to what is left after 3 s): when the job ends (what a node left
+running in the background included), when a node fails, and when it gets
+SIGINT, SIGTERM or SIGHUP. For its own death, even by SIGKILL, it forks at
+start a watchdog, in a session of its own, that reads a pipe whose write end
+only the launcher holds. The end is close-on-exec: a starting node holds it
+only until exec, and writes its group's id there first, so that a launcher
+killed while starting it leaves no group unknown. On the launcher's "exit"
+the watchdog exits; at end-of-file (the launcher died) it removes the secret
+file the launcher made, ends every group not known to have ended, and exits.
+A process that leaves its group (setsid, setpgid) is out of reach; over ssh
+only the local ``ssh`` clients end.
+
+The secret, so that messages are authenticated. Local processes get a file,
+GRADPACK_SECRET_FILE, and not GRADPACK_SECRET, which /proc/PID/environ would
+show: the caller's GRADPACK_SECRET_FILE (made absolute), else a file the
+launcher makes, holding a new random secret, readable only by the user (mode
+0600, in a new directory of mode 0700 under the temporary directory) and
+removed when the job ends. The one exception: a caller's own GRADPACK_SECRET
+(that caller already chose the environment) is passed on as it is. Both set
+is refused, as the nodes refuse it, and so is either in ``--env`` (a command
+line shows in ps). Over ssh the secret travels on standard input; the remote
+shell exports it as GRADPACK_SECRET."""
 import argparse
-import ctypes
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -68,29 +87,137 @@ def local_ip_towards(host):
             return "127.0.0.1"
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+KILL_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 
 
-def die_with(parent):
-    """A preexec_fn that has the kernel send the child SIGKILL when `parent`
-    dies: a launcher that is killed by SIGKILL cannot stop its processes itself,
-    and it cannot escalate either, so the signal must be one nothing ignores."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not between fork and exec
+def group_exists(pgid):
+    """Whether process group `pgid` still has a process (an unreaped zombie
+    counts: until it is reaped its id cannot go to another process)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except OSError:  # ESRCH; EPERM: another user's, so the id was reused
+        return False
 
-    def preexec():
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        # A parent that died before prctl sends nothing: the child was already reparented.
-        if os.getppid() != parent:
-            os._exit(1)
-    return preexec
+
+def signal_groups(pgids, signum):
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signum)
+        except OSError:
+            pass  # it ended already
+
+
+def end_groups(pgids, grace, reap=lambda: None):
+    """SIGTERM to every process group in `pgids`, then SIGKILL to those that
+    still exist after `grace` seconds. `reap` is called while waiting: a
+    leader's unreaped zombie keeps its group in existence. So does an orphan's
+    zombie that init reaps late; the wait then lasts the whole grace, and
+    SIGKILL to a zombie does no harm."""
+    signal_groups(pgids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    left = list(pgids)
+    while True:
+        reap()
+        left = [pgid for pgid in left if group_exists(pgid)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    signal_groups(left, signal.SIGKILL)
+
+
+def watch(read_fd, grace):
+    """The watchdog's body (see the module doc). Records on the pipe end with
+    NUL: b"+PGID" a group to end, b"-PGID" a group that ended (its id may be
+    reused), b"rPATH" a directory to remove, b"exit" the launcher's normal end."""
+    os.setsid()  # a Ctrl-C or hangup that reaches the launcher's group does not reach it
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)  # no reader of the launcher's output waits for it; stderr stays
+    groups, directories, pending = set(), [], b""
+    while True:
+        chunk = os.read(read_fd, 4096)
+        if not chunk:
+            break  # every write end is closed: the launcher died
+        *records, pending = (pending + chunk).split(b"\0")
+        for record in records:
+            if record == b"exit":
+                return
+            kind, arg = record[:1], record[1:]
+            if kind == b"+":
+                groups.add(int(arg))
+            elif kind == b"-":
+                groups.discard(int(arg))
+            elif kind == b"r":
+                directories.append(os.fsdecode(arg))
+    print("[gradpack.launch] the launcher died; its watchdog stops the job", file=sys.stderr, flush=True)
+    for path in directories:
+        shutil.rmtree(path, ignore_errors=True)
+    end_groups(sorted(groups), grace)
+
+
+class Watchdog(object):
+    """A process, forked before any node starts, that ends the job when the
+    launcher dies without ending it itself, even by SIGKILL."""
+
+    def __init__(self, grace):
+        read_fd, self.write_fd = os.pipe()  # both close-on-exec: no node keeps either
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(self.write_fd)
+                watch(read_fd, grace)
+            finally:
+                os._exit(0)  # never back into the launcher's code, whatever happened
+        os.close(read_fd)
+
+    def send(self, record):
+        try:
+            # Never two writers at once: Popen returns once its child has written and exec'd.
+            os.write(self.write_fd, record + b"\0")
+        except OSError:
+            pass  # it was killed: the launcher still ends its job itself
+
+    def register(self):
+        """A preexec_fn that registers the new process's group from inside the
+        child, before exec: a launcher killed while starting a node leaves no
+        group unregistered, since the pipe reaches end-of-file only once the
+        child has written and exec closed its copy. subprocess has already set
+        SIGPIPE back to its default there, and a write to a dead watchdog must
+        not kill the child."""
+        write_fd = self.write_fd
+
+        def preexec():
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+            try:
+                os.write(write_fd, b"+%d\0" % os.getpid())  # it leads a new session: pgid == pid
+            except OSError:
+                pass
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        return preexec
+
+    def forget(self, pgid):
+        self.send(b"-%d" % pgid)
+
+    def remove_on_death(self, path):
+        self.send(b"r" + os.fsencode(path))
+
+    def close(self):
+        """The launcher ended its job itself: the watchdog exits and does nothing."""
+        self.send(b"exit")
+        os.close(self.write_fd)
+        os.waitpid(self.pid, 0)
 
 
 class Job(object):
-    def __init__(self, verbose):
-        self.procs = []  # (name, Popen)
+    def __init__(self, verbose, watchdog):
+        self.procs = []  # (name, Popen); each leads a process group of its own
+        self.groups = set()  # the ids of those groups not known to have ended
         self.verbose = verbose
+        self.watchdog = watchdog
         self.stop_signal = None
-        self.preexec = die_with(os.getpid()) if sys.platform.startswith("linux") else None
 
     def stop_on_signals(self):
         """SIGINT, SIGTERM and SIGHUP make wait() stop every process. The handler
@@ -109,9 +236,10 @@ class Job(object):
             return
         if self.verbose:
             print("[gradpack.launch] starting %s: %s" % (name, " ".join(argv)), file=sys.stderr)
-        # A session of its own: kill_all reaches the whole process tree with killpg.
-        p = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=self.preexec,
+        # A session of its own: kill_all reaches what it starts in the background with killpg.
+        p = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=self.watchdog.register(),
                              stdin=subprocess.PIPE if stdin_line is not None else None)
+        self.groups.add(p.pid)
         if stdin_line is not None:
             try:
                 p.stdin.write((stdin_line + "\n").encode())
@@ -120,23 +248,21 @@ class Job(object):
                 pass  # it already died; wait() reports it
         self.procs.append((name, p))
 
-    def kill_all(self, grace=3.0):
+    def forget_ended(self):
+        """Drops the groups with no process left: their ids may go to other processes."""
         for _, p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except OSError:
-                    pass
-        deadline = time.time() + grace
+            if p.pid in self.groups and p.poll() is not None and not group_exists(p.pid):
+                self.groups.discard(p.pid)
+                self.watchdog.forget(p.pid)
+
+    def kill_all(self, grace=KILL_GRACE):
+        """Ends every group, with what a node left running after it ended."""
+        end_groups(sorted(self.groups), grace, reap=lambda: [p.poll() for _, p in self.procs])
         for _, p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                p.wait()
+            p.wait()
+        for pgid in self.groups:
+            self.watchdog.forget(pgid)  # all got SIGKILL or ended: what is left is a zombie
+        self.groups.clear()
 
     def stopped(self):
         """128 + the signal number after stopping the job when a signal came; else None."""
@@ -152,6 +278,7 @@ class Job(object):
         start = time.time()
         workers = [(n, p) for n, p in self.procs if n.startswith("worker")]
         while True:
+            self.forget_ended()
             code = self.stopped()
             if code:
                 return code
@@ -214,12 +341,16 @@ def parse_args(argv):
     for e in args.env:
         if "=" not in e:
             p.error("--env takes NAME=VALUE, got %r" % e)
+        if e.split("=", 1)[0] in ("GRADPACK_SECRET", "GRADPACK_SECRET_FILE"):
+            p.error("--env %s: a command line shows in ps; set it in the launcher's environment" % e.split("=", 1)[0])
     return args
 
 
 def job_secret(environ):
     """The job's secret: the caller's GRADPACK_SECRET or the contents of its
     GRADPACK_SECRET_FILE (without a trailing newline), else a new random one."""
+    if environ.get("GRADPACK_SECRET") and environ.get("GRADPACK_SECRET_FILE"):
+        sys.exit("gradpack.launch: GRADPACK_SECRET and GRADPACK_SECRET_FILE are both set; set one")
     if environ.get("GRADPACK_SECRET"):
         secret = environ["GRADPACK_SECRET"]
     elif environ.get("GRADPACK_SECRET_FILE"):
@@ -232,6 +363,28 @@ def job_secret(environ):
     if not secret or "\n" in secret or "\0" in secret:
         sys.exit("gradpack.launch: the job secret must be one non-empty line without NUL")
     return secret
+
+
+def local_secret(environ, secret, watchdog):
+    """The variable that hands `secret` (from job_secret(environ)) to local
+    processes, and the directory made to hold it (None when the caller gave
+    the secret). The watchdog learns of a directory before it is made: a
+    launcher killed at any moment leaves none behind."""
+    if environ.get("GRADPACK_SECRET"):
+        return {"GRADPACK_SECRET": environ["GRADPACK_SECRET"]}, None
+    if environ.get("GRADPACK_SECRET_FILE"):
+        return {"GRADPACK_SECRET_FILE": os.path.abspath(environ["GRADPACK_SECRET_FILE"])}, None
+    directory = os.path.join(tempfile.gettempdir(), "gradpack-secret-" + secrets.token_hex(8))
+    watchdog.remove_on_death(directory)
+    os.mkdir(directory, 0o700)  # fails if the name exists: nobody else's directory is used
+    path = os.path.join(directory, "secret")
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secret + "\n")
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return {"GRADPACK_SECRET_FILE": path}, directory
 
 
 def remote_command(argv, env, cwd):
@@ -261,26 +414,34 @@ def main(argv=None):
     secret = job_secret(os.environ)
     node = [sys.executable, "-m", "gradpack.node"]
 
-    job = Job(args.verbose)
+    watchdog = Watchdog(KILL_GRACE)  # before any node starts, so that every one registers
+    job = Job(args.verbose, watchdog)
     job.stop_on_signals()
+    secret_dir = None
+    try:
+        secret_var, secret_dir = local_secret(os.environ, secret, watchdog)
+        local_env = {k: v for k, v in os.environ.items() if k not in ("GRADPACK_SECRET", "GRADPACK_SECRET_FILE")}
 
-    def start(name, role, argv, host_index):
-        env = dict(dmlc, DMLC_ROLE=role)
-        if args.launcher == "local" or role == "scheduler":
-            local = dict(os.environ, **env)
-            local.pop("GRADPACK_SECRET_FILE", None)
-            job.start(name, argv, dict(local, GRADPACK_SECRET=secret))
-            return
-        host = hosts[host_index % len(hosts)]
-        job.start(name, ["ssh", "-o", "StrictHostKeyChecking=no", host, remote_command(argv, env, os.getcwd())],
-                  dict(os.environ), stdin_line=secret)
+        def start(name, role, argv, host_index):
+            env = dict(dmlc, DMLC_ROLE=role)
+            if args.launcher == "local" or role == "scheduler":
+                job.start(name, argv, {**local_env, **env, **secret_var})
+                return
+            host = hosts[host_index % len(hosts)]
+            job.start(name, ["ssh", "-o", "StrictHostKeyChecking=no", host, remote_command(argv, env, os.getcwd())],
+                      dict(os.environ), stdin_line=secret)
 
-    start("scheduler", "scheduler", node, 0)
-    for i in range(args.num_servers):
-        start("server %d" % i, "server", node, i)
-    for i in range(args.num_workers):
-        start("worker %d" % i, "worker", args.command, args.num_servers + i)
-    return job.wait(args.timeout, end_grace=15.0)
+        start("scheduler", "scheduler", node, 0)
+        for i in range(args.num_servers):
+            start("server %d" % i, "server", node, i)
+        for i in range(args.num_workers):
+            start("worker %d" % i, "worker", args.command, args.num_servers + i)
+        return job.wait(args.timeout, end_grace=15.0)
+    finally:
+        job.kill_all()  # after a normal end too: what the nodes left in the background
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
+        watchdog.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""gradpack.launch leaves no process behind when it is stopped by a signal
-(SIGINT, SIGTERM, SIGHUP: it stops its job) or killed (SIGKILL: Linux's parent-death
-signal ends its processes). Real processes: a scheduler, servers and workers
-that never end by themselves; the timeouts only turn a hang into a failure."""
+"""gradpack.launch leaves no process behind: neither the nodes it started
+nor what they left running in the background (a `sleep` of each worker
+command here), whether the job ends, the launcher is stopped by a signal
+(SIGINT, SIGTERM, SIGHUP: it stops its job) or killed (SIGKILL: its watchdog
+stops the job). Nor does it leave the secret file it made. Real processes:
+a scheduler, servers and workers that never end by themselves (but in the
+first test); the timeouts only turn a hang into a failure."""
 import os
 import signal
 import subprocess
@@ -13,8 +16,16 @@ import pytest
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts")
 WORKERS, SERVERS = 2, 2
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="reads /proc; the parent-death signal is Linux's")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+# Each worker command leaves a sleep running in the background, in its process
+# group, and writes the sleep's pid to $GRADPACK_TEST_OUT/sleep-<shell pid>.pid.
+# The shell stays (`exit $?` is its last command), so that the sleep is
+# orphaned when the shell ends.
+WITH_A_SLEEP = ["sh", "-c", 'sleep 300 </dev/null >/dev/null 2>&1 & echo $! > "$GRADPACK_TEST_OUT/sleep-$$.tmp"'
+                ' && mv "$GRADPACK_TEST_OUT/sleep-$$.tmp" "$GRADPACK_TEST_OUT/sleep-$$.pid"; "$@"; exit $?', "sh"]
+JOINS_AND_ENDS = ("import numpy as np, gradpack; kv = gradpack.kv.create('dist_sync'); "
+                  "kv.init(0, np.zeros(4, np.float32)); kv.close()")
 
 
 def stat(pid):
@@ -64,30 +75,82 @@ def wait_for(done, timeout, why):
         time.sleep(0.1)
 
 
+def launcher_env(tmp_path):
+    env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path))
+    for k in ("GRADPACK_SECRET", "GRADPACK_SECRET_FILE"):
+        env.pop(k, None)  # the launcher makes a secret file
+    return env
+
+
+def sleeps(tmp_path):
+    return [int(p.read_text()) for p in tmp_path.glob("sleep-*.pid")]
+
+
+def environ(pid):
+    with open("/proc/%d/environ" % pid, "rb") as f:
+        return dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+
+
+def a_sleep(pid):
+    """Whether pid is still one of the test's sleeps (not a zombie, not a process that got its pid)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    s = stat(pid)
+    return cmdline.split(b"\0")[:2] == [b"sleep", b"300"] and s is not None and s[1] != "Z"
+
+
+def test_a_job_that_ends_leaves_no_process_behind(tmp_path):
+    err_path = tmp_path / "launcher.err"
+    with open(str(err_path), "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "gradpack.launch", "-n", str(WORKERS), "-s", str(SERVERS)]
+                                    + WITH_A_SLEEP + [sys.executable, "-c", JOINS_AND_ENDS],
+                                    env=launcher_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        assert launcher.wait(timeout=180) == 0, err_path.read_text()
+        assert len(sleeps(tmp_path)) == WORKERS
+        # The job ended: each worker's shell ended and left its sleep for the launcher to end.
+        wait_for(lambda: not any(a_sleep(pid) for pid in sleeps(tmp_path)), 5,
+                 lambda: "still running after the job ended: %s" % [pid for pid in sleeps(tmp_path) if a_sleep(pid)])
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+        for pid in sleeps(tmp_path):
+            if a_sleep(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_a_signalled_launcher_leaves_no_process_behind(tmp_path, sig):
     err_path = tmp_path / "launcher.err"
     pid_files = [tmp_path / ("worker%d.pid" % r) for r in range(WORKERS)]
     procs = {}
     with open(str(err_path), "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "gradpack.launch", "-n", str(WORKERS), "-s", str(SERVERS),
-                                     sys.executable, os.path.join(SCRIPTS, "joins_and_waits.py")],
-                                    env=dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path)), stderr=err,
-                                    preexec_fn=default_signals)
+        launcher = subprocess.Popen([sys.executable, "-m", "gradpack.launch", "-n", str(WORKERS), "-s", str(SERVERS)]
+                                    + WITH_A_SLEEP + [sys.executable, os.path.join(SCRIPTS, "joins_and_waits.py")],
+                                    env=launcher_env(tmp_path), stderr=err, preexec_fn=default_signals)
     try:
-        # Every worker joined (so the scheduler and the servers run) and recorded its pid.
-        wait_for(lambda: launcher.poll() is not None or all(p.exists() for p in pid_files), 180,
+        # Every worker joined (so the scheduler and the servers run), recorded its pid and left a sleep.
+        wait_for(lambda: launcher.poll() is not None or (all(p.exists() for p in pid_files)
+                                                         and len(sleeps(tmp_path)) == WORKERS), 180,
                  lambda: "the workers did not all start: " + err_path.read_text())
         assert launcher.poll() is None, err_path.read_text()
         procs = descendants(launcher.pid)
         workers = [int(p.read_text()) for p in pid_files]
-        assert set(workers) <= set(procs) and len(procs) == 1 + SERVERS + WORKERS, (procs, workers)
+        # The watchdog, the scheduler, the servers, and for each worker its shell, its python and its sleep.
+        assert set(workers + sleeps(tmp_path)) <= set(procs) and len(procs) == 2 + SERVERS + 3 * WORKERS, (
+            procs, workers)
+        secret_file = environ(workers[0])[b"GRADPACK_SECRET_FILE"].decode()
+        assert os.path.exists(secret_file)
 
         launcher.send_signal(sig)
         launcher.wait(timeout=60)
-        wait_for(lambda: not any(alive(pid, start) for pid, start in procs.items()), 30,
-                 lambda: "still running after %s to the launcher: %s" % (
-                     sig.name, [pid for pid, start in procs.items() if alive(pid, start)]))
+        wait_for(lambda: not any(alive(pid, start) for pid, start in procs.items()) and not os.path.exists(secret_file),
+                 10, lambda: "still running after %s to the launcher: %s; secret file left: %s" % (
+                     sig.name, [pid for pid, start in procs.items() if alive(pid, start)], os.path.exists(secret_file)))
         if sig == signal.SIGKILL:
             assert launcher.returncode == -sig
         else:
