@@ -1180,3 +1180,35 @@ fn workers_that_disagree_on_compression_or_shape_all_get_an_error() {
         assert!(errors[0].contains(&format!("different {what}")) && errors[0].contains("worker 0") && errors[0].contains("worker 1"), "{what}: {}", errors[0]);
     }
 }
+
+/// A request lost on the wire (here: one the worker never sent) used to be
+/// waited for as long as heartbeats flowed. After a heartbeat timeout the
+/// worker asks the server, which holds no such request: an error naming it.
+/// A sync push that waits longer than that for a slow worker is not one: it
+/// completes with exact values.
+#[test]
+fn a_lost_request_is_an_error_and_a_long_round_is_not() {
+    let results = two_workers(|rank, w| {
+        let k = Key::Int(2);
+        w.init(&k, Array { shape: &[4], data: Grad::F32(&[0.0; 4]) }).unwrap();
+        let lost = (rank == 0).then(|| {
+            let post = w.postoffice();
+            let server = post.servers()[0].id;
+            let id = post.customer.start(vec![server]);
+            let t = std::time::Instant::now();
+            let e = post.wait(id).unwrap_err().to_string();
+            (e, t.elapsed())
+        });
+        w.barrier().unwrap();
+        if rank == 1 {
+            thread::sleep(Duration::from_secs(7)); // over two heartbeat timeouts (3 s)
+        }
+        w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[1.0 + rank as f32; 4]) }]).unwrap();
+        (lost, pull(w, &k, &[4]))
+    });
+    let (e, took) = results[0].0.clone().unwrap();
+    assert!(e.contains("holds no request") && e.contains("lost"), "{e}");
+    assert!(took >= Duration::from_secs(3) && took < Duration::from_secs(20), "{took:?}");
+    assert_eq!(results[0].1, vec![3.0; 4]);
+    assert_eq!(results[1].1, vec![3.0; 4]);
+}

@@ -5,8 +5,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use super::message::Message;
+
+/// Asks the nodes that have not answered request `id` whether they hold it.
+pub type Probe<'a> = &'a dyn Fn(u64, &[i32]) -> Result<()>;
 use crate::error::{Error, Result};
 
 #[derive(Default)]
@@ -61,9 +65,10 @@ impl Customer {
     }
 
     /// Waits for every response of request `id`; an error response, a node
-    /// failure or the end of the job end the wait with an error.
-    pub fn wait(&self, id: u64) -> Result<Vec<Message>> {
-        let got = self.wait_all(id)?;
+    /// failure or the end of the job end the wait with an error, and so does
+    /// `probe` (see `wait_all`).
+    pub fn wait(&self, id: u64, patience: Duration, probe: Probe) -> Result<Vec<Message>> {
+        let got = self.wait_all(id, patience, probe)?;
         if let Some(bad) = got.iter().find(|m| m.meta.status != 0) {
             return Err(Error::Store(bad.meta.body.clone()));
         }
@@ -71,10 +76,15 @@ impl Customer {
     }
 
     /// As `wait`, but error responses are returned with the others (the
-    /// caller tells which node refused); only a node failure or the end of
-    /// the job end the wait with an error.
-    pub fn wait_all(&self, id: u64) -> Result<Vec<Message>> {
+    /// caller tells which node refused); only a node failure, the end of the
+    /// job or the probe end the wait with an error. After each `patience`
+    /// without the last response, `probe(id, nodes yet to answer)` asks them
+    /// whether they still hold the request (a sync push may wait long for
+    /// the other workers; a request lost on the wire would wait for ever):
+    /// its error ends the wait, unless the responses came meanwhile.
+    pub fn wait_all(&self, id: u64, patience: Duration, probe: Probe) -> Result<Vec<Message>> {
         let mut s = self.state.lock().unwrap();
+        let mut since = Instant::now();
         loop {
             if let Some(reason) = &s.failure {
                 let reason = reason.clone();
@@ -90,7 +100,22 @@ impl Customer {
                 s.pending.remove(&id);
                 return Err(Error::JobFailed("the job has ended".into()));
             }
-            s = self.cond.wait(s).unwrap();
+            let left = patience.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                let nodes = from.clone();
+                drop(s);
+                let probed = probe(id, &nodes);
+                s = self.state.lock().unwrap();
+                since = Instant::now();
+                if let Err(e) = probed {
+                    if s.pending.get(&id).is_some_and(|(from, _)| !from.is_empty()) {
+                        s.pending.remove(&id);
+                        return Err(e);
+                    }
+                }
+                continue;
+            }
+            s = self.cond.wait_timeout(s, left).unwrap().0;
         }
     }
 

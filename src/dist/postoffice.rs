@@ -273,7 +273,7 @@ impl Postoffice {
         let may = match msg.meta.command {
             Command::HeartbeatAck | Command::BarrierDone | Command::NodeFailed | Command::Terminate => role == Some(Role::Scheduler),
             Command::Response => role == Some(Role::Server) && self.me.role == Role::Worker,
-            Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier => {
+            Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier | Command::Heartbeat => {
                 role == Some(Role::Worker) && self.me.role == Role::Server
             }
             _ => false,
@@ -326,7 +326,7 @@ impl Postoffice {
                         self.van.traffic.drop_message(&self.who(), format_args!("a response from node {sender} to request {id}, which does not wait for one from it"));
                     }
                 }
-                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier => match &data {
+                Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier | Command::Heartbeat => match &data {
                     Some(tx) => {
                         if tx.send(msg).is_err() {
                             self.customer.fail(format!("{} can no longer serve requests (its serving thread ended)", self.who()));
@@ -373,14 +373,40 @@ impl Postoffice {
     /// waits for every response.
     pub fn request(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
         let id = self.send_request(parts)?;
-        self.customer.wait(id)
+        self.wait(id)
+    }
+
+    /// Waits for the responses of request `id` (started with `customer.start`),
+    /// probing the nodes that have not answered after each heartbeat timeout.
+    pub fn wait(&self, id: u64) -> Result<Vec<Message>> {
+        self.customer.wait(id, self.config.heartbeat_timeout, &|id, nodes| self.probe(id, nodes))
+    }
+
+    /// Asks each of `nodes` whether it still holds request `id` (a
+    /// `Heartbeat` that names it). An error when one does not, or does not
+    /// answer within the heartbeat timeout: the request was lost.
+    fn probe(&self, id: u64, nodes: &[i32]) -> Result<()> {
+        let parts = nodes
+            .iter()
+            .map(|&n| {
+                let mut m = Meta::new(Command::Heartbeat, 0);
+                m.body = encode_pairs([("request", id.to_string().as_str())]);
+                (n, m, Vec::new())
+            })
+            .collect();
+        let probe_id = self.send_request(parts)?;
+        let timeout = self.config.heartbeat_timeout;
+        let silent = |_: u64, nodes: &[i32]| -> Result<()> {
+            Err(Error::JobFailed(format!("node(s) {nodes:?} did not answer whether they hold request {id} within PS_HEARTBEAT_TIMEOUT={} s", timeout.as_secs_f64())))
+        };
+        self.customer.wait(probe_id, timeout, &silent).map(|_| ())
     }
 
     /// As `request`, but error responses come back with the others: the
     /// caller learns which nodes refused (a scheme round over several servers).
     pub fn request_all(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
         let id = self.send_request(parts)?;
-        self.customer.wait_all(id)
+        self.customer.wait_all(id, self.config.heartbeat_timeout, &|id, nodes| self.probe(id, nodes))
     }
 
     /// Sends the parts of one request; its id.

@@ -258,6 +258,17 @@ impl Server {
         }
         match meta.command {
             Command::WorkerDone => self.worker_closed(meta.sender),
+            Command::Heartbeat => {
+                // A worker asks whether a request of its still waits here (in a sync round).
+                let rid = decode_pairs(&meta.body).ok().and_then(|p| p.into_iter().find(|(k, _)| k == "request")).and_then(|(_, v)| v.parse::<u64>().ok());
+                let held = |w: &[(i32, u64)]| w.iter().any(|&(s, r)| s == meta.sender && Some(r) == rid);
+                let result = if self.slots.values().any(|slot| held(&slot.pushed) || held(&slot.scheme.waiting)) {
+                    Ok(Vec::new())
+                } else {
+                    Err(Error::JobFailed(format!("server node {} holds no request {} of worker node {}: it was lost on the way", self.my_id, rid.map_or("(none)".to_string(), |r| r.to_string()), meta.sender)))
+                };
+                vec![response(&meta, self.my_id, result)]
+            }
             Command::Barrier => {
                 let mut replies = self.worker_in_barrier(meta.sender, meta.status as u64 + 1);
                 replies.push(response(&meta, self.my_id, Ok(Vec::new())));
