@@ -1212,3 +1212,51 @@ fn a_lost_request_is_an_error_and_a_long_round_is_not() {
     assert_eq!(results[0].1, vec![3.0; 4]);
     assert_eq!(results[1].1, vec![3.0; 4]);
 }
+
+/// Without a secret, one malformed Response frame that names a waiting
+/// request (a part claiming 2^40 values; an offset of 2^64-5) used to end
+/// the worker's push with an error. Now each is dropped and counted like any
+/// malformed frame, and the real reply completes the push with exact values.
+#[test]
+fn a_forged_malformed_response_is_dropped_and_the_real_one_counts() {
+    use gradpack::dist::message::{Command, Meta};
+    let results = two_workers(|rank, w| {
+        let k = Key::Int(2);
+        w.init(&k, Array { shape: &[4], data: Grad::F32(&[0.0; 4]) }).unwrap();
+        let g = [1.0f32 + rank as f32; 4];
+        let post = w.postoffice().clone();
+        if rank == 1 {
+            thread::sleep(Duration::from_millis(1500)); // worker 0's push waits meanwhile
+        } else {
+            let (host, port) = w.address();
+            let server = post.servers()[0].id;
+            thread::spawn(move || {
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                let id = loop {
+                    if let Some(&id) = post.customer.pending().first() {
+                        break id;
+                    }
+                    assert!(std::time::Instant::now() < deadline);
+                    thread::sleep(Duration::from_millis(5));
+                };
+                let s = outsider(&host, port, 1000);
+                let mut huge = vec![2u8];
+                huge.extend((1u64 << 40).to_le_bytes());
+                huge.extend([0u8; 16]);
+                for (offset, payload) in [(0, huge), (u64::MAX - 4, Vec::new())] {
+                    let mut m = Meta::new(Command::Response, server);
+                    (m.request_id, m.key, m.offset, m.len) = (id, Some(Key::Int(2)), offset, 4);
+                    s.send_multipart([m.encode(), payload], 0).unwrap();
+                }
+                thread::sleep(Duration::from_millis(300));
+            });
+        }
+        if let Err(e) = w.push(&k, &[Array { shape: &[4], data: Grad::F32(&g) }]) {
+            panic!("worker {rank}: {e}");
+        }
+        (pull(w, &k, &[4]), w.dropped())
+    });
+    assert_eq!(results[0].0, vec![3.0; 4]);
+    assert_eq!(results[1].0, vec![3.0; 4]);
+    assert_eq!(results[0].1, 2, "worker 0 dropped both forged responses");
+}

@@ -8,15 +8,26 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::message::Message;
+use crate::error::{Error, Result};
 
 /// Asks the nodes that have not answered request `id` whether they hold it.
 pub type Probe<'a> = &'a dyn Fn(u64, &[i32]) -> Result<()>;
-use crate::error::{Error, Result};
+
+/// Checks a response's form before it is filed (its slice, its payload's
+/// lengths): one that fails is dropped, and the node's real one still counts.
+pub type Check = std::sync::Arc<dyn Fn(&Message) -> Result<()> + Send + Sync>;
+
+/// A request waiting for its responses.
+struct Pending {
+    /// Nodes yet to answer.
+    from: Vec<i32>,
+    got: Vec<Message>,
+    check: Option<Check>,
+}
 
 #[derive(Default)]
 struct State {
-    /// request id -> (nodes yet to answer, responses so far)
-    pending: HashMap<u64, (Vec<i32>, Vec<Message>)>,
+    pending: HashMap<u64, Pending>,
     failure: Option<String>,
     terminated: bool,
     barriers_done: u64,
@@ -34,29 +45,45 @@ pub struct Customer {
 impl Customer {
     /// A new request id expecting one response from each node of `from`.
     pub fn start(&self, from: Vec<i32>) -> u64 {
+        self.start_checked(from, None)
+    }
+
+    /// As `start`, with a check of each response's form (`Check`).
+    pub fn start_checked(&self, from: Vec<i32>, check: Option<Check>) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let n = from.len();
-        self.state.lock().unwrap().pending.insert(id, (from, Vec::with_capacity(n)));
+        self.state.lock().unwrap().pending.insert(id, Pending { from, got: Vec::with_capacity(n), check });
         id
     }
 
-    /// Files a response; false if no request waits for one from its sender.
-    pub fn deliver(&self, msg: Message) -> bool {
-        let mut s = self.state.lock().unwrap();
-        let known = match s.pending.get_mut(&msg.meta.request_id) {
-            Some((from, got)) => match from.iter().position(|&n| n == msg.meta.sender) {
-                Some(i) => {
-                    from.swap_remove(i);
-                    got.push(msg);
-                    true
-                }
-                None => false,
-            },
-            None => false,
+    /// Requests still waiting for a response.
+    #[doc(hidden)]
+    pub fn pending(&self) -> Vec<u64> {
+        self.state.lock().unwrap().pending.keys().copied().collect()
+    }
+
+    /// Files a response, or says why not: no request waits for one from its
+    /// sender, or it fails the request's check (an error response is filed
+    /// as it is).
+    pub fn deliver(&self, msg: Message) -> std::result::Result<(), String> {
+        let (id, sender) = (msg.meta.request_id, msg.meta.sender);
+        let unexpected = || format!("a response from node {sender} to request {id}, which does not wait for one from it");
+        let check = match self.state.lock().unwrap().pending.get(&id) {
+            Some(p) if p.from.contains(&sender) => p.check.clone(),
+            _ => return Err(unexpected()),
         };
+        // Checked outside the lock: it may read a whole payload.
+        if let (Some(check), 0) = (check, msg.meta.status) {
+            check(&msg).map_err(|e| format!("a response from node {sender} to request {id}: {e}"))?;
+        }
+        let mut s = self.state.lock().unwrap();
+        let p = s.pending.get_mut(&id).ok_or_else(unexpected)?;
+        let i = p.from.iter().position(|&n| n == sender).ok_or_else(unexpected)?;
+        p.from.swap_remove(i);
+        p.got.push(msg);
         drop(s);
         self.cond.notify_all();
-        known
+        Ok(())
     }
 
     /// Forgets a request whose sends failed.
@@ -91,10 +118,9 @@ impl Customer {
                 s.pending.remove(&id);
                 return Err(Error::JobFailed(reason));
             }
-            let (from, _) = s.pending.get(&id).expect("request id was started");
+            let from = &s.pending.get(&id).expect("request id was started").from;
             if from.is_empty() {
-                let (_, got) = s.pending.remove(&id).unwrap();
-                return Ok(got);
+                return Ok(s.pending.remove(&id).unwrap().got);
             }
             if s.terminated {
                 s.pending.remove(&id);
@@ -108,7 +134,7 @@ impl Customer {
                 s = self.state.lock().unwrap();
                 since = Instant::now();
                 if let Err(e) = probed {
-                    if s.pending.get(&id).is_some_and(|(from, _)| !from.is_empty()) {
+                    if s.pending.get(&id).is_some_and(|p| !p.from.is_empty()) {
                         s.pending.remove(&id);
                         return Err(e);
                     }

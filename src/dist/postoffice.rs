@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::{Config, Role};
-use super::customer::Customer;
+use super::customer::{Check, Customer};
 use super::auth::{job_from_hex, job_to_hex, Origin};
 use super::message::{decode_pairs, encode_pairs, Command, Message, Meta, Payload};
 use super::van::{local_address_towards, Answer, Receiver, Van};
@@ -321,9 +321,8 @@ impl Postoffice {
                 Command::NodeFailed => self.customer.fail(msg.meta.body.clone()),
                 Command::Terminate => self.customer.terminate(),
                 Command::Response => {
-                    let (sender, id) = (msg.meta.sender, msg.meta.request_id);
-                    if !self.customer.deliver(msg) {
-                        self.van.traffic.drop_message(&self.who(), format_args!("a response from node {sender} to request {id}, which does not wait for one from it"));
+                    if let Err(why) = self.customer.deliver(msg) {
+                        self.van.traffic.drop_message(&self.who(), format_args!("{why}"));
                     }
                 }
                 Command::SetCompress | Command::SetOptimizer | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier | Command::Heartbeat => match &data {
@@ -372,7 +371,13 @@ impl Postoffice {
     /// Sends one request per `(node, meta, payload)` under one request id and
     /// waits for every response.
     pub fn request(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
-        let id = self.send_request(parts)?;
+        let id = self.send_request(parts, None)?;
+        self.wait(id)
+    }
+
+    /// As `request`, each response checked by `check` as it arrives (`Check`).
+    pub fn request_checked(&self, parts: Vec<(i32, Meta, Vec<u8>)>, check: Check) -> Result<Vec<Message>> {
+        let id = self.send_request(parts, Some(check))?;
         self.wait(id)
     }
 
@@ -394,7 +399,7 @@ impl Postoffice {
                 (n, m, Vec::new())
             })
             .collect();
-        let probe_id = self.send_request(parts)?;
+        let probe_id = self.send_request(parts, None)?;
         let timeout = self.config.heartbeat_timeout;
         let silent = |_: u64, nodes: &[i32]| -> Result<()> {
             Err(Error::JobFailed(format!("node(s) {nodes:?} did not answer whether they hold request {id} within PS_HEARTBEAT_TIMEOUT={} s", timeout.as_secs_f64())))
@@ -404,17 +409,17 @@ impl Postoffice {
 
     /// As `request`, but error responses come back with the others: the
     /// caller learns which nodes refused (a scheme round over several servers).
-    pub fn request_all(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<Vec<Message>> {
-        let id = self.send_request(parts)?;
+    pub fn request_all(&self, parts: Vec<(i32, Meta, Vec<u8>)>, check: Check) -> Result<Vec<Message>> {
+        let id = self.send_request(parts, Some(check))?;
         self.customer.wait_all(id, self.config.heartbeat_timeout, &|id, nodes| self.probe(id, nodes))
     }
 
     /// Sends the parts of one request; its id.
-    fn send_request(&self, parts: Vec<(i32, Meta, Vec<u8>)>) -> Result<u64> {
+    fn send_request(&self, parts: Vec<(i32, Meta, Vec<u8>)>, check: Option<Check>) -> Result<u64> {
         if let Some(reason) = self.customer.failure() {
             return Err(Error::JobFailed(reason));
         }
-        let id = self.customer.start(parts.iter().map(|p| p.0).collect());
+        let id = self.customer.start_checked(parts.iter().map(|p| p.0).collect(), check);
         for (to, mut meta, data) in parts {
             meta.sender = self.me.id;
             meta.request_id = id;

@@ -29,6 +29,29 @@ use crate::kvstore::{check_outputs, check_push, check_shape, key_error, round_to
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
 
+/// The check of a reply about `slices` as it arrives (`customer::Check`):
+/// from a slice's server about that slice, with a payload in the form its
+/// flags say (a pull's float32, code counts or scheme value; an exchange's
+/// part). One that fails is dropped and counted; the real one still comes.
+fn reply_check(slices: &[Slice]) -> super::customer::Check {
+    let slices: Vec<(i32, u64, u64)> = slices.iter().map(|s| (s.server, s.offset as u64, s.len as u64)).collect();
+    Arc::new(move |r: &Message| {
+        let (m, data) = (&r.meta, &r.data[..]);
+        if !slices.contains(&(m.sender, m.offset, m.len)) {
+            return Err(Error::Transport(format!("malformed message: a reply about elements {}..+{}, which node {} holds no slice of", m.offset, m.len, m.sender)));
+        }
+        if m.has(Flag::SchemeValue) {
+            scheme::value_from_wire(data).map(drop)
+        } else if m.has(Flag::CodeCounts) {
+            counts::validate(data, m.len as usize).map(drop)
+        } else if data.is_empty() || data.len() as u64 == m.len.saturating_mul(4) {
+            Ok(())
+        } else {
+            scheme::from_wire(data).map(drop)
+        }
+    })
+}
+
 /// One server's part of a key.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Slice {
@@ -152,7 +175,7 @@ impl ServerExchange<'_> {
     /// the error (and marks that server refused).
     fn send(&mut self, meta: impl Fn(&Slice) -> Meta, parts: Vec<Vec<u8>>) -> Result<Vec<Message>> {
         let requests = self.slices.iter().zip(parts).map(|(s, p)| (s.server, meta(s), p)).collect();
-        let replies = self.post.request_all(requests).inspect_err(|_| self.refused.iter_mut().for_each(|r| *r = true))?;
+        let replies = self.post.request_all(requests, reply_check(self.slices)).inspect_err(|_| self.refused.iter_mut().for_each(|r| *r = true))?;
         let mut ordered: Vec<Option<Message>> = self.slices.iter().map(|_| None).collect();
         for r in replies {
             // A server may hold several slices: the reply names its slice's offset.
@@ -466,7 +489,7 @@ impl DistWorker {
                     (s.server, m, f32s_to_bytes(&data[s.offset..s.offset + s.len]))
                 })
                 .collect();
-            self.post.request(parts)?;
+            self.post.request_checked(parts, reply_check(&slices))?;
         }
         let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default(), pulled: None };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
@@ -502,7 +525,7 @@ impl DistWorker {
                         (s.server, m, Vec::new())
                     })
                     .collect();
-                let _ = self.post.request(parts);
+                let _ = self.post.request_checked(parts, reply_check(&e.slices));
             }
         }
         pushed
@@ -566,7 +589,7 @@ impl DistWorker {
             parts.push((s.server, m, payload));
         }
         *checked = true;
-        let sent = self.post.request(parts).map(|_| ());
+        let sent = self.post.request_checked(parts, reply_check(&e.slices)).map(|_| ());
         if sent.is_err() && matches!(compression, Compression::TwoBit(_)) {
             std::mem::swap(&mut e.residuals, &mut e.saved);
         }
@@ -587,7 +610,7 @@ impl DistWorker {
             .map(|(_, s)| (s.server, s.round_meta(key, &[Flag::Exchange, Flag::Abort], &body), Vec::new()))
             .collect();
         if !parts.is_empty() {
-            let _ = self.post.request(parts);
+            let _ = self.post.request_checked(parts, reply_check(slices));
         }
     }
 
@@ -653,7 +676,7 @@ impl DistWorker {
             }
             None => {
                 let parts = e.slices.iter().map(|s| (s.server, s.meta(Command::Pull, key), Vec::new())).collect();
-                fetched = self.post.request(parts)?;
+                fetched = self.post.request_checked(parts, reply_check(&e.slices))?;
                 &fetched
             }
         };
