@@ -237,6 +237,7 @@ pub enum Op {
     Init = 1,
     Push = 2,
     Close = 3,
+    Barrier = 4,
 }
 
 /// What every worker must agree on before a collective: one record of fixed
@@ -295,7 +296,7 @@ pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement) -> std
     let why = if closing {
         "another worker closed its store, so this operation can never complete; every worker must init and push the same keys as often as the others".to_string()
     } else if named.contains(&"operation") {
-        "another worker is in another operation (an init, a push, or closing its store); every worker must init and push the same keys in the same order, and close together".to_string()
+        "another worker is in another operation (an init, a push, a barrier, or closing its store); every worker must init and push the same keys in the same order, and close together".to_string()
     } else if !named.is_empty() {
         format!("the workers' {} differ; every worker must init and push the same keys, with the same shapes, compression and optimizer, in the same order", named.join(", "))
     } else {

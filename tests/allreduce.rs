@@ -222,6 +222,13 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     assert!(err.contains("the workers' optimizer differ"), "rank {rank}: {err}");
     assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.0; 8]); // nothing changed anywhere
 
+    // A barrier on rank 0 while the others push (rank 0 pushed fewer times):
+    // both used to hang; now an error on every rank, nothing applied.
+    let err = if rank == 0 { kv.barrier() } else { kv.push(&Key::Int(0), &[f32s(&shape, &g)]) }.unwrap_err().to_string();
+    assert!(err.contains("another worker is in another operation") && err.contains("a barrier"), "rank {rank}: {err}");
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.0; 8]);
+    kv.barrier().unwrap(); // and a barrier of every rank still passes
+
     // Different compression (2-bit thresholds on rank 0, or another scheme): refused at init.
     for other in [Compression::from_params([("compress", "2bit"), ("threshold", "0.25")]).unwrap(), Compression::from_params([("compress", "qsgd_mn"), ("bits", "4")]).unwrap()] {
         let mine = if rank == 0 { other } else { Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap() };

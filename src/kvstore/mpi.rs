@@ -144,6 +144,16 @@ impl AllreduceStore {
         Ok(())
     }
 
+    /// Waits for every worker, through an agreement (itself a collective of
+    /// every worker): a worker still in an init or a push instead gets an
+    /// error, as this one does, rather than both waiting for ever.
+    pub fn barrier(&self) -> Result<()> {
+        let _order = self.ordered();
+        self.check_open()?;
+        let mine = allreduce::Agreement { op: allreduce::Op::Barrier, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
+        self.agree("a barrier", &mine)
+    }
+
     /// Closes the store together with every other worker: a worker still
     /// waiting in an init or push of its own gets an error saying that
     /// another worker closed (instead of waiting forever). A no-op after
@@ -194,8 +204,7 @@ impl super::Store for AllreduceStore {
         self.world.size()
     }
     fn barrier(&self) -> Result<()> {
-        self.world.barrier();
-        Ok(())
+        AllreduceStore::barrier(self)
     }
     fn stats(&self) -> (u64, u64) {
         super::Store::stats(&self.local)
