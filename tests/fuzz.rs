@@ -303,7 +303,7 @@ fn a_live_server_survives_mutated_frames() {
             if m.key == Some(k.clone()) {
                 m.key = Some(Key::Int(6));
             }
-            m.sender = 9999;
+            m.sender = w.postoffice().me.id; // a job member's id: an outsider's would be dropped before the handler
             h = m.encode();
         }
         sent += 1;
@@ -313,6 +313,107 @@ fn a_live_server_survives_mutated_frames() {
     // A round trip after the flood: the server handled everything before it.
     w.push(&k, &[Array { shape: &[40], data: Grad::F32(&[0.25; 40]) }]).unwrap();
     let mut out = vec![0f32; 40];
+    w.pull(&k, &mut [ArrayMut { shape: &[40], data: &mut out }]).unwrap();
+    assert_eq!(out, vec![0.25; 40]);
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}
+
+/// With a secret: genuine frames, signed by the job's worker for its server,
+/// then sent with another destination (signed for the scheduler), from
+/// another job that shares the secret (same node ids), or altered in one
+/// byte of header, payload or tag after signing: every one is dropped and
+/// counted, and the key keeps exact values.
+#[test]
+fn genuine_frames_with_another_destination_or_job_are_dropped() {
+    use gradpack::dist::auth::{Auth, Secret};
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let secret = Secret::new(b"fuzz").unwrap();
+    let config = |role| Config {
+        role,
+        root_uri: "127.0.0.1".into(),
+        root_port: port,
+        num_workers: 1,
+        num_servers: 1,
+        node_host: Some("127.0.0.1".into()),
+        heartbeat_interval: Duration::from_millis(200),
+        heartbeat_timeout: Duration::from_secs(10),
+        verbose: 0,
+        bigarray_bound: 1000,
+        partition_bytes: 4 << 20,
+        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
+        secret: Some(secret.clone()),
+    };
+    let sched = { let c = config(Role::Scheduler); thread::spawn(move || serve(c)) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let server = {
+        let c = config(Role::Server);
+        thread::spawn(move || {
+            let post = gradpack::dist::server::start_server(c)?;
+            tx.send(post.clone()).unwrap();
+            let r = post.customer.wait_until_over();
+            post.stop();
+            r
+        })
+    };
+    let w = DistWorker::start("dist_sync", config(Role::Worker)).unwrap();
+    let srv = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    let k = Key::Int(5);
+    w.init(&k, Array { shape: &[40], data: Grad::F32(&[1.0; 40]) }).unwrap();
+    let me = w.postoffice();
+    let signer = me.van.auth().unwrap();
+    // Another job with the same secret, the same node ids and nonces known.
+    let twin = Auth::new(secret.clone());
+    twin.join([7; 16], 1, 77);
+    twin.bind(srv.me.id, srv.van.auth().unwrap().nonce());
+    let ctx = zmq::Context::new();
+    let rogue = ctx.socket(zmq::DEALER).unwrap();
+    rogue.set_linger(1000).unwrap();
+    rogue.connect(&format!("tcp://{}:{}", srv.me.host, srv.me.port)).unwrap();
+    let seeds = seeds();
+    let mut rng = Rng(0xACE);
+    let mut sent = 0u64;
+    for i in 0..3000 {
+        let (h, p) = &seeds[3 + i % (seeds.len() - 3)];
+        let Ok(mut m) = Meta::decode(h) else { continue };
+        m.sender = me.me.id;
+        if m.key.is_some() {
+            m.key = Some(k.clone());
+        }
+        let h = m.encode();
+        let frames = match i % 3 {
+            0 => vec![h.clone(), p.clone(), signer.sign(1, &h, p).unwrap()],
+            1 => vec![h.clone(), p.clone(), twin.sign(srv.me.id, &h, p).unwrap()],
+            _ => {
+                let mut f = vec![h.clone(), p.clone(), signer.sign(srv.me.id, &h, p).unwrap()];
+                let which = rng.below(3);
+                if f[which].is_empty() {
+                    f[2][0] ^= 1;
+                } else {
+                    let at = rng.below(f[which].len());
+                    f[which][at] ^= 1 << rng.below(8);
+                }
+                f
+            }
+        };
+        rogue.send_multipart(frames, 0).unwrap();
+        sent += 1;
+    }
+    let dropped = || srv.van.traffic.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while dropped() < sent {
+        assert!(std::time::Instant::now() < deadline, "{} of {sent} dropped", dropped());
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(dropped(), sent);
+    let mut out = vec![0f32; 40];
+    w.pull(&k, &mut [ArrayMut { shape: &[40], data: &mut out }]).unwrap();
+    assert_eq!(out, vec![1.0; 40]);
+    w.push(&k, &[Array { shape: &[40], data: Grad::F32(&[0.25; 40]) }]).unwrap();
     w.pull(&k, &mut [ArrayMut { shape: &[40], data: &mut out }]).unwrap();
     assert_eq!(out, vec![0.25; 40]);
     w.close();
