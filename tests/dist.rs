@@ -1260,3 +1260,34 @@ fn a_forged_malformed_response_is_dropped_and_the_real_one_counts() {
     assert_eq!(results[1].0, vec![3.0; 4]);
     assert_eq!(results[0].1, 2, "worker 0 dropped both forged responses");
 }
+
+/// A server held between its registration and serving (its thread made to
+/// wait where the race was: it used to serve before its id was set, and
+/// replies claimed to come from "node 0"): the worker's first requests wait
+/// for it and get exact values, all answered under the server's own id.
+#[test]
+fn a_server_held_after_registration_serves_under_its_own_id() {
+    use gradpack::dist::postoffice::{MakeHandler, NodeInfo, Postoffice, RequestHandler};
+    let port = free_port();
+    let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
+    let server = thread::spawn(move || {
+        let make: MakeHandler = Box::new(|me: &NodeInfo| -> RequestHandler {
+            thread::sleep(Duration::from_millis(1500));
+            let mut srv = gradpack::dist::server::Server::new(1, me.id);
+            Box::new(move |msg| srv.handle(msg))
+        });
+        let post = Postoffice::start(config(Role::Server, port, 1, 1), Some(make))?;
+        let r = post.customer.wait_until_over();
+        post.stop();
+        r
+    });
+    let w = DistWorker::start("dist_sync", config(Role::Worker, port, 1, 1)).unwrap();
+    let k = Key::Int(4);
+    w.init(&k, Array { shape: &[3], data: Grad::F32(&[1.0, 2.0, 3.0]) }).unwrap();
+    w.push(&k, &[Array { shape: &[3], data: Grad::F32(&[0.5; 3]) }]).unwrap();
+    assert_eq!(pull(&w, &k, &[3]), vec![0.5; 3]);
+    assert_eq!(w.dropped(), 0, "no reply came from another id");
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}
