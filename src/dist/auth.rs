@@ -137,7 +137,11 @@ pub struct Auth {
     windows: Mutex<HashMap<u64, Window>>,
 }
 
-fn mac(key: &Secret, job: &JobId, to: u64, nonce: u64, seq: u64, header: &[u8], payload: &[u8]) -> blake3::Hash {
+/// The MAC of a frame: keyed BLAKE3 over the job, the receiver, the sender's
+/// nonce and sequence number, the header, and the payload's BLAKE3 hash (a
+/// payload sent to several nodes is hashed once, `Payload::digest`; one pass,
+/// on one thread: on a busy node, threads only contend).
+fn mac(key: &Secret, job: &JobId, to: u64, nonce: u64, seq: u64, header: &[u8], payload: &[u8; 32]) -> blake3::Hash {
     let mut h = blake3::Hasher::new_keyed(&key.0);
     h.update(job);
     h.update(&to.to_le_bytes());
@@ -145,12 +149,13 @@ fn mac(key: &Secret, job: &JobId, to: u64, nonce: u64, seq: u64, header: &[u8], 
     h.update(&seq.to_le_bytes());
     h.update(&(header.len() as u64).to_le_bytes());
     h.update(header);
-    if payload.len() >= 1 << 17 {
-        h.update_rayon(payload);
-    } else {
-        h.update(payload);
-    }
+    h.update(payload);
     h.finalize()
+}
+
+/// The hash a MAC covers for `payload`.
+pub fn digest(payload: &[u8]) -> [u8; 32] {
+    *blake3::hash(payload).as_bytes()
 }
 
 /// 32 bytes no other process will make: the kernel's random bytes, with the
@@ -237,6 +242,11 @@ impl Auth {
     /// the job is known, only the scheduler can be addressed (nonce 0 until
     /// its challenge named it).
     pub fn sign(&self, to: i32, header: &[u8], payload: &[u8]) -> Result<Vec<u8>> {
+        self.sign_digest(to, header, &digest(payload))
+    }
+
+    /// As `sign`, given the payload's `digest`.
+    pub fn sign_digest(&self, to: i32, header: &[u8], payload: &[u8; 32]) -> Result<Vec<u8>> {
         let job = self.job();
         let to_nonce = match self.peers.read().unwrap_or_else(|p| p.into_inner()).nonce_of.get(&to) {
             Some(&n) => n,
@@ -249,10 +259,10 @@ impl Auth {
     /// The frame for a reply under `NO_JOB` to the process `to_nonce` (the
     /// scheduler's challenge to a registering node).
     pub fn sign_reply(&self, to_nonce: u64, header: &[u8], payload: &[u8]) -> Vec<u8> {
-        self.sign_for(&NO_JOB, to_nonce, header, payload)
+        self.sign_for(&NO_JOB, to_nonce, header, &digest(payload))
     }
 
-    fn sign_for(&self, job: &JobId, to: u64, header: &[u8], payload: &[u8]) -> Vec<u8> {
+    fn sign_for(&self, job: &JobId, to: u64, header: &[u8], payload: &[u8; 32]) -> Vec<u8> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let tag = mac(&self.key, job, to, self.nonce, seq, header, payload);
         let mut out = Vec::with_capacity(TAG_LEN);
@@ -274,10 +284,11 @@ impl Auth {
         let seq = u64::from_le_bytes(tag[8..16].try_into().unwrap());
         let got = blake3::Hash::from(<[u8; 32]>::try_from(&tag[16..]).unwrap());
         let job = self.job();
-        let in_job = job != NO_JOB && mac(&self.key, &job, self.nonce, nonce, seq, header, payload) == got;
+        let payload_digest = digest(payload);
+        let in_job = job != NO_JOB && mac(&self.key, &job, self.nonce, nonce, seq, header, &payload_digest) == got;
         let registration = !in_job
             && payload.is_empty()
-            && (mac(&self.key, &NO_JOB, self.nonce, nonce, seq, header, payload) == got || mac(&self.key, &NO_JOB, 0, nonce, seq, header, payload) == got);
+            && (mac(&self.key, &NO_JOB, self.nonce, nonce, seq, header, &payload_digest) == got || mac(&self.key, &NO_JOB, 0, nonce, seq, header, &payload_digest) == got);
         if !in_job && !registration {
             return Err(fail("the MAC does not match (another GRADPACK_SECRET; a frame for another node, another job or an earlier run of this one; or a forged or corrupted frame)"));
         }

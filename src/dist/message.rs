@@ -103,43 +103,53 @@ impl Meta {
 }
 
 /// A payload: bytes owned by ZeroMQ, moved without copies from the socket to
-/// the reader and from a `Vec` to the socket.
-pub struct Payload(zmq::Message);
+/// the reader and from a `Vec` to the socket. Its clones (the same bytes,
+/// copied) share one digest cell: a payload sent to several nodes is hashed
+/// for their MACs once (`auth`).
+pub struct Payload {
+    bytes: zmq::Message,
+    digest: std::sync::Arc<std::sync::OnceLock<[u8; 32]>>,
+}
 
 impl Payload {
     pub fn empty() -> Payload {
-        Payload(zmq::Message::new())
+        Payload::from(zmq::Message::new())
+    }
+
+    /// The BLAKE3 hash of the bytes, computed once for this payload and its clones.
+    pub fn digest(&self) -> &[u8; 32] {
+        self.digest.get_or_init(|| *blake3::hash(&self.bytes).as_bytes())
     }
 }
 
 impl std::ops::Deref for Payload {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.0
+        &self.bytes
     }
 }
 
 impl From<Vec<u8>> for Payload {
     fn from(v: Vec<u8>) -> Payload {
-        Payload(zmq::Message::from(v))
+        Payload::from(zmq::Message::from(v))
     }
 }
 
 impl From<zmq::Message> for Payload {
     fn from(m: zmq::Message) -> Payload {
-        Payload(m)
+        Payload { bytes: m, digest: Default::default() }
     }
 }
 
 impl From<Payload> for zmq::Message {
     fn from(p: Payload) -> zmq::Message {
-        p.0
+        p.bytes
     }
 }
 
 impl Clone for Payload {
     fn clone(&self) -> Payload {
-        Payload(zmq::Message::from(&self[..]))
+        Payload { bytes: zmq::Message::from(&self[..]), digest: self.digest.clone() }
     }
 }
 

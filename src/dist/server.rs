@@ -130,7 +130,7 @@ struct Slot {
     value_neg: Vec<u8>,
     value_counts: Option<(Thresholds, usize)>,
     /// The encoded pull payload of the current value, made on the first pull.
-    pull_cache: Option<(Vec<u8>, u16)>,
+    pull_cache: Option<(Payload, u16)>,
     /// Workers that pushed in the current sync round: (node id, request id).
     pushed: Vec<(i32, u64)>,
     /// Why the current sync round fails: a worker's push failed on the
@@ -185,7 +185,7 @@ fn closed_error(node: i32, key: &Key) -> Error {
     ))
 }
 
-fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
+fn response(to: &Meta, me: i32, result: Result<Payload>) -> (i32, Message) {
     let mut meta = Meta::new(Command::Response, me);
     meta.request_id = to.request_id;
     meta.key = to.key.clone();
@@ -196,14 +196,15 @@ fn response(to: &Meta, me: i32, result: Result<Vec<u8>>) -> (i32, Message) {
         Err(e) => {
             meta.status = -1;
             meta.body = e.to_string();
-            Vec::new()
+            Payload::empty()
         }
     };
-    (to.sender, Message { meta, data: Payload::from(data) })
+    (to.sender, Message { meta, data })
 }
 
-/// The same answer to every worker that waited on a round: (node id, request id).
-fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Vec<u8>>) -> Vec<(i32, Message)> {
+/// The same answer to every worker that waited on a round: (node id, request
+/// id); one payload, copied, whose digest is computed once.
+fn answer_all(meta: &Meta, me: i32, waiting: Vec<(i32, u64)>, result: Result<Payload>) -> Vec<(i32, Message)> {
     waiting
         .into_iter()
         .map(|(sender, request_id)| {
@@ -267,11 +268,11 @@ impl Server {
                 } else {
                     Err(Error::JobFailed(format!("server node {} holds no request {} of worker node {}: it was lost on the way", self.my_id, rid.map_or("(none)".to_string(), |r| r.to_string()), meta.sender)))
                 };
-                vec![response(&meta, self.my_id, result)]
+                vec![response(&meta, self.my_id, result.map(Payload::from))]
             }
             Command::Barrier => {
                 let mut replies = self.worker_in_barrier(meta.sender, meta.status as u64 + 1);
-                replies.push(response(&meta, self.my_id, Ok(Vec::new())));
+                replies.push(response(&meta, self.my_id, Ok(Payload::empty())));
                 replies
             }
             Command::Push => match self.push(msg) {
@@ -289,7 +290,7 @@ impl Server {
             }
             _ => {
                 let result = self.other(msg);
-                vec![response(&meta, self.my_id, result)]
+                vec![response(&meta, self.my_id, result.map(Payload::from))]
             }
         }
     }
@@ -387,14 +388,14 @@ impl Server {
     /// The value of a slice: lossless code counts when it is a counted sum,
     /// a scheme's summed codes when it is their decoded sum (made at the
     /// round's end), else float32; encoded once per value and copied for each puller.
-    fn pull(&mut self, meta: &Meta) -> Result<(Vec<u8>, u16)> {
+    fn pull(&mut self, meta: &Meta) -> Result<(Payload, u16)> {
         let key = Self::key_of(meta)?;
         self.slot(&key, meta)?;
         let slot = self.slots.get_mut(&(key.clone(), meta.offset)).unwrap();
         if slot.pull_cache.is_none() {
             slot.pull_cache = Some(match slot.value_counts {
-                Some((th, pushes)) if pushes <= 255 => (counts::encode(&slot.value_pos, &slot.value_neg, th, counts::bits_for(pushes)), Flag::CodeCounts.bit()),
-                _ => (f32s_to_bytes(&slot.value), 0),
+                Some((th, pushes)) if pushes <= 255 => (counts::encode(&slot.value_pos, &slot.value_neg, th, counts::bits_for(pushes)).into(), Flag::CodeCounts.bit()),
+                _ => (f32s_to_bytes(&slot.value).into(), 0),
             });
         }
         Ok(slot.pull_cache.clone().unwrap())
@@ -600,7 +601,7 @@ impl Server {
         };
         slot.round = Round::Empty;
         let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
-        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| Vec::new())))
+        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| Payload::empty())))
     }
 }
 
@@ -700,7 +701,7 @@ impl Server {
                     // rewritten whole by the next decode): pulls send what it
                     // was decoded from.
                     std::mem::swap(&mut slot.value, &mut slot.merge);
-                    slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers), Flag::SchemeValue.bit()));
+                    slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers).into(), Flag::SchemeValue.bit()));
                     Ok(())
                 }
             });
@@ -711,15 +712,15 @@ impl Server {
             // (when it is the decoded sum, with no optimizer), so the reply
             // to one slice's round travels while the next slice is pushed.
             let (payload, flags) = match (&compression, &slot.pull_cache) {
-                (Compression::PowerSgd { .. }, _) => (scheme::to_wire(&reduced), 0),
+                (Compression::PowerSgd { .. }, _) => (scheme::to_wire(&reduced).into(), 0),
                 (_, Some((value, flags))) if result.is_ok() && *flags == Flag::SchemeValue.bit() => (value.clone(), *flags),
-                _ => (Vec::new(), 0),
+                _ => (Payload::empty(), 0),
             };
             let mut replies = answer_all(&meta, self.my_id, waiting, result.map(|_| payload));
             replies.iter_mut().filter(|(_, r)| r.meta.status == 0).for_each(|(_, r)| r.meta.flags = flags);
             return Ok(replies);
         };
-        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| payload)))
+        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| Payload::from(payload))))
     }
 }
 

@@ -385,7 +385,7 @@ impl Van {
         let senders = self.senders.lock().unwrap();
         let socket = senders.get(&to).ok_or_else(|| Error::Transport(format!("no connection to node {to}")))?;
         // Signed under the lock, so one peer sees this node's sequence numbers in order.
-        let tag = self.auth.as_ref().map(|a| a.sign(to, &meta, &msg.data)).transpose()?;
+        let tag = self.auth.as_ref().map(|a| a.sign_digest(to, &meta, msg.data.digest())).transpose()?;
         socket.send(meta, zmq::SNDMORE).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
         let last = if tag.is_some() { zmq::SNDMORE } else { 0 };
         socket.send(zmq::Message::from(msg.data), last).map_err(|e| zmq_error(&format!("sending to node {to}"), e))?;
