@@ -82,12 +82,132 @@ def test_launcher_reports_a_failing_worker(tmp_path):
     assert re.search(r"worker [01] exited with status 3; stopping the job", out.stderr), out.stderr
 
 
-def start_node(role, port, workers, servers, argv=None, **env):
+def start_node(role, port, workers, servers, argv=None, preexec_fn=None, **env):
     full = dict(os.environ, DMLC_ROLE=role, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
                 DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers), PS_HEARTBEAT_INTERVAL="0.5",
                 PS_HEARTBEAT_TIMEOUT="3", **env)
     argv = argv or [sys.executable, "-m", "gradpack.node"]
-    return subprocess.Popen(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec_fn)
+
+
+ONE_ROUND_WORKER = """
+import numpy as np, gradpack
+kv = gradpack.kv.create('dist_sync')
+kv.init(0, np.zeros(8, np.float32))
+out = np.empty(8, np.float32)
+kv.pushpull(0, np.full(8, 0.5, np.float32), out=out)
+print('value', out[0], flush=True)
+kv.close()
+"""
+
+
+def test_idle_connections_before_registration_do_not_keep_the_job_from_starting(tmp_path):
+    """1,007 idle TCP connections to a scheduler that may open 1,024 files,
+    made before any node registers: it used to accept no node for good (and
+    spin). ZeroMQ now closes a connection that does not finish its handshake
+    within 5 s, and the job starts within 20 s and ends with exact values."""
+    import resource
+    import socket
+    from gradpack.launch import free_port
+    port = free_port()
+    secret = dict(GRADPACK_SECRET="idle-connections")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    sched = start_node("scheduler", port, 1, 1, preexec_fn=limit, **secret)
+    idle = []
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                break
+            except OSError:
+                assert time.time() < deadline, "the scheduler never listened"
+                time.sleep(0.1)
+        idle += [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(1006)]
+        script = tmp_path / "one_round.py"
+        script.write_text(ONE_ROUND_WORKER)
+        server = start_node("server", port, 1, 1, **secret)
+        worker = start_node("worker", port, 1, 1, [sys.executable, str(script)], **secret)
+        # Bounded by the handshake timeout (5 s), not ZeroMQ's default (30 s, which took 30 s here).
+        out, err = worker.communicate(timeout=20)
+        assert worker.returncode == 0, err[-3000:]
+        assert "value 0.5" in out, out
+        for p in (server, sched):
+            p.wait(timeout=30)
+            assert p.returncode == 0, p.stderr.read()[-3000:]
+    finally:
+        for s in idle:
+            s.close()
+        for p in (sched,) + tuple(v for k, v in locals().items() if k in ("server", "worker")):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def listening_ports(pid):
+    """The TCP ports process `pid` listens on (its sockets' inodes, found in /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.append(int(fields[1].split(":")[1], 16))
+    return ports
+
+
+def test_garbage_during_registration_is_logged_in_few_lines(tmp_path):
+    """Garbage sent to a node that is still registering used to be logged
+    line by line (867k lines in 5 s). Now at most 10 lines a second and one
+    line each second that counts the rest."""
+    import socket
+    from gradpack.launch import free_port
+    port = free_port()  # no scheduler there: the worker keeps registering
+    started = time.time()
+    worker = start_node("worker", port, 1, 1, [sys.executable, "-c", "import gradpack; gradpack.kv.create('dist_sync')"],
+                        GRADPACK_SECRET="registering")
+    try:
+        deadline = time.time() + 30
+        while not listening_ports(worker.pid):
+            assert time.time() < deadline and worker.poll() is None, "the worker never listened"
+            time.sleep(0.05)
+        (target,) = listening_ports(worker.pid)
+        # ZeroMQ's wire protocol (ZMTP 3.0) by hand, as a DEALER: greeting,
+        # READY, then messages of three one-byte frames.
+        s = socket.create_connection(("127.0.0.1", target), timeout=10)
+        s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+        greeting = b""
+        while len(greeting) < 64:
+            greeting += s.recv(64 - len(greeting))
+        ready = b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+        s.sendall(bytes([0x04, len(ready)]) + ready)
+        message = b"\x01\x01x\x01\x01y\x00\x01z" * 1000
+        sent, end = 0, time.time() + 4
+        while time.time() < end:
+            s.sendall(message)
+            sent += 1000
+        time.sleep(1.5)
+        s.close()
+        worker.kill()
+        seconds = time.time() - started
+        _, err = worker.communicate(timeout=30)
+        dropped = [l for l in err.splitlines() if "dropped" in l]
+        assert sent > 100000, sent
+        # 10 lines and a summary per second of its life, at most.
+        assert 0 < len(dropped) <= 11 * (int(seconds) + 2), "%d lines for %d messages in %.1f s" % (len(dropped), sent, seconds)
+        assert any("more messages" in l for l in dropped), dropped[-3:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 LOOPING_WORKER = """
