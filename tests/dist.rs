@@ -1291,3 +1291,44 @@ fn a_server_held_after_registration_serves_under_its_own_id() {
     sched.join().unwrap().unwrap();
     server.join().unwrap().unwrap();
 }
+
+/// A barrier message lost on the wire (here: worker 1's never sent) used to
+/// be waited for as long as heartbeats flowed. A worker says again that it is
+/// in the barrier after each heartbeat timeout, and the barrier passes; a
+/// release sent again (for a repeat of an old barrier message) is dropped,
+/// not taken for the next barrier's.
+#[test]
+fn a_lost_barrier_message_is_asked_again_and_a_repeated_release_is_ignored() {
+    use gradpack::dist::message::{Command, Message, Meta, Payload};
+    let results = two_workers(|rank, w| {
+        let post = w.postoffice();
+        let seen = post.customer.barriers_done();
+        let mut m = Meta::new(Command::Barrier, post.me.id);
+        m.status = seen as i32;
+        m.body = "state=same\n".into();
+        let send = || post.van.send(1, Message { meta: m.clone(), data: Payload::empty() }).unwrap();
+        let t = std::time::Instant::now();
+        if rank == 1 {
+            // The first message is lost: only the asks after each timeout (3 s) go out.
+            post.customer.wait_barrier(seen, Duration::from_secs(3), &send).unwrap();
+        } else {
+            post.barrier("state=same\n").unwrap();
+        }
+        let took = t.elapsed();
+        let before = w.dropped();
+        if rank == 1 {
+            send(); // a repeat of barrier 1's message: the scheduler sends its release again
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while w.dropped() == before {
+                assert!(std::time::Instant::now() < deadline, "the repeated release never came");
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+        // The next barrier is not released early by that repeat: both pass it together.
+        post.barrier("state=same\n").unwrap();
+        (took, w.dropped() - before, post.customer.barriers_done() - seen)
+    });
+    assert!(results[1].0 >= Duration::from_secs(3), "{:?}", results[1].0);
+    assert_eq!(results[1].1, 1, "worker 1 dropped the repeated release");
+    assert_eq!((results[0].2, results[1].2), (2, 2));
+}

@@ -187,18 +187,28 @@ impl Customer {
         self.state.lock().unwrap().barriers_done
     }
 
-    /// Ends the barrier a worker waits in: Ok, or failed with the scheduler's reason.
-    pub fn release_barrier(&self, failure: Option<String>) {
+    /// Ends barrier `number` (counted from 1): Ok, or failed with the
+    /// scheduler's reason. False (nothing happens) for another number: a
+    /// release sent again, or one for no barrier this worker is in.
+    pub fn release_barrier(&self, number: u64, failure: Option<String>) -> bool {
         let mut s = self.state.lock().unwrap();
-        s.barriers_done += 1;
+        if number != s.barriers_done + 1 {
+            return false;
+        }
+        s.barriers_done = number;
         s.barrier_failure = failure;
         drop(s);
         self.cond.notify_all();
+        true
     }
 
-    /// Waits until more than `seen` barriers have been released.
-    pub fn wait_barrier(&self, seen: u64) -> Result<()> {
+    /// Waits until more than `seen` barriers have been released; after each
+    /// `patience` without the release, `ask` says again that this worker is
+    /// in the barrier (a message lost either way would otherwise be waited
+    /// for as long as heartbeats flow).
+    pub fn wait_barrier(&self, seen: u64, patience: Duration, ask: &dyn Fn()) -> Result<()> {
         let mut s = self.state.lock().unwrap();
+        let mut since = Instant::now();
         loop {
             if let Some(reason) = &s.failure {
                 return Err(Error::JobFailed(reason.clone()));
@@ -212,7 +222,15 @@ impl Customer {
             if s.terminated {
                 return Err(Error::JobFailed("the job has ended".into()));
             }
-            s = self.cond.wait(s).unwrap();
+            let left = patience.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                drop(s);
+                ask();
+                s = self.state.lock().unwrap();
+                since = Instant::now();
+                continue;
+            }
+            s = self.cond.wait_timeout(s, left).unwrap().0;
         }
     }
 }

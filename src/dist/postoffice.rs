@@ -317,7 +317,12 @@ impl Postoffice {
             }
             match msg.meta.command {
                 Command::HeartbeatAck => {}
-                Command::BarrierDone => self.customer.release_barrier((msg.meta.status != 0).then(|| msg.meta.body.clone())),
+                Command::BarrierDone => {
+                    // `request_id`: the barrier's number; `status`: non-zero when it failed.
+                    if !self.customer.release_barrier(msg.meta.request_id, (msg.meta.status != 0).then(|| msg.meta.body.clone())) {
+                        self.van.traffic.drop_message(&self.who(), format_args!("the release of barrier {}, which this worker is not in", msg.meta.request_id));
+                    }
+                }
                 Command::NodeFailed => self.customer.fail(msg.meta.body.clone()),
                 Command::Terminate => self.customer.terminate(),
                 Command::Response => {
@@ -444,9 +449,15 @@ impl Postoffice {
         }
         let seen = self.customer.barriers_done();
         let mut m = Meta::new(Command::Barrier, self.me.id);
+        // As in a request, `status` counts the barriers passed: the scheduler
+        // knows which barrier this is, and a repeat of it.
+        m.status = seen.min(i32::MAX as u64) as i32;
         m.body = state.chars().take(4000).collect();
-        self.van.send(SCHEDULER_ID, message(m))?;
-        self.customer.wait_barrier(seen)
+        self.van.send(SCHEDULER_ID, message(m.clone()))?;
+        let again = || {
+            let _ = self.van.send(SCHEDULER_ID, message(m.clone()));
+        };
+        self.customer.wait_barrier(seen, self.config.heartbeat_timeout, &again)
     }
 
     /// Tells every server, then the scheduler, that this worker is finished:
@@ -545,8 +556,11 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
     let mut registered: Vec<NodeInfo> = Vec::new();
     let mut table: Option<Vec<NodeInfo>> = None;
     let mut last_seen: HashMap<i32, Instant> = HashMap::new();
-    // Workers in the barrier, with the state each reported.
+    // Workers in the barrier, with the state each reported; the barriers
+    // completed, and how the last one ended (for a worker that asks again).
     let mut at_barrier: Vec<(i32, String)> = Vec::new();
+    let mut released: u64 = 0;
+    let mut last_release: Option<String> = None;
     let mut done: Vec<i32> = Vec::new();
     loop {
         van.traffic.flush_log("scheduler");
@@ -685,27 +699,30 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
                 }
             }
             Command::Barrier => {
+                let passed = msg.meta.status.max(0) as u64;
+                if passed + 1 == released {
+                    // It asks again after the release: that release was lost.
+                    let _ = van.send(msg.meta.sender, barrier_done(released, last_release.as_deref()));
+                    continue;
+                }
+                if passed != released {
+                    van.traffic.drop_message("scheduler", format_args!("a Barrier from node {} that has passed {passed} barriers, of {released}", msg.meta.sender));
+                    continue;
+                }
                 if !at_barrier.iter().any(|(id, _)| *id == msg.meta.sender) {
                     at_barrier.push((msg.meta.sender, msg.meta.body.clone()));
                 }
                 let nodes = table.as_deref().unwrap_or_default();
                 let failure = if let Some(gone) = done.iter().find(|d| !at_barrier.iter().any(|(id, _)| id == *d)) {
-                    Some(format!("{} closed its store while other workers wait in a barrier it will never reach", describe(nodes, *gone)))
+                    Some(closed_in_barrier(nodes, *gone))
                 } else if at_barrier.len() == config.num_workers {
                     disagreement(nodes, &at_barrier)
                 } else {
                     continue;
                 };
-                if let Some(why) = &failure {
-                    eprintln!("[gradpack scheduler] a barrier failed: {why}");
-                }
-                for (id, _) in at_barrier.drain(..) {
-                    let mut m = Meta::new(Command::BarrierDone, SCHEDULER_ID);
-                    if let Some(why) = &failure {
-                        (m.status, m.body) = (1, why.clone());
-                    }
-                    let _ = van.send(id, message(m));
-                }
+                released += 1;
+                last_release = failure;
+                release_barrier(van, &mut at_barrier, released, last_release.as_deref());
             }
             Command::NodeFailed => {
                 // A node reports that it can no longer serve: the job ends, everywhere, with its reason.
@@ -726,13 +743,9 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
                 }
                 // Workers waiting in a barrier this one never reached: it will not come.
                 if !at_barrier.is_empty() && !at_barrier.iter().any(|(id, _)| *id == msg.meta.sender) {
-                    let why = format!("{} closed its store while other workers wait in a barrier it will never reach", describe(table.as_deref().unwrap_or_default(), msg.meta.sender));
-                    eprintln!("[gradpack scheduler] a barrier failed: {why}");
-                    for (id, _) in at_barrier.drain(..) {
-                        let mut m = Meta::new(Command::BarrierDone, SCHEDULER_ID);
-                        (m.status, m.body) = (1, why.clone());
-                        let _ = van.send(id, message(m));
-                    }
+                    released += 1;
+                    last_release = Some(closed_in_barrier(table.as_deref().unwrap_or_default(), msg.meta.sender));
+                    release_barrier(van, &mut at_barrier, released, last_release.as_deref());
                 }
                 if done.len() == config.num_workers {
                     if let Some(nodes) = &table {
@@ -747,6 +760,30 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
             other => van.traffic.drop_message("scheduler", format_args!("an unexpected {other:?} message from node {}", msg.meta.sender)),
         }
     }
+}
+
+/// The release of barrier `number`: Ok, or failed for `failure`.
+fn barrier_done(number: u64, failure: Option<&str>) -> Message {
+    let mut m = Meta::new(Command::BarrierDone, SCHEDULER_ID);
+    m.request_id = number;
+    if let Some(why) = failure {
+        (m.status, m.body) = (1, why.to_string());
+    }
+    message(m)
+}
+
+/// Releases every worker in the barrier, each with the same result.
+fn release_barrier(van: &Van, at_barrier: &mut Vec<(i32, String)>, number: u64, failure: Option<&str>) {
+    if let Some(why) = failure {
+        eprintln!("[gradpack scheduler] barrier {number} failed: {why}");
+    }
+    for (id, _) in at_barrier.drain(..) {
+        let _ = van.send(id, barrier_done(number, failure));
+    }
+}
+
+fn closed_in_barrier(nodes: &[NodeInfo], gone: i32) -> String {
+    format!("{} closed its store while other workers wait in a barrier it will never reach", describe(nodes, gone))
 }
 
 fn describe(nodes: &[NodeInfo], id: i32) -> String {
