@@ -240,7 +240,7 @@ pub enum Answer {
 pub struct Receiver {
     socket: zmq::Socket,
     /// The connection the last message came from, for `refuse_last`.
-    last_peer: std::cell::RefCell<Vec<u8>>,
+    last_peer: std::cell::RefCell<zmq::Message>,
     /// The nonce that signed it, for `reply_last`.
     last_nonce: std::cell::Cell<u64>,
     /// Refusal notices sent this second: (when the second began, how many).
@@ -343,7 +343,7 @@ impl Van {
             .map_err(|e| zmq_error("reading the bound endpoint", e))?
             .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
         let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
-        Ok((Receiver { socket, last_peer: Default::default(), last_nonce: Default::default(), notices: std::cell::Cell::new((std::time::Instant::now(), 0)) }, port))
+        Ok((Receiver { socket, last_peer: std::cell::RefCell::new(zmq::Message::new()), last_nonce: Default::default(), notices: std::cell::Cell::new((std::time::Instant::now(), 0)) }, port))
     }
 
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
@@ -402,14 +402,30 @@ impl Receiver {
     /// `Ok(Some(Err(_)))`: something arrived that is not a valid message (the
     /// caller logs it and goes on). `Err(_)`: the socket itself failed.
     pub fn recv(&self, timeout: Duration, van: &Van) -> Result<Option<Result<(Message, Origin)>>> {
-        let ready = self.socket.poll(zmq::POLLIN, timeout.as_millis().min(i64::MAX as u128) as i64).map_err(|e| zmq_error("polling", e))?;
-        if ready == 0 {
-            return Ok(None);
-        }
+        // A message already queued is taken without a poll (one system call
+        // fewer a message, which a flood of garbage would multiply).
+        let first = match self.socket.recv_msg(zmq::DONTWAIT) {
+            Ok(frame) => Some(frame),
+            Err(zmq::Error::EAGAIN) => None,
+            Err(e) => return Err(zmq_error("receiving", e)),
+        };
+        let mut first = match first {
+            Some(frame) => Some(frame),
+            None => {
+                let ready = self.socket.poll(zmq::POLLIN, timeout.as_millis().min(i64::MAX as u128) as i64).map_err(|e| zmq_error("polling", e))?;
+                if ready == 0 {
+                    return Ok(None);
+                }
+                None
+            }
+        };
         // Frames stay in ZeroMQ's buffers: no copy of the payload.
         let mut frames = Vec::with_capacity(4);
         loop {
-            let frame = self.socket.recv_msg(0).map_err(|e| zmq_error("receiving", e))?;
+            let frame = match first.take() {
+                Some(frame) => frame,
+                None => self.socket.recv_msg(0).map_err(|e| zmq_error("receiving", e))?,
+            };
             let more = frame.get_more();
             // A message of more frames than any valid one is read to its end, keeping few.
             if frames.len() < 5 {
@@ -420,7 +436,6 @@ impl Receiver {
             }
         }
         van.traffic.received.fetch_add(frames.iter().skip(1).map(|f| f.len() as u64).sum(), Ordering::Relaxed);
-        *self.last_peer.borrow_mut() = frames[0].to_vec();
         // ROUTER prepends the peer's identity frame; then header, payload and,
         // with a secret, the authentication frame.
         let want = if van.auth.is_some() { 4 } else { 3 };
@@ -451,6 +466,7 @@ impl Receiver {
             Err(e) => return Ok(Some(Err(e))),
         };
         self.last_nonce.set(origin.nonce);
+        *self.last_peer.borrow_mut() = std::mem::replace(&mut frames[0], zmq::Message::new());
         Ok(Some(Ok((Message { meta, data: data.into() }, origin))))
     }
 
@@ -459,7 +475,7 @@ impl Receiver {
     /// scheduler's challenge to a registering node).
     pub fn reply_last(&self, van: &Van, msg: Message) -> Result<()> {
         let header = msg.meta.encode();
-        let mut frames: Vec<Vec<u8>> = vec![self.last_peer.borrow().clone(), header, msg.data.to_vec()];
+        let mut frames: Vec<Vec<u8>> = vec![self.last_peer.borrow().to_vec(), header, msg.data.to_vec()];
         if let Some(auth) = &van.auth {
             frames.push(auth.sign_reply(self.last_nonce.get(), &frames[1], &frames[2]));
         }
