@@ -1332,3 +1332,54 @@ fn a_lost_barrier_message_is_asked_again_and_a_repeated_release_is_ignored() {
     assert_eq!(results[1].1, 1, "worker 1 dropped the repeated release");
     assert_eq!((results[0].2, results[1].2), (2, 2));
 }
+
+/// Established TCP connections to local `port` (the kernel's IPv4 table).
+fn established_to(port: u16) -> usize {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    text.lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[3] == "01" && f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port)
+        })
+        .count()
+}
+
+/// 60 ZeroMQ connections from one address to a server, each finishing its
+/// handshake and then idle: each used to hold a connection (and a file) for
+/// good. The server's gate refuses those past its cap for the address (22 in
+/// a job of 3 nodes), the kernel's count of connections to its port stays
+/// there, and the job's own connections keep working with exact values.
+#[test]
+fn a_node_caps_the_connections_one_address_holds() {
+    let (sched, server, post, w) = one_server_job_with(Some(Secret::new(b"capped").unwrap()));
+    let k = Key::Int(8);
+    w.init(&k, Array { shape: &[4], data: Grad::F32(&[1.0; 4]) }).unwrap();
+    let port = post.me.port;
+    let before = established_to(port);
+    let ctx = zmq::Context::new();
+    let idle: Vec<zmq::Socket> = (0..60)
+        .map(|_| {
+            let s = ctx.socket(zmq::DEALER).unwrap();
+            s.set_linger(0).unwrap();
+            s.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            s
+        })
+        .collect();
+    let cap = gradpack::dist::gate::Caps::for_job(3).per_address;
+    let mut most = 0;
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_secs(3) {
+        most = most.max(established_to(port));
+        thread::sleep(Duration::from_millis(50));
+    }
+    let settled = established_to(port);
+    eprintln!("connections to the server: {before} before, {settled} with 60 more asked for (at most {most} seen); cap {cap}");
+    assert!(settled <= cap + 4, "{settled} connections to the server's port, cap {cap}");
+    w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[0.5; 4]) }]).unwrap();
+    assert_eq!(pull(&w, &k, &[4]), vec![0.5; 4]);
+    drop(idle);
+    w.close();
+    sched.join().unwrap().unwrap();
+    server.join().unwrap().unwrap();
+}

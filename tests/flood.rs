@@ -40,7 +40,7 @@ fn config(role: Role, port: u16) -> Config {
 }
 
 /// A ZeroMQ (ZMTP 3.0) connection made by hand: greeting and READY as a
-/// DEALER, then whatever frames the caller writes.
+/// DEALER, the node's READY read, then whatever frames the caller writes.
 fn zmtp(host: &str, port: u16) -> TcpStream {
     let mut s = TcpStream::connect((host, port)).unwrap();
     let mut greeting = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0x7F, 3, 0];
@@ -57,6 +57,12 @@ fn zmtp(host: &str, port: u16) -> TcpStream {
     ready.extend(b"DEALER");
     s.write_all(&[0x04, ready.len() as u8]).unwrap();
     s.write_all(&ready).unwrap();
+    // The node's READY (a short command) once its gate admitted the connection.
+    let mut head = [0u8; 2];
+    s.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; head[1] as usize];
+    s.read_exact(&mut body).unwrap();
+    assert!(body.starts_with(b"\x05READY"), "{body:?}");
     s
 }
 

@@ -189,6 +189,13 @@ def test_garbage_during_registration_is_logged_in_few_lines(tmp_path):
             greeting += s.recv(64 - len(greeting))
         ready = b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
         s.sendall(bytes([0x04, len(ready)]) + ready)
+        head = b""  # the node's READY (a short command: flags, size, body), then messages
+        while len(head) < 2:
+            head += s.recv(2 - len(head))
+        body = b""
+        while len(body) < head[1]:
+            body += s.recv(head[1] - len(body))
+        assert body.startswith(b"\x05READY"), body
         message = b"\x01\x01x\x01\x01y\x00\x01z" * 1000
         sent, end = 0, time.time() + 4
         while time.time() < end:

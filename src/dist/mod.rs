@@ -9,6 +9,7 @@ pub mod auth;
 pub mod config;
 pub mod counts;
 pub mod customer;
+pub mod gate;
 pub mod message;
 pub mod postoffice;
 pub mod protocol;

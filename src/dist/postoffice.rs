@@ -85,7 +85,8 @@ impl Postoffice {
         debug_assert!(config.role != Role::Scheduler);
         let van = Arc::new(Van::new(config.secret.clone()));
         let host = config.node_host.clone().unwrap_or_else(|| local_address_towards(&config.root_uri, config.root_port));
-        let (receiver, port) = van.bind(&host, 0, config.max_message_bytes)?;
+        let caps = super::gate::Caps::for_job(config.num_workers + config.num_servers + 1);
+        let (receiver, port) = van.bind(&host, 0, config.max_message_bytes, caps)?;
         let mut scheduler_link = van.connect_watched(SCHEDULER_ID, &config.root_uri, config.root_port)?;
         let register = |van: &Van| {
             let mut reg = Meta::new(Command::Register, 0);
@@ -533,7 +534,8 @@ impl Scheduler {
     pub fn bind(config: Config) -> Result<Scheduler> {
         let van = Arc::new(Van::new(config.secret.clone()));
         let control = super::config::CONTROL_MESSAGE_BYTES;
-        let (receiver, _) = van.bind(&config.root_uri, config.root_port, control).or_else(|_| van.bind("0.0.0.0", config.root_port, control))?;
+        let caps = super::gate::Caps::for_job(config.num_workers + config.num_servers + 1);
+        let (receiver, _) = van.bind(&config.root_uri, config.root_port, control, caps).or_else(|_| van.bind("0.0.0.0", config.root_port, control, caps))?;
         if let Some(auth) = van.auth() {
             auth.start_job();
         }

@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::auth::{Auth, Origin, Secret};
+use super::gate::{self, Caps, Gate};
 use super::message::{Message, Meta};
 use crate::error::{Error, Result};
 
@@ -227,6 +228,8 @@ pub struct Van {
     pub traffic: Traffic,
     /// With a job secret: signs what this node sends, checks what it receives.
     auth: Option<Auth>,
+    /// The gate of the receiving socket (`gate`).
+    gates: Mutex<Vec<Gate>>,
 }
 
 /// What came back on a connection this node opened (`Van::answer_from`).
@@ -280,7 +283,7 @@ impl Van {
                 )
             });
         }
-        Van { ctx, senders: Mutex::default(), traffic: Traffic::default(), auth: secret.map(Auth::new) }
+        Van { ctx, senders: Mutex::default(), traffic: Traffic::default(), auth: secret.map(Auth::new), gates: Mutex::default() }
     }
 
     /// What the node `id` sent back on this node's connection to it, if
@@ -329,9 +332,14 @@ impl Van {
     /// before buffering it; at most `RECEIVE_QUEUE` messages wait per
     /// connection (then ZeroMQ stops reading it: the sender waits); a
     /// connection that does not finish ZeroMQ's handshake in
-    /// `HANDSHAKE_TIMEOUT` is closed.
-    pub fn bind(&self, host: &str, port: u16, max_frame: usize) -> Result<(Receiver, u16)> {
+    /// `HANDSHAKE_TIMEOUT` is closed; the gate refuses connections past `caps`.
+    pub fn bind(&self, host: &str, port: u16, max_frame: usize, caps: Caps) -> Result<(Receiver, u16)> {
+        let mut gates = self.gates.lock().unwrap();
+        if gates.is_empty() {
+            gates.push(Gate::start(&self.ctx, caps)?);
+        }
         let socket = self.ctx.socket(zmq::ROUTER).map_err(|e| zmq_error("creating a socket", e))?;
+        socket.set_zap_domain(gate::DOMAIN).map_err(|e| zmq_error("setting the ZAP domain", e))?;
         socket.set_linger(0).map_err(|e| zmq_error("setting linger", e))?;
         socket.set_rcvhwm(RECEIVE_QUEUE).map_err(|e| zmq_error("setting the receive high-water mark", e))?;
         socket.set_maxmsgsize(max_frame.min(i64::MAX as usize) as i64).map_err(|e| zmq_error("setting the largest message", e))?;
@@ -343,6 +351,7 @@ impl Van {
             .map_err(|e| zmq_error("reading the bound endpoint", e))?
             .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
         let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
+        gates[0].guard(port);
         Ok((Receiver { socket, last_peer: std::cell::RefCell::new(zmq::Message::new()), last_nonce: Default::default(), notices: std::cell::Cell::new((std::time::Instant::now(), 0)) }, port))
     }
 
