@@ -1,5 +1,6 @@
 //! The distributed KVStore (SPEC §3 dist, §4 launch), in ps-lite's layers, one
-//! file each, each knowing only the one below: `van` (ZeroMQ transport) ->
+//! file each, each knowing only the one below: `van` (ZeroMQ transport, with
+//! `auth` for MACs and `gate` for admitting connections) ->
 //! `postoffice` (membership: scheduler, ranks, barrier, heartbeats) and
 //! `customer` (request tracking) -> `worker` and `server`, which speak the
 //! vocabulary of `protocol` (flags, exchanges). `config` reads every setting
