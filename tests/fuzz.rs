@@ -251,16 +251,15 @@ fn a_server_survives_100k_mutated_requests() {
     assert!(handled >= 100_000, "{handled} requests reached the handler");
 }
 
-/// The same over real sockets: 10k mutated frames to a live server of a job
-/// without a secret (with one, each would be dropped at its MAC), after which
-/// the job's own worker gets exact values and the job ends 0.
-#[test]
-fn a_live_server_survives_mutated_frames() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let config = |role| Config {
+/// A port free on loopback now.
+fn loopback_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A node of a one-worker, one-server job on loopback at `port`.
+fn live_config(role: Role, port: u16, secret: Option<gradpack::dist::auth::Secret>) -> Config {
+    Config {
         role,
         root_uri: "127.0.0.1".into(),
         root_port: port,
@@ -273,8 +272,17 @@ fn a_live_server_survives_mutated_frames() {
         bigarray_bound: 1000,
         partition_bytes: 4 << 20,
         max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
-        secret: None,
-    };
+        secret,
+    }
+}
+
+/// The same over real sockets: 10k mutated frames to a live server of a job
+/// without a secret (with one, each would be dropped at its MAC), after which
+/// the job's own worker gets exact values and the job ends 0.
+#[test]
+fn a_live_server_survives_mutated_frames() {
+    let port = loopback_port();
+    let config = |role| live_config(role, port, None);
     let sched = { let c = config(Role::Scheduler); thread::spawn(move || serve(c)) };
     let server = { let c = config(Role::Server); thread::spawn(move || serve(c)) };
     let w = DistWorker::start("dist_sync", config(Role::Worker)).unwrap();
@@ -328,26 +336,9 @@ fn a_live_server_survives_mutated_frames() {
 #[test]
 fn genuine_frames_with_another_destination_or_job_are_dropped() {
     use gradpack::dist::auth::{Auth, Secret};
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = loopback_port();
     let secret = Secret::new(b"fuzz").unwrap();
-    let config = |role| Config {
-        role,
-        root_uri: "127.0.0.1".into(),
-        root_port: port,
-        num_workers: 1,
-        num_servers: 1,
-        node_host: Some("127.0.0.1".into()),
-        heartbeat_interval: Duration::from_millis(200),
-        heartbeat_timeout: Duration::from_secs(10),
-        verbose: 0,
-        bigarray_bound: 1000,
-        partition_bytes: 4 << 20,
-        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
-        secret: Some(secret.clone()),
-    };
+    let config = |role| live_config(role, port, Some(secret.clone()));
     let sched = { let c = config(Role::Scheduler); thread::spawn(move || serve(c)) };
     let (tx, rx) = std::sync::mpsc::channel();
     let server = {
