@@ -429,23 +429,7 @@ impl Server {
         if !self.closed.contains(&node) {
             self.closed.push(node);
         }
-        let mut replies = Vec::new();
-        for ((key, _), slot) in self.slots.iter_mut() {
-            // A request of this slot, as the waiting pushes were (answer_all sets sender and id).
-            let mut meta = Meta::new(Command::Push, 0);
-            (meta.key, meta.offset, meta.len) = (Some(key.clone()), slot.offset, slot.value.len() as u64);
-            if !slot.pushed.is_empty() && !slot.pushed.iter().any(|(s, _)| *s == node) {
-                let waiting: Vec<_> = slot.pushed.drain(..).collect();
-                slot.round = Round::Empty;
-                replies.extend(answer_all(&meta, self.my_id, waiting, Err(closed_error(node, key))));
-            }
-            if !slot.scheme.waiting.is_empty() && !slot.scheme.waiting.iter().any(|(s, _)| *s == node) {
-                let waiting: Vec<_> = slot.scheme.waiting.drain(..).collect();
-                slot.scheme.acc = None;
-                replies.extend(answer_all(&meta, self.my_id, waiting, Err(closed_error(node, key))));
-            }
-        }
-        replies
+        self.fail_rounds_without(node, |key| closed_error(node, key))
     }
 
     /// Worker `node` entered barrier `number`: a sync round that waits for it
@@ -454,22 +438,28 @@ impl Server {
     /// workers.
     fn worker_in_barrier(&mut self, node: i32, number: u64) -> Vec<(i32, Message)> {
         self.in_barrier.insert(node, number);
+        self.fail_rounds_without(node, |key| barrier_error(node, number, key))
+    }
+
+    /// Ends every sync round (plain, 2-bit or a scheme's exchange) that
+    /// workers wait in and `node` has not joined, answering them `why(key)`.
+    fn fail_rounds_without(&mut self, node: i32, why: impl Fn(&Key) -> Error) -> Vec<(i32, Message)> {
         let mut replies = Vec::new();
         for ((key, _), slot) in self.slots.iter_mut() {
+            // A request of this slot, as the waiting pushes were (answer_all sets sender and id).
             let mut meta = Meta::new(Command::Push, 0);
             (meta.key, meta.offset, meta.len) = (Some(key.clone()), slot.offset, slot.value.len() as u64);
-            let why = || Err(barrier_error(node, number, key));
             if !slot.pushed.is_empty() && !slot.pushed.iter().any(|(s, _)| *s == node) {
                 let waiting: Vec<_> = slot.pushed.drain(..).collect();
                 slot.round = Round::Empty;
                 slot.aborted = None;
-                replies.extend(answer_all(&meta, self.my_id, waiting, why()));
+                replies.extend(answer_all(&meta, self.my_id, waiting, Err(why(key))));
             }
             if !slot.scheme.waiting.is_empty() && !slot.scheme.waiting.iter().any(|(s, _)| *s == node) {
                 let waiting: Vec<_> = slot.scheme.waiting.drain(..).collect();
                 slot.scheme.acc = None;
                 slot.scheme.aborted = None;
-                replies.extend(answer_all(&meta, self.my_id, waiting, why()));
+                replies.extend(answer_all(&meta, self.my_id, waiting, Err(why(key))));
             }
         }
         replies
