@@ -26,18 +26,19 @@ fn main() {
             }
         }
         // lib_api.h is MXNet's code, compiled as shipped: silence its unused parameters.
-        build.include(mxnet.join("include")).flag_if_supported("-Wno-unused-parameter").file("cpp/mxnet_ops.cc").file(&source);
-        // MXNet dlopens the library and calls lib_api.cc's extern "C" entry points.
-        // Rust's cdylib exports only Rust symbols, so list these in a second
-        // version script and force them out of the static archive.
+        build.include(mxnet.join("include")).flag_if_supported("-Wno-unused-parameter").flag_if_supported("-Wno-deprecated-copy").flag_if_supported("-Wno-deprecated-copy-with-user-provided-copy").file("cpp/mxnet_ops.cc").file(&source);
+        // MXNet dlopens the library and looks up lib_api.cc's extern "C" entry
+        // points by name. A Rust cdylib exports only its own symbols (through
+        // the version script rustc gives the linker; a second script is merged
+        // differently by GNU ld and LLD, which then exported every C++ symbol),
+        // so lib_api.cc's entry points are compiled as gpmx_<name>, and Rust
+        // exports <name> as a jump to each (src/capi/mxnet_exports.rs).
         let symbols = lib_api_exports(&std::fs::read_to_string(&header).unwrap());
-        let out = PathBuf::from(env::var("OUT_DIR").unwrap());
-        let map = out.join("mxnet_exports.map");
-        std::fs::write(&map, format!("{{ global: {}; }};\n", symbols.join("; "))).unwrap();
-        println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", map.display());
         for s in &symbols {
-            println!("cargo:rustc-cdylib-link-arg=-Wl,--undefined={s}");
+            build.define(s, format!("gpmx_{s}").as_str());
         }
+        let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+        std::fs::write(out.join("mxnet_exports.rs"), mxnet_trampolines(&symbols)).unwrap();
     }
     build.compile("gradpack_cxx");
 }
@@ -55,6 +56,24 @@ fn mxnet_dir() -> PathBuf {
         panic!("feature `mxnet`: {python} cannot find the mxnet package; install mxnet==1.9.1 or set GRADPACK_MXNET_DIR");
     }
     PathBuf::from(dir)
+}
+
+/// The Rust side of each exported entry point: a function named as MXNet
+/// looks it up that only jumps to lib_api.cc's, leaving every argument
+/// register and the stack as MXNet set them, so the C signature is not
+/// restated here.
+fn mxnet_trampolines(symbols: &[String]) -> String {
+    let mut code = String::new();
+    for s in symbols {
+        code += &format!(
+            "unsafe extern \"C\" {{\n    fn gpmx_{s}();\n}}\n\
+             /// lib_api.cc's `{s}` (compiled as `gpmx_{s}`), for MXNet's dlsym.\n\
+             ///\n/// # Safety\n/// Callers follow MXNet's lib_api contract for `{s}`; this jump adds no requirement of its own.\n\
+             #[unsafe(no_mangle)]\n#[unsafe(naked)]\npub unsafe extern \"C\" fn {s}() {{\n    \
+             core::arch::naked_asm!(\"jmp {{0}}\", sym gpmx_{s})\n}}\n"
+        );
+    }
+    code
 }
 
 /// Names of the extern "C" functions lib_api.h declares with MX_INT_RET /

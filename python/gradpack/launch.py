@@ -3,8 +3,9 @@
     python -m gradpack.launch -n 2 -s 2 python train.py --epochs 3
 
 starts a scheduler, the servers (``python -m gradpack.node``) and the workers
-(your command), each with MXNet's DMLC_* variables, and returns non-zero on
-failure. ``--launcher ssh -H hostfile`` starts servers and workers
+(your command), each with MXNet's DMLC_* variables and GRADPACK_SERVE_ROLES=1
+(unless set otherwise: the start-up hook, gradpack/_startup.py), and returns
+non-zero on failure. ``--launcher ssh -H hostfile`` starts servers and workers
 round-robin on the hosts listed (one per line) over ssh; the scheduler runs
 here.
 
@@ -410,6 +411,9 @@ def main(argv=None):
             "DMLC_NUM_WORKER": str(args.num_workers), "DMLC_NUM_SERVER": str(args.num_servers)}
     if args.interface:
         dmlc["DMLC_INTERFACE"] = args.interface
+    # The start-up hook (gradpack/_startup.py): a command that runs one script
+    # for every role still serves the scheduler and servers with gradpack.
+    dmlc["GRADPACK_SERVE_ROLES"] = os.environ.get("GRADPACK_SERVE_ROLES", "1")
     dmlc.update(e.split("=", 1) for e in args.env)
     secret = job_secret(os.environ)
     node = [sys.executable, "-m", "gradpack.node"]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mxnet_required import mxnet
 
 mxnet()
@@ -19,7 +21,7 @@ SCRIPT = os.path.join(HERE, "dist_scripts", "mxnet_launch_contract.py")
 from gradpack.launch import free_port  # below the ephemeral range: no node of the job takes it first
 
 
-def start_the_mxnet_way(order, out_dir, workers=2, servers=1, **env):
+def start_the_mxnet_way(order, out_dir, workers=2, servers=1, compression="2bit", **env):
     """One process per role, all running SCRIPT, as MXNet's local tracker starts them."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_"))}
     base.update(DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()), DMLC_NUM_WORKER=str(workers),
@@ -28,7 +30,7 @@ def start_the_mxnet_way(order, out_dir, workers=2, servers=1, **env):
     for role, count in (("scheduler", 1), ("server", servers), ("worker", workers)):
         for i in range(count):
             procs["%s%d" % (role, i)] = subprocess.Popen(
-                [sys.executable, SCRIPT, order], env=dict(base, DMLC_ROLE=role),
+                [sys.executable, SCRIPT, order, compression], env=dict(base, DMLC_ROLE=role),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return procs
 
@@ -81,3 +83,63 @@ def test_mxnet_first_makes_gradpack_workers_fail_fast_saying_what_to_change(tmp_
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def processes_of(out_dir):
+    """PIDs of live processes whose environment names this test's out_dir."""
+    marker = ("GRADPACK_TEST_OUT=%s" % out_dir).encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open("/proc/%s/environ" % pid, "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        found.append(int(pid))
+            except OSError:
+                pass  # it ended, or it is not ours to read
+    return found
+
+
+def qsgd_on_a_device_store():
+    """What the qsgd_mn run must pull: a device store with the two workers'
+    gradients as its two devices gives the same bits (README)."""
+    import numpy as np
+    import gradpack.kv
+    kv = gradpack.kv.create("device")
+    kv.set_compress({"compress": "qsgd_mn", "bits": 2, "seed": 1})
+    kv.init(3, np.ones(4, np.float32))
+    seen = []
+    for step in range(4):
+        g = [np.array([0.3, -0.1, 0.05, 0.2], np.float32) * (step + 1) * (rank + 1) for rank in range(2)]
+        kv.push(3, g)
+        out = np.zeros(4, np.float32)
+        kv.pull(3, out=out)
+        seen.append(out.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("compression", ["2bit", "qsgd_mn"])
+def test_mxnet_first_is_served_by_gradpack_with_the_startup_hook(tmp_path, compression):
+    """GRADPACK_SERVE_ROLES=1 in the launcher's environment: the same
+    mxnet-first script, unchanged, now gets gradpack's scheduler and server
+    (the start-up hook serves before the script runs); exact values, every
+    process exits 0 and none is left."""
+    procs = start_the_mxnet_way("mxnet-first", tmp_path, compression=compression, GRADPACK_SERVE_ROLES="1",
+                                PS_HEARTBEAT_TIMEOUT="20")
+    results = finish(procs, timeout=240)
+    for name, (code, err) in results.items():
+        assert code == 0, (name, err[-3000:])
+    if compression == "2bit":
+        expected = [[0.0] * 4, [1.0] * 4, [0.0] * 4, [1.0] * 4]  # as in the gradpack-first test above
+    else:
+        expected = qsgd_on_a_device_store()
+        assert expected[0] != expected[1]  # the steps differ: a real comparison
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        assert res["pulled"] == expected, (res, expected)
+        assert res["type"] == "GradpackStore"
+    deadline = time.monotonic() + 10
+    while processes_of(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(tmp_path) == []

@@ -7,6 +7,15 @@ mod codec;
 mod cuda;
 mod group;
 mod kvstore;
+/// The MXNet operator library's entry points (feature `mxnet`), exported under
+/// the names MXNet looks up; build.rs writes one jump per name in lib_api.h.
+#[cfg(feature = "mxnet")]
+#[allow(non_snake_case)]
+mod mxnet_exports {
+    #[cfg(not(target_arch = "x86_64"))]
+    compile_error!("feature `mxnet`: the entry-point jumps are written for x86_64, the only arch of MXNet 1.9.1's wheels");
+    include!(concat!(env!("OUT_DIR"), "/mxnet_exports.rs"));
+}
 
 pub use codec::*;
 pub use cuda::*;

@@ -132,8 +132,9 @@ impl Postoffice {
                     "nothing accepted a connection at the scheduler's address {}:{} for {:?}: the scheduler is not \
                      running, or it died. Under MXNet's tools/launch.py, a script that imports mxnet before \
                      gradpack.mxnet gives the scheduler role to MXNet's own ps-lite, which aborts when a gradpack \
-                     worker registers: import gradpack.mxnet before mxnet (then gradpack serves the scheduler and \
-                     server roles), or start the job with python -m gradpack.launch",
+                     worker registers: set GRADPACK_SERVE_ROLES=1 in the launcher's environment, or import gradpack.mxnet \
+                     before mxnet (either way gradpack serves the scheduler and server roles), or start the job with \
+                     python -m gradpack.launch",
                     config.root_uri, config.root_port, unreachable_after
                 )));
             }
@@ -142,8 +143,9 @@ impl Postoffice {
                     "the scheduler at {}:{} closed the connection when this {} registered, without answering, and stays \
                      unreachable. A gradpack scheduler answers or refuses with a reason, so either it died, or it is MXNet's own ps-lite, which \
                      aborts on gradpack's messages (\"failed to parse string into protobuf\"). Every process of the job must \
-                     run gradpack: in a script started by MXNet's tools/launch.py, import gradpack.mxnet before mxnet \
-                     (then gradpack serves the scheduler and server roles), or start the job with python -m gradpack.launch",
+                     run gradpack: under MXNet's tools/launch.py, set GRADPACK_SERVE_ROLES=1 in the launcher's environment, or \
+                     import gradpack.mxnet before mxnet (either way gradpack serves the scheduler and server roles), or start \
+                     the job with python -m gradpack.launch",
                     config.root_uri,
                     config.root_port,
                     config.role.name()

@@ -9,11 +9,14 @@ store with ``set_compress``, and ``mx.mod.Module`` / ``mx.gluon.Trainer``
 accept ``compress_params=``. ``uninstall()`` restores MXNet's own.
 
 MXNet's launch contract (``tools/launch.py``: one script for every role,
-``DMLC_ROLE`` set): imported before ``mxnet`` in a scheduler or server process,
-this module serves that role with gradpack until the job ends and exits the
-process, as ``import mxnet`` does with ps-lite. Imported after ``mxnet`` it is
+``DMLC_ROLE`` set): with ``GRADPACK_SERVE_ROLES=1`` in the launcher's
+environment, gradpack's start-up hook (``gradpack._startup``) serves the
+scheduler and server roles before the script runs, whatever it imports first.
+Without it, this module imported before ``mxnet`` in a scheduler or server
+process serves that role with gradpack until the job ends and exits the
+process, as ``import mxnet`` does with ps-lite; imported after ``mxnet`` it is
 too late: MXNet's ps-lite has already taken the role, and gradpack's workers
-then fail within seconds with an error that says to swap the imports.
+then fail within seconds with an error that says what to change.
 """
 import os as _os
 import sys as _sys
