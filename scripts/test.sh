@@ -25,3 +25,7 @@ libs=(target/release/libgradpack.a $(pkg-config --libs ompi-c) -lpthread -ldl)
 target/cpp_kvstore_test
 target/kvstore_example > /dev/null
 GRADPACK_REQUIRE_MXNET=1 "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning python/tests
+# The wheel users install (manylinux_2_28, no MPI inside), built once, then
+# installed into a new venv with cargo and rustc off PATH and smoke-tested.
+bash scripts/wheel.sh
+bash scripts/wheel_smoke.sh

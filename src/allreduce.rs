@@ -179,7 +179,11 @@ mod imp {
     impl World {
         pub fn join() -> Result<World> {
             Err(Error::Store(
-                "'dist_sync_allreduce' needs gradpack built with MPI (Cargo feature `mpi`; Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev; pip: GRADPACK_MPI=1)".into(),
+                "'dist_sync_allreduce' needs gradpack built with MPI, and this build has none (the wheels carry no MPI): \
+                 build gradpack from source against the Open MPI your mpirun belongs to (Debian: apt-get install \
+                 libopenmpi-dev openmpi-bin libclang-dev; then GRADPACK_MPI=1 pip install --no-binary gradpack gradpack, \
+                 or pip install . in a checkout; in Rust: Cargo feature `mpi`)"
+                    .into(),
             ))
         }
         pub fn rank(&self) -> usize {
