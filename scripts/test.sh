@@ -17,6 +17,10 @@ cargo test --release --lib cuda::
 # The unit tests once more in the debug profile, where overflow checks and
 # debug_assert!s are live.
 cargo test --lib --features mpi,cuda
+# The crate as published: docs.rs-style docs (no MPI, MXNet or GPU) without a
+# warning, and `cargo package`, which builds the packaged crate on its own.
+RUSTDOCFLAGS="-D warnings" cargo doc --no-default-features --no-deps
+cargo package --allow-dirty
 cargo build --release --features mpi  # libgradpack.a for the C++ programs
 cxx=(g++ -std=c++17 -Wall -Werror -Iinclude -Itarget/cxxbridge)
 libs=(target/release/libgradpack.a $(pkg-config --libs ompi-c) -lpthread -ldl)
