@@ -2,8 +2,9 @@
 
 When the target Python can import mxnet, the library also carries gradpack's
 MXNet operator library (Cargo feature `mxnet`). GRADPACK_MXNET=0/1 overrides
-the detection. GRADPACK_MPI=0/1 does the same for the MPI all-reduce store
-(Cargo feature `mpi`, needs Open MPI's headers). GRADPACK_CUDA=0 leaves out
+the detection. GRADPACK_MPI=0 leaves out the MPI all-reduce store (Cargo
+feature `mpi`, on by default: it needs nothing to build, and loads Open MPI
+at run time). GRADPACK_CUDA=0 leaves out
 the CUDA kernels (Cargo feature `cuda`, on by default: it needs no CUDA
 toolkit to build, and loads the driver and NVRTC only when a GPU is used).
 
@@ -15,7 +16,6 @@ serves every Python 3.
 Either way the package installs gradpack-startup.pth beside itself in
 site-packages: the opt-in start-up hook (python/gradpack/_startup.py)."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -72,9 +72,7 @@ def build_from_source():
         elif choice == "1":
             sys.exit("GRADPACK_MXNET=1 but mxnet is not importable by %s" % sys.executable)
 
-    # The MPI all-reduce store: GRADPACK_MPI=1 (or auto: when mpicc is on PATH).
-    mpi_choice = os.environ.get("GRADPACK_MPI", "auto")
-    if mpi_choice == "1" or (mpi_choice == "auto" and shutil.which("mpicc")):
+    if os.environ.get("GRADPACK_MPI", "1") != "0":
         features.append("mpi")
 
     if os.environ.get("GRADPACK_CUDA", "1") != "0":

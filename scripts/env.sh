@@ -4,8 +4,8 @@
 # target/ between runs).
 #
 # Each Debian dependency is decided by asking dpkg about its package, never by
-# looking for files: a loose glob once took libclang-cpp.so.14 (libclang-cpp14,
-# in the machine image) for libclang and never installed libclang-dev.
+# looking for files (a loose glob once took another package's file for the
+# one the build needed, and never installed it).
 #
 #   bash scripts/env.sh --check   prints each dependency, the file the build
 #                                 uses from it and what dpkg says, and fails
@@ -26,9 +26,7 @@ gp_multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
 # package | why the build needs it | the file the build uses from it
 gp_deps=(
   "openmpi-bin|mpirun, which runs the MPI all-reduce store's tests|/usr/bin/mpirun.openmpi"
-  "libopenmpi-dev|mpi.h and libmpi for the mpi crate (the all-reduce store)|/usr/lib/$gp_multiarch/openmpi/include/mpi.h"
-  "libclang-dev|libclang.so, which bindgen loads to build the mpi crate|/usr/lib/llvm-*/lib/libclang.so"
-  "pkgconf|the pkg-config binary (Open MPI's link flags for the C++ programs)|/usr/bin/pkg-config"
+  "libopenmpi3|libmpi.so.40, which the all-reduce store loads at run time|/usr/lib/$gp_multiarch/libmpi.so.40"
 )
 
 # Prints dpkg's status line for a package ("install ok installed" when it is).

@@ -23,7 +23,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --no-default-features --no-deps
 cargo package --allow-dirty
 cargo build --release --features mpi  # libgradpack.a for the C++ programs
 cxx=(g++ -std=c++17 -Wall -Werror -Iinclude -Itarget/cxxbridge)
-libs=(target/release/libgradpack.a $(pkg-config --libs ompi-c) -lpthread -ldl)
+libs=(target/release/libgradpack.a -lpthread -ldl)  # MPI is loaded at run time
 "${cxx[@]}" tests/cpp/kvstore_test.cc "${libs[@]}" -o target/cpp_kvstore_test
 "${cxx[@]}" examples/cpp/kvstore_example.cc "${libs[@]}" -o target/kvstore_example
 target/cpp_kvstore_test

@@ -9,10 +9,9 @@
 #   lib_api entry points), so the wheel needs no libstdc++ of a given age.
 # - One wheel for every Python 3 (py3-none): the library is loaded with ctypes.
 # - Features mxnet (the operator library; MXNet's lib_api.cc comes from the
-#   mxnet wheel at build time) and cuda (the driver and NVRTC are loaded at
-#   run time, as from a source build). Not mpi: a wheel must not carry an
-#   MPI, and the one a user's mpirun belongs to is not known at build time;
-#   'dist_sync_allreduce' says how to get a build with it (README).
+#   mxnet wheel at build time), cuda (the driver and NVRTC are loaded at run
+#   time) and mpi (Open MPI is loaded at run time, the one the mpirun on PATH
+#   belongs to): no MPI inside the wheel.
 # - Stripped, then checked by auditwheel, which re-tags it and must find
 #   nothing to vendor.
 #
@@ -44,7 +43,7 @@ target=x86_64-unknown-linux-gnu
 out="$root/target/wheel"
 GRADPACK_MXNET_DIR="$mxnet_dir" CARGO_TARGET_DIR="$out" \
   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-  cargo zigbuild --release --locked --lib --features mxnet,cuda --target "$target.2.28"
+  cargo zigbuild --release --locked --lib --features mxnet,cuda,mpi --target "$target.2.28"
 lib="$out/$target/release/libgradpack.so"
 
 # The wheel is built from a copy of what it packs, so that nothing another

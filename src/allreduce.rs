@@ -1,7 +1,9 @@
 //! The all-reduce store's transport (`dist_sync_allreduce`, MXNet's name for
 //! its MPI store): no servers; every worker reduces through MPI collectives
-//! and updates its own replica. Open MPI through the `mpi` crate, behind the
-//! Cargo feature `mpi`; without it `World::join` says how to get it.
+//! and updates its own replica. Open MPI, loaded when the first store opens
+//! (`openmpi`: the one the `mpirun` on PATH belongs to), behind the Cargo
+//! feature `mpi`, which needs nothing at build time; without it
+//! `World::join` says how to get it.
 //!
 //! Packed codes are summed by MPI itself: each worker sends `code - lo` in
 //! lanes wide enough for the sum over every worker (`quant::lanes`), and an
@@ -15,63 +17,143 @@
 use crate::error::{Error, Result};
 
 #[cfg(feature = "mpi")]
+mod openmpi;
+
+#[cfg(feature = "mpi")]
 mod imp {
+    use std::ffi::{c_int, c_void};
+    use std::ptr::null_mut;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Mutex;
+    use std::sync::{Mutex, PoisonError};
 
-    use mpi::collective::{SystemOperation, UserOperation};
-    use mpi::environment::Universe;
-    use mpi::topology::SimpleCommunicator;
-    use mpi::traits::*;
-
+    use super::openmpi::{check, Handle, Mpi, UserFunction, IN_PLACE, THREAD_MULTIPLE};
     use crate::error::{Error, Result};
     use crate::quant::collective::{self, Collective};
     use crate::quant::lanes;
 
-    /// Statics never drop: MPI is finalised by the exit hook, once.
-    static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
+    /// Open MPI once loaded and initialised by this process (by the first
+    /// join), with the lane-MIN operations by lane width (index 1..=8). It
+    /// stays for the life of the process: the exit hook finalises MPI.
+    struct Session {
+        mpi: &'static Mpi,
+        lane_min: [Handle; 9],
+    }
+
+    // SAFETY: the handles are Open MPI objects valid until MPI_Finalize (at
+    // exit), used under MPI_THREAD_MULTIPLE (checked when initialising).
+    unsafe impl Send for Session {}
+
+    static SESSION: Mutex<Option<Session>> = Mutex::new(None);
 
     extern "C" {
-        fn atexit(cb: extern "C" fn()) -> std::ffi::c_int;
+        fn atexit(cb: extern "C" fn()) -> c_int;
     }
 
     extern "C" fn finalize_at_exit() {
-        if let Ok(mut u) = UNIVERSE.lock() {
-            drop(u.take()); // Universe's drop calls MPI_Finalize
+        let session = SESSION.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = session.as_ref() {
+            let mut done: c_int = 0;
+            // SAFETY: this hook is registered only after MPI_Init_thread
+            // succeeded; MPI_Finalized may be called at any time.
+            unsafe {
+                if (s.mpi.finalized)(&mut done) == 0 && done == 0 {
+                    (s.mpi.finalize)();
+                }
+            }
         }
     }
 
+    /// MPI's callback for a lane-wise MIN of `*len` words of `W`-bit lanes.
+    ///
+    /// # Safety
+    /// MPI calls it with `*len` u64 words at `invec` and at `inout`, distinct
+    /// buffers: the operation is only used on MPI_UINT64_T data (`min_u8`).
+    unsafe extern "C" fn lane_min<const W: u32>(invec: *mut c_void, inout: *mut c_void, len: *mut c_int, _: *mut Handle) {
+        // SAFETY: the function's contract.
+        let (a, b) = unsafe {
+            let n = usize::try_from(*len).unwrap_or(0);
+            (std::slice::from_raw_parts(invec as *const u64, n), std::slice::from_raw_parts_mut(inout as *mut u64, n))
+        };
+        lanes::min_lanes(b, a, W);
+    }
+
+    const LANE_MIN: [UserFunction; 8] = [lane_min::<1>, lane_min::<2>, lane_min::<3>, lane_min::<4>, lane_min::<5>, lane_min::<6>, lane_min::<7>, lane_min::<8>];
+
+    fn session() -> Result<(&'static Mpi, [Handle; 9])> {
+        let mut slot = SESSION.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = slot.as_ref() {
+            return Ok((s.mpi, s.lane_min));
+        }
+        let mpi: &'static Mpi = Box::leak(Box::new(Mpi::load()?));
+        let (mut initialized, mut finalized) = (0, 0);
+        // SAFETY: both may be called before MPI_Init, with a pointer to one int.
+        unsafe {
+            check("MPI_Initialized", (mpi.initialized)(&mut initialized))?;
+            check("MPI_Finalized", (mpi.finalized)(&mut finalized))?;
+        }
+        if initialized != 0 || finalized != 0 {
+            return Err(Error::Store("MPI was already initialised (or finalised) by someone else in this process".into()));
+        }
+        let mut level: c_int = 0;
+        // SAFETY: MPI-2 allows null argc and argv; `level` is one int.
+        check("MPI_Init_thread", unsafe { (mpi.init_thread)(null_mut(), null_mut(), THREAD_MULTIPLE, &mut level) })?;
+        // SAFETY: registering a plain extern "C" function with libc's atexit.
+        unsafe { atexit(finalize_at_exit) };
+        if level < THREAD_MULTIPLE {
+            *slot = None; // nothing else may use it; the exit hook finds no session and MPI ends with the process
+            return Err(Error::Store(format!(
+                "{} ({}) grants thread level {level}; gradpack needs MPI_THREAD_MULTIPLE ({THREAD_MULTIPLE})",
+                mpi.library, mpi.version
+            )));
+        }
+        let mut lane_min = [null_mut(); 9];
+        for (width, f) in LANE_MIN.iter().enumerate() {
+            // SAFETY: `f` has MPI_User_function's signature; commute = 1.
+            check("MPI_Op_create", unsafe { (mpi.op_create)(*f, 1, &mut lane_min[width + 1]) })?;
+        }
+        *slot = Some(Session { mpi, lane_min });
+        Ok((mpi, lane_min))
+    }
+
+    /// A communicator of this store's own (MPI_Comm_dup), used under a lock.
+    struct Comm(Handle);
+    // SAFETY: an Open MPI communicator may be used from any thread under
+    // MPI_THREAD_MULTIPLE; the World's mutex orders the uses.
+    unsafe impl Send for Comm {}
+
     /// This process's place in the MPI job.
     pub struct World {
-        comm: Mutex<SimpleCommunicator>,
+        mpi: &'static Mpi,
+        lane_min: [Handle; 9],
+        comm: Mutex<Comm>,
         rank: usize,
         size: usize,
         sent: AtomicU64,
     }
 
-    // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (checked in join),
-    // and every use of the communicator goes through the mutex.
+    // SAFETY: see Session and Comm: every use of the communicator goes
+    // through the mutex, and the operations are immutable MPI objects.
     unsafe impl Send for World {}
     unsafe impl Sync for World {}
 
     impl World {
         pub fn join() -> Result<World> {
-            let mut u = UNIVERSE.lock().unwrap();
-            if u.is_none() {
-                let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-                    .ok_or_else(|| Error::Store("MPI was already initialised (or finalised) by someone else in this process".into()))?;
-                if level != mpi::Threading::Multiple {
-                    return Err(Error::Store(format!("this MPI grants thread level {level:?}; gradpack needs Multiple")));
-                }
-                *u = Some(universe);
-                // SAFETY: registering a plain extern "C" function with libc's atexit.
-                unsafe { atexit(finalize_at_exit) };
+            let (mpi, lane_min) = session()?;
+            let mut comm: Handle = null_mut();
+            let (mut rank, mut size): (c_int, c_int) = (0, 0);
+            // SAFETY: MPI is initialised; each pointer is to one handle or int.
+            // The duplicate keeps the store's collectives from ever matching
+            // anyone else's on COMM_WORLD.
+            unsafe {
+                check("MPI_Comm_dup", (mpi.comm_dup)(mpi.comm_world, &mut comm))?;
+                check("MPI_Comm_rank", (mpi.comm_rank)(comm, &mut rank))?;
+                check("MPI_Comm_size", (mpi.comm_size)(comm, &mut size))?;
             }
-            // A communicator of its own (MPI_Comm_dup): the store's
-            // collectives never match anyone else's on COMM_WORLD.
-            let comm = u.as_ref().unwrap().world().duplicate();
-            let (rank, size) = (comm.rank() as usize, comm.size() as usize);
-            Ok(World { comm: Mutex::new(comm), rank, size, sent: AtomicU64::new(0) })
+            let (rank, size) = (usize::try_from(rank), usize::try_from(size));
+            let (Ok(rank), Ok(size)) = (rank, size) else {
+                return Err(Error::Store("MPI gave a negative rank or size".into()));
+            };
+            Ok(World { mpi, lane_min, comm: Mutex::new(Comm(comm)), rank, size, sent: AtomicU64::new(0) })
         }
 
         pub fn rank(&self) -> usize {
@@ -87,31 +169,46 @@ mod imp {
             self.sent.load(Ordering::Relaxed)
         }
 
-        pub fn barrier(&self) {
-            self.comm.lock().unwrap().barrier();
-        }
-
         /// Rank 0's `x` everywhere.
-        pub fn broadcast_f32(&self, x: &mut [f32]) {
+        pub fn broadcast_f32(&self, x: &mut [f32]) -> Result<()> {
+            let count = count(x.len())?;
             if self.rank == 0 {
                 self.sent.fetch_add(4 * x.len() as u64, Ordering::Relaxed);
             }
-            self.comm.lock().unwrap().process_at_rank(0).broadcast_into(x);
+            let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+            // SAFETY: `x` holds `count` floats (MPI_FLOAT), written in place.
+            check("MPI_Bcast", unsafe { (self.mpi.bcast)(x.as_mut_ptr().cast(), count, self.mpi.float, 0, comm.0) })
         }
 
-        /// Rank 0's `x` everywhere (small metadata: shapes, checks).
-        pub fn broadcast_u64(&self, x: &mut [u64]) {
-            self.comm.lock().unwrap().process_at_rank(0).broadcast_into(x);
-        }
-
+        /// MPI_Allreduce in place of `count` elements of `datatype` at `x`.
         /// `bytes`: what this rank hands MPI, as `collective`'s counts say.
-        fn reduce<T: Equivalence + Copy>(&self, x: &mut [T], op: impl mpi::collective::Operation, bytes: u64) {
-            debug_assert_eq!(bytes, std::mem::size_of_val(x) as u64, "the shared count is what MPI gets");
-            // The mpi crate has no MPI_IN_PLACE: reduce from a copy.
-            let send = x.to_vec();
+        ///
+        /// # Safety
+        /// `x` points to `count` writable elements of `datatype`, and `op`
+        /// applies to that datatype.
+        unsafe fn reduce(&self, x: *mut c_void, count: c_int, datatype: Handle, op: Handle, bytes: u64) -> Result<()> {
             self.sent.fetch_add(bytes, Ordering::Relaxed);
-            self.comm.lock().unwrap().all_reduce_into(&send[..], x, op);
+            let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+            // SAFETY: the caller's.
+            check("MPI_Allreduce", unsafe { (self.mpi.allreduce)(IN_PLACE, x, count, datatype, op, comm.0) })
         }
+
+        fn reduce_f32(&self, x: &mut [f32], op: Handle, bytes: u64) -> Result<()> {
+            debug_assert_eq!(bytes, std::mem::size_of_val(x) as u64, "the shared count is what MPI gets");
+            // SAFETY: `x` holds that many floats; SUM and MAX apply to MPI_FLOAT.
+            unsafe { self.reduce(x.as_mut_ptr().cast(), count(x.len())?, self.mpi.float, op, bytes) }
+        }
+
+        fn reduce_u64(&self, x: &mut [u64], op: Handle, bytes: u64) -> Result<()> {
+            debug_assert_eq!(bytes, std::mem::size_of_val(x) as u64, "the shared count is what MPI gets");
+            // SAFETY: `x` holds that many words; SUM and the lane MINs apply to MPI_UINT64_T.
+            unsafe { self.reduce(x.as_mut_ptr().cast(), count(x.len())?, self.mpi.uint64, op, bytes) }
+        }
+    }
+
+    /// An element count as MPI takes it (an int).
+    fn count(n: usize) -> Result<c_int> {
+        c_int::try_from(n).map_err(|_| Error::Store(format!("{n} elements in one MPI call: MPI counts are ints (at most {})", c_int::MAX)))
     }
 
     impl Collective for &World {
@@ -120,24 +217,17 @@ mod imp {
         }
 
         fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-            self.reduce(x, SystemOperation::max(), collective::f32_bytes(x.len()));
-            Ok(())
+            self.reduce_f32(x, self.mpi.max, collective::f32_bytes(x.len()))
         }
 
         fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-            self.reduce(x, SystemOperation::sum(), collective::f32_bytes(x.len()));
-            Ok(())
+            self.reduce_f32(x, self.mpi.sum, collective::f32_bytes(x.len()))
         }
 
         fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
             let width = lanes::width_for(count.saturating_sub(1) as u64);
             let mut words = lanes::pack_bytes(x, width);
-            let lane_min = UserOperation::commutative(move |a, b| {
-                let a: &[u64] = a.downcast().expect("u64 words");
-                let b: &mut [u64] = b.downcast().expect("u64 words");
-                lanes::min_lanes(b, a, width);
-            });
-            self.reduce(&mut words, &lane_min, collective::levels_bytes(x.len(), count));
+            self.reduce_u64(&mut words, self.lane_min[width as usize], collective::levels_bytes(x.len(), count))?;
             lanes::unpack_into(&words, width, x, |v| v as u8)?;
             Ok(())
         }
@@ -149,7 +239,7 @@ mod imp {
             })?;
             let width = lanes::width_for(total);
             let mut words = lanes::pack_slice(x, width, |v| (v as i64 - lo as i64) as u64);
-            self.reduce(&mut words, SystemOperation::sum(), collective::codes_bytes(x.len(), lo, hi, self.size));
+            self.reduce_u64(&mut words, self.mpi.sum, collective::codes_bytes(x.len(), lo, hi, self.size))?;
             let base = lo as i64 * self.size as i64;
             lanes::unpack_codes(&words, width, base, x)?;
             Ok(())
@@ -160,8 +250,7 @@ mod imp {
             if collective::sum_width(lo, hi, self.size) != Some(width) || words.len() != lanes::words_for(n, width) {
                 return Err(Error::Internal(format!("{n} codes in {} words of {width}-bit lanes cannot hold {} ranks' sum of {lo}..={hi}", words.len(), self.size)));
             }
-            self.reduce(words, SystemOperation::sum(), collective::codes_bytes(n, lo, hi, self.size));
-            Ok(())
+            self.reduce_u64(words, self.mpi.sum, collective::codes_bytes(n, lo, hi, self.size))
         }
     }
 }
@@ -179,10 +268,8 @@ mod imp {
     impl World {
         pub fn join() -> Result<World> {
             Err(Error::Store(
-                "'dist_sync_allreduce' needs gradpack built with MPI, and this build has none (the wheels carry no MPI): \
-                 build gradpack from source against the Open MPI your mpirun belongs to (Debian: apt-get install \
-                 libopenmpi-dev openmpi-bin libclang-dev; then GRADPACK_MPI=1 pip install --no-binary gradpack gradpack, \
-                 or pip install . in a checkout; in Rust: Cargo feature `mpi`)"
+                "'dist_sync_allreduce' needs gradpack built with the Cargo feature `mpi` (on by default in `pip install .` \
+                 and in the wheels; it loads Open MPI at run time)"
                     .into(),
             ))
         }
@@ -195,13 +282,7 @@ mod imp {
         pub fn bytes_sent(&self) -> u64 {
             match self.never {}
         }
-        pub fn barrier(&self) {
-            match self.never {}
-        }
-        pub fn broadcast_f32(&self, _: &mut [f32]) {
-            match self.never {}
-        }
-        pub fn broadcast_u64(&self, _: &mut [u64]) {
+        pub fn broadcast_f32(&self, _: &mut [f32]) -> Result<()> {
             match self.never {}
         }
     }

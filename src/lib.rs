@@ -56,9 +56,9 @@
 //!   driver and NVRTC at run time: the build needs no CUDA toolkit, and
 //!   without a driver the same API returns "CUDA not available".
 //! - `mpi`: the all-reduce store `dist_sync_allreduce` ([`allreduce`]) over
-//!   MPI; the build needs Open MPI's headers and libclang (Debian:
-//!   `libopenmpi-dev libclang-dev`), runs under `mpirun`. Without it,
-//!   joining says how to get it.
+//!   Open MPI, loaded at run time (the one the `mpirun` on `PATH` belongs
+//!   to, or `$GRADPACK_MPI_LIBRARY`): the build needs no MPI. Jobs run under
+//!   `mpirun`. Without the feature, joining says how to get it.
 //! - `mxnet`: the MXNet 1.9.1 extension-operator library (MXNet's own
 //!   `lib_api.cc`, taken from the installed mxnet wheel at build time) in the
 //!   cdylib, for `mx.library.load`.

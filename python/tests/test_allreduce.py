@@ -94,3 +94,43 @@ def test_a_worker_that_ends_without_close_does_not_leave_another_waiting(tmp_pat
     results = mpirun(2, "allreduce_exit.py", [], tmp_path, timeout=120)
     assert [r["value"] for r in results] == [[2.0] * 4, [2.0] * 4]
     assert "another worker closed its store" in results[0]["extra"], results[0]
+
+
+def open_store(**env):
+    code = ("import gradpack, gradpack.kv\n"
+            "try:\n    gradpack.kv.create('dist_sync_allreduce')\n    print('opened')\n"
+            "except gradpack.Error as e:\n    print('error:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_open_mpi_is_found_at_run_time_beside_mpirun_or_named():
+    """Open MPI is loaded when the store opens: a library given by name that
+    is missing, or is not Open MPI, is refused with an error naming it."""
+    missing = open_store(GRADPACK_MPI_LIBRARY="/nonexistent/libmpi.so.40")
+    assert missing.startswith("error: 'dist_sync_allreduce' found no Open MPI to load (tried /nonexistent/libmpi.so.40"), missing
+    assert "GRADPACK_MPI_LIBRARY" in missing and "openmpi-bin" in missing, missing
+    import ctypes.util
+    other = "/lib/x86_64-linux-gnu/" + ctypes.util.find_library("z")  # a real library, not MPI
+    refused = open_store(GRADPACK_MPI_LIBRARY=other)
+    assert refused.startswith("error: %s is not an Open MPI library gradpack can use: it has no symbol "
+                              "MPI_Get_library_version" % other), refused
+    # Found beside the mpirun on PATH (Debian: /usr/bin/orterun, whose libmpi
+    # is the loader's): one process is a singleton job of one rank.
+    assert open_store() == "opened"
+
+
+def test_the_libmpi_of_the_mpirun_on_path_comes_first(tmp_path):
+    """An Open MPI under its own prefix: <prefix>/bin/mpirun on PATH makes
+    <prefix>/lib/libmpi.so.40 the one loaded (here a stand-in that is not
+    MPI, so the refusal names which file was taken)."""
+    import ctypes.util
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin" / "mpirun").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "mpirun").chmod(0o755)
+    os.symlink("/lib/x86_64-linux-gnu/" + ctypes.util.find_library("z"), str(tmp_path / "lib" / "libmpi.so.40"))
+    got = open_store(PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]))
+    assert got.startswith("error: %s is not an Open MPI library" % (tmp_path / "lib" / "libmpi.so.40")), got

@@ -54,7 +54,7 @@ impl AllreduceStore {
         let agreed = self.agree(&format!("the init of key {key}"), &mine);
         let mut data = checked?; // a worker's own error first, then the others'
         agreed?;
-        self.world.broadcast_f32(&mut data);
+        self.world.broadcast_f32(&mut data)?;
         self.local.insert(key, value, data)
     }
 
