@@ -70,8 +70,12 @@ def main():
     verdict = torch.tensor([len(failed)])
     dist.broadcast(verdict, src=0)
     dist.barrier()  # every rank done before any tears down (torch 2.15 on gloo can abort otherwise)
-    dist.destroy_process_group()
-    sys.exit(1 if verdict.item() else 0)
+    # Even after the barrier, torch 2.15's gloo teardown aborted one of 4
+    # ranks (SIGABRT) in 2 of about 14 runs of the test command: the verdict
+    # is in, so leave without running C++ destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if verdict.item() else 0)
 
 
 if __name__ == "__main__":

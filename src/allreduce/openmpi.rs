@@ -33,7 +33,7 @@ const SONAME: &str = "libmpi.so.40";
 /// `MPI_MAX_LIBRARY_VERSION_STRING` (mpi.h; the same in 3.x, 4.x and 5.x).
 pub const THREAD_MULTIPLE: c_int = 3;
 const SUCCESS: c_int = 0;
-pub const IN_PLACE: *mut c_void = 1 as *mut c_void;
+pub const IN_PLACE: *mut c_void = std::ptr::without_provenance_mut(1);
 const MAX_LIBRARY_VERSION_STRING: usize = 256;
 
 /// The functions and predefined handles the all-reduce store uses.
