@@ -93,19 +93,12 @@ if [ ${#gp_missing[@]} -gt 0 ]; then
 fi
 
 venv="$root/.venv"
-stamp="$venv/.gradpack-deps-3"
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-if [ ! -f "$stamp" ]; then
-  "$venv/bin/pip" install -q --upgrade pip
-  # nvidia-cuda-nvrtc-cu12: NVRTC, which compiles the CUDA kernels (no GPU needed).
-  # torch: gradpack.torch's DDP hooks (PyPI has only its CUDA build, about 3 GB
-  # with its nvidia-* wheels; it runs gloo on a machine without a GPU).
-  "$venv/bin/pip" install -q 'numpy<1.24' 'mxnet==1.9.1' ml_dtypes pytest 'setuptools>=64' \
-    'setuptools-rust>=1.7' wheel scikit-learn 'nvidia-cuda-nvrtc-cu12==12.9.86' 'torch==2.15.0'
-  touch "$stamp"
-fi
+source "$root/scripts/venv.sh"
+# nvidia-cuda-nvrtc-cu12: NVRTC, which compiles the CUDA kernels (no GPU needed).
+# torch: gradpack.torch's DDP hooks (PyPI has only its CUDA build, about 3 GB
+# with its nvidia-* wheels; it runs gloo on a machine without a GPU).
+gp_venv "$venv" .gradpack-deps-3 'numpy<1.24' 'mxnet==1.9.1' ml_dtypes pytest 'setuptools>=64' \
+  'setuptools-rust>=1.7' wheel scikit-learn 'nvidia-cuda-nvrtc-cu12==12.9.86' 'torch==2.15.0'
 export PATH="$venv/bin:$PATH"
 export PYTHON="$venv/bin/python"
 # NVRTC from the wheel, for the Rust tests of the CUDA kernels (Python loads it itself).

