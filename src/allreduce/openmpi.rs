@@ -109,7 +109,11 @@ impl Mpi {
             // taken from it outlives it.
             match unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) } {
                 Ok(lib) => return Mpi::bind(lib, &path),
-                Err(e) => tried.push(format!("{}: {e}", path.display())),
+                // libloading's own text is only "dlopen failed": dlerror's is the source.
+                Err(e) => tried.push(match std::error::Error::source(&e) {
+                    Some(why) => why.to_string(),
+                    None => format!("{}: {e}", path.display()),
+                }),
             }
         }
         Err(Error::Store(format!(
