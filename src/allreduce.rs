@@ -32,11 +32,13 @@ mod imp {
     use crate::quant::lanes;
 
     /// Open MPI once loaded and initialised by this process (by the first
-    /// join), with the lane-MIN operations by lane width (index 1..=8). It
-    /// stays for the life of the process: the exit hook finalises MPI.
+    /// join), and then either the lane-MIN operations by lane width (index
+    /// 1..=8) or why this MPI cannot serve (every later join gets the same
+    /// error). It stays for the life of the process: the exit hook
+    /// finalises MPI.
     struct Session {
         mpi: &'static Mpi,
-        lane_min: [Handle; 9],
+        lane_min: std::result::Result<[Handle; 9], String>,
     }
 
     // SAFETY: the handles are Open MPI objects valid until MPI_Finalize (at
@@ -82,7 +84,7 @@ mod imp {
     fn session() -> Result<(&'static Mpi, [Handle; 9])> {
         let mut slot = SESSION.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(s) = slot.as_ref() {
-            return Ok((s.mpi, s.lane_min));
+            return s.lane_min.clone().map(|ops| (s.mpi, ops)).map_err(Error::Store);
         }
         let mpi: &'static Mpi = Box::leak(Box::new(Mpi::load()?));
         let (mut initialized, mut finalized) = (0, 0);
@@ -99,20 +101,20 @@ mod imp {
         check("MPI_Init_thread", unsafe { (mpi.init_thread)(null_mut(), null_mut(), THREAD_MULTIPLE, &mut level) })?;
         // SAFETY: registering a plain extern "C" function with libc's atexit.
         unsafe { atexit(finalize_at_exit) };
-        if level < THREAD_MULTIPLE {
-            *slot = None; // nothing else may use it; the exit hook finds no session and MPI ends with the process
-            return Err(Error::Store(format!(
-                "{} ({}) grants thread level {level}; gradpack needs MPI_THREAD_MULTIPLE ({THREAD_MULTIPLE})",
-                mpi.library, mpi.version
-            )));
-        }
-        let mut lane_min = [null_mut(); 9];
-        for (width, f) in LANE_MIN.iter().enumerate() {
-            // SAFETY: `f` has MPI_User_function's signature; commute = 1.
-            check("MPI_Op_create", unsafe { (mpi.op_create)(*f, 1, &mut lane_min[width + 1]) })?;
-        }
-        *slot = Some(Session { mpi, lane_min });
-        Ok((mpi, lane_min))
+        let lane_min = if level < THREAD_MULTIPLE {
+            Err(format!("{} ({}) grants thread level {level}; gradpack needs MPI_THREAD_MULTIPLE ({THREAD_MULTIPLE})", mpi.library, mpi.version))
+        } else {
+            let mut ops = [null_mut(); 9];
+            LANE_MIN
+                .iter()
+                .enumerate()
+                // SAFETY: each function has MPI_User_function's signature; commute = 1.
+                .try_for_each(|(i, f)| check("MPI_Op_create", unsafe { (mpi.op_create)(*f, 1, &mut ops[i + 1]) }))
+                .map(|()| ops)
+                .map_err(|e| e.to_string())
+        };
+        let session = slot.insert(Session { mpi, lane_min });
+        session.lane_min.clone().map(|ops| (mpi, ops)).map_err(Error::Store)
     }
 
     /// A communicator of this store's own (MPI_Comm_dup), used under a lock.
