@@ -55,6 +55,8 @@ fn errors_set_the_message_and_touch_nothing() {
         (Box::new(|_, c| unsafe { gp_2bit_quantize(g, 0, 20, ptr::null_mut(), 20, c, 5, -0.5, 0.5) }), "residual must not be a null pointer"),
         (Box::new(|r, c| unsafe { gp_2bit_quantize(ptr::null(), 0, 20, r, 20, c, 5, -0.5, 0.5) }), "grad must not be a null pointer"),
         (Box::new(|r, _| unsafe { gp_2bit_quantize(g, 0, 20, r, 20, r.add(10), 5, -0.5, 0.5) }), "residual and compr overlap"),
+        // n times the element size wraps u64: refused, never a slice of 2^63 halves.
+        (Box::new(|r, c| unsafe { gp_2bit_quantize(g, 1, 1 << 63, r, 20, c, 5, -0.5, 0.5) }), "invalid parameter 'grad': 9223372036854775808 elements do not fit in memory"),
         (Box::new(|r, c| unsafe { gp_2bit_dequantize(c, 5, r, 20) }), "header says size 9 but the output has 20"),
         (Box::new(|r, c| unsafe { gp_2bit_dequantize_add(c, 5, r, 21) }), "header says size 9 but the output has 21"),
     ];

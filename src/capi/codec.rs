@@ -6,7 +6,7 @@ use half::{bf16, f16};
 
 use super::{dtype_of, guard, slice, slice_mut, Raw};
 use crate::codec::{self, Thresholds};
-use crate::error::Dtype;
+use crate::error::{Dtype, Error};
 
 /// Length of the compressed array for `n` elements: `3 + ceil(n / 16)`.
 #[no_mangle]
@@ -36,7 +36,13 @@ pub unsafe extern "C" fn gp_2bit_quantize(
     guard(|| {
         let th = Thresholds::new(neg_threshold, pos_threshold)?;
         let d = dtype_of(dtype)?;
-        let g = Raw::new("grad", grad.cast::<u8>(), n * d.size() as u64)?;
+        // Bytes, not elements, so that one check serves every dtype; the
+        // product must not wrap before Raw::new can see it.
+        let bytes = n.checked_mul(d.size() as u64).ok_or_else(|| Error::InvalidParam {
+            key: "grad".into(),
+            problem: format!("{n} elements do not fit in memory"),
+        })?;
+        let g = Raw::new("grad", grad.cast::<u8>(), bytes)?;
         let r = Raw::new("residual", residual, residual_len)?;
         let c = Raw::new("compr", compr, compr_len)?;
         g.check_disjoint(&r)?;
