@@ -25,7 +25,7 @@ use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::kvstore::checkpoint;
-use crate::kvstore::{check_outputs, check_push, check_shape, key_error, round_to_f16, store_type, sum_into, Array, ArrayMut, Key, Kind, Store};
+use crate::kvstore::{check_outputs, check_push, check_shape, key_error, lock, round_to_f16, store_type, sum_into, Array, ArrayMut, Key, Kind, Store};
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
 
@@ -504,7 +504,7 @@ impl DistWorker {
             self.pushes.fetch_add(1, Ordering::SeqCst);
         }
         let compression = *self.compression.read().unwrap();
-        let mut guard = entry.lock().unwrap();
+        let mut guard = lock(key, &entry)?;
         let e = &mut *guard;
         e.pulled = None; // the value this push's round makes is not the last one's
         let mut checked = false;
@@ -665,7 +665,7 @@ impl DistWorker {
     /// Copies the servers' float32 value of `key` into every output.
     pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
         let entry = self.entry(key)?;
-        let e = entry.lock().unwrap();
+        let e = lock(key, &entry)?;
         check_outputs(key, "pull", outs, &e.shape)?;
         // The values this worker's last round brought back, else ask.
         let fetched;
@@ -745,10 +745,10 @@ impl DistWorker {
         let saved = sorted
             .into_iter()
             .map(|(key, entry)| {
-                let e = entry.lock().unwrap();
-                checkpoint::KeyState { key: key.clone(), shape: e.shape.clone(), pushes: 0, residuals: e.residuals.clone(), states: vec![e.state.clone()] }
+                let e = lock(key, entry)?;
+                Ok(checkpoint::KeyState { key: key.clone(), shape: e.shape.clone(), pushes: 0, residuals: e.residuals.clone(), states: vec![e.state.clone()] })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let (rank, workers) = (self.rank() as u64, self.num_workers() as u64);
         Ok(checkpoint::encode(&checkpoint::Saved { compression: format!("{compression:?}"), rank, workers, keys: saved }))
     }
@@ -760,16 +760,17 @@ impl DistWorker {
         let saved = checkpoint::decode(blob)?;
         let compression = *self.compression.read().unwrap();
         let keys = self.keys.read().unwrap();
-        let slices_of = |k: &Key| keys.get(k).map(|e| e.lock().unwrap().slices.iter().map(|s| s.len).collect());
-        // Shapes from the guard already held (a second read lock could wait on a writer).
-        let shape_of = |k: &Key| keys.get(k).map(|e| e.lock().unwrap().shape.clone()).ok_or_else(|| key_error(k, "not initialized"));
+        // Every key's lock first: a poisoned one fails before anything changed.
+        // Shapes come from these guards (a second read lock could wait on a writer).
+        let mut guards = keys.iter().map(|(k, e)| lock(k, e).map(|g| (k, g))).collect::<Result<HashMap<_, _>>>()?;
+        let slices_of = |k: &Key| guards.get(k).map(|e| e.slices.iter().map(|s| s.len).collect());
+        let shape_of = |k: &Key| guards.get(k).map(|e| e.shape.clone()).ok_or_else(|| key_error(k, "not initialized"));
         checkpoint::check(&saved, &compression, (self.rank() as u64, self.num_workers() as u64), shape_of, slices_of)?;
         if let Some(k) = saved.keys.iter().find(|k| k.states.len() > 1) {
             return Err(Error::OptimizerStates(format!("key {}: {} scheme states, a worker keeps one", k.key, k.states.len())));
         }
         let mut by_key = saved.by_key();
-        for (key, entry) in keys.iter() {
-            let mut e = entry.lock().unwrap();
+        for (key, e) in guards.iter_mut() {
             let slices = e.slices.len();
             match by_key.remove(key) {
                 Some(mut s) => {
@@ -787,7 +788,9 @@ impl DistWorker {
 
     /// The shape `key` was initialised with.
     pub fn shape(&self, key: &Key) -> Result<Vec<usize>> {
-        Ok(self.entry(key)?.lock().unwrap().shape.clone())
+        let entry = self.entry(key)?;
+        let shape = lock(key, &entry)?.shape.clone();
+        Ok(shape)
     }
 
     /// Leaves the job: the scheduler ends it once every worker has left.

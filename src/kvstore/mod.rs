@@ -192,7 +192,7 @@ pub(crate) fn check_compress_before_init(keys: usize) -> Result<()> {
 
 /// A key's lock. A panic while it was held (a bug; caller's updaters are
 /// caught before that) leaves the key unusable with this error, never a panic.
-fn lock<'a>(key: &Key, entry: &'a Mutex<Entry>) -> Result<std::sync::MutexGuard<'a, Entry>> {
+pub(crate) fn lock<'a, T>(key: &Key, entry: &'a Mutex<T>) -> Result<std::sync::MutexGuard<'a, T>> {
     entry.lock().map_err(|_| key_error(key, "an earlier call panicked while changing this key; its state is unknown, so it refuses every call"))
 }
 
