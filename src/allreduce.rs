@@ -310,9 +310,6 @@ mod imp {
 
 pub use imp::World;
 
-/// Whether this build can join an MPI job.
-pub const AVAILABLE: bool = cfg!(feature = "mpi");
-
 /// The name MXNet gives its MPI store.
 /// `kvstore::STORE_TYPES`'s name for this store (MXNet's).
 pub const TYPE_NAME: &str = "dist_sync_allreduce";

@@ -48,10 +48,9 @@
  * Panics (what a caught panic leaves behind): a panic inside gradpack, a bug,
  * never unwinds into C. Every export catches it and returns -1 with
  * "internal error (a bug in gradpack): ..." in gp_error_last().
- *  - In an updater written in Rust, or in a device thread of a compressed
- *    push, the push fails with that message and leaves the value, residuals
- *    and scheme states as they were; the other device threads are woken, not
- *    left waiting; the key stays usable.
+ *  - In an updater written in Rust, the push fails with that message and
+ *    leaves the value, residuals and scheme states as they were; the key
+ *    stays usable.
  *  - Anywhere else while a key's lock is held, that key refuses every later
  *    call with "an earlier call panicked while changing this key" (its state
  *    is unknown); other keys and the store stay usable.

@@ -154,9 +154,11 @@ fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
-/// Creates a store of `type`: "local", "device", or a worker of "dist_sync",
-/// "dist_async", "dist_sync_device", "dist_device_sync" (joining the job that
-/// the DMLC_* variables describe; blocks until every node registered). On
+/// Creates a store of `type`: "local", "device", "dist_sync_allreduce"
+/// (joining the MPI job the process was started in, with mpirun), or a worker
+/// of "dist_sync", "dist_async", "dist_sync_device", "dist_device_sync"
+/// (joining the job that the DMLC_* variables describe; blocks until every
+/// node registered): any name of `gp_kvstore_types()`. On
 /// success `*out` owns a new handle, released with `gp_kvstore_free` (a
 /// worker then leaves the job).
 ///

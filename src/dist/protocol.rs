@@ -1,7 +1,7 @@
-//! The parameter server's protocol vocabulary, in one place: what each bit of
-//! a message's `flags` means, and the exchanges a scheme's round runs on the
-//! servers (`quant::scheme`). The worker writes these and the server reads
-//! them; neither defines its own.
+//! The parameter server's flags and exchanges: what each bit of a message's
+//! `flags` means, and the exchanges a scheme's round runs on the servers
+//! (`quant::scheme`). The worker writes these and the server reads them;
+//! neither defines its own. The commands themselves are `message::Command`.
 
 /// One bit of `Meta::flags`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

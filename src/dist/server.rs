@@ -228,7 +228,7 @@ impl Server {
         if let Some(why) = &self.broken {
             return vec![response(&meta, self.my_id, Err(Error::JobFailed(why.clone())))];
         }
-        // A panic (a bug) never takes the receive thread down with it: the
+        // A panic (a bug) never takes the serving thread down with it: the
         // request that caused it gets the error, and so does every later one.
         match crate::error::catch_panic(|| Ok(self.handle_checked(msg))) {
             Ok(replies) => replies,
@@ -722,7 +722,8 @@ pub fn run_server(config: Config) -> Result<()> {
     result
 }
 
-/// Registers a server and serves requests on its receive thread; the caller
+/// Registers a server and serves requests on its serving thread (the
+/// postoffice's `gradpack-serve`, apart from the receive thread); the caller
 /// waits for the job's end (`post.customer.wait_until_over()`), then stops it.
 pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
     let num_workers = config.num_workers;

@@ -74,11 +74,6 @@ pub fn store_type(name: &str) -> Option<(&'static std::ffi::CStr, Kind)> {
     STORE_TYPES.iter().find(|(n, _)| n.to_bytes() == name.as_bytes()).copied()
 }
 
-/// Every name of the table, for messages.
-pub fn store_type_names() -> String {
-    STORE_TYPES.iter().map(|(n, _)| format!("'{}'", n.to_string_lossy())).collect::<Vec<_>>().join(", ")
-}
-
 impl StoreType {
     pub fn parse(name: &str) -> Result<StoreType> {
         match store_type(name) {
@@ -398,10 +393,6 @@ impl KVStore {
             wire_bytes: AtomicU64::new(0),
             member: (rank, workers),
         }
-    }
-
-    pub fn store_type(&self) -> StoreType {
-        self.kind
     }
 
     pub fn rank(&self) -> usize {
