@@ -6,7 +6,10 @@ import os
 
 import numpy as np
 
-__all__ = ["Error", "check_call", "lib_path", "LIB"]
+__all__ = ["Error", "check_call", "lib_path", "LIB", "DTYPES"]
+
+# numpy dtype name -> gp_dtype_t (c_api.h; python/tests/test_c_api.py checks it)
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 class Error(ValueError):

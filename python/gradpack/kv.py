@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .base import LIB, Error, check_call
+from .base import DTYPES, LIB, Error, check_call
 
 __all__ = ["create", "KVStore"]
 
@@ -95,8 +95,6 @@ def _close_open_stores():
     for store in list(_open_stores):
         store.close()
 
-_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
-
 
 LIB.gp_kvstore_types.argtypes = []
 LIB.gp_kvstore_types.restype = ctypes.c_char_p
@@ -161,12 +159,12 @@ def _shape(a):
 def _array_in(key, a, what):
     if not isinstance(a, np.ndarray):
         raise Error("key %r: %s must be a numpy.ndarray, got %s" % (key, what, type(a).__name__))
-    if a.dtype.name not in _DTYPES:
+    if a.dtype.name not in DTYPES:
         raise Error("key %r: %s has dtype %s, expected float32 or float16 (bfloat16 gradients "
                     "when compressing)" % (key, what, a.dtype.name))
     a = np.ascontiguousarray(a)  # a copy only for non-contiguous inputs, which are read-only here
     shape = _shape(a)
-    return _Array(a.ctypes.data, _DTYPES[a.dtype.name], a.ndim, shape), (a, shape)
+    return _Array(a.ctypes.data, DTYPES[a.dtype.name], a.ndim, shape), (a, shape)
 
 
 def _array_out(key, a, what):

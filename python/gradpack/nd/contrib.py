@@ -2,12 +2,10 @@
 and zero-copy: ``create_2bit``, ``quantize_2bit``, ``dequantize_2bit``."""
 import numpy as np
 
-from ..base import LIB, Error, check_call
+from ..base import DTYPES, LIB, Error, check_call
 
 __all__ = ["create_2bit", "quantize_2bit", "dequantize_2bit", "dequantize_2bit_add"]
 
-# numpy dtype name -> gp_dtype_t
-_GRAD_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def _check_array(arr, name, writable=False, dtypes=("float32",)):
@@ -42,11 +40,11 @@ def quantize_2bit(grad, residual, compr, neg_threshold, pos_threshold):
 
     Updates ``residual`` (float32, same size) and writes ``compr`` (from
     ``create_2bit``) in place. On error neither is touched."""
-    g, n = _check_array(grad, "grad", dtypes=tuple(_GRAD_DTYPES))
+    g, n = _check_array(grad, "grad", dtypes=tuple(DTYPES))
     r, rn = _check_array(residual, "residual", writable=True)
     c, cn = _check_array(compr, "compr", writable=True)
     neg, pos = _thresholds(neg_threshold, pos_threshold)
-    check_call(LIB.gp_2bit_quantize(g, _GRAD_DTYPES[grad.dtype.name], n, r, rn, c, cn, neg, pos))
+    check_call(LIB.gp_2bit_quantize(g, DTYPES[grad.dtype.name], n, r, rn, c, cn, neg, pos))
 
 
 def dequantize_2bit(compr, decompr):
