@@ -89,6 +89,7 @@ pub mod key;
 pub mod kvstore;
 pub mod optimizer;
 pub mod par;
+mod params;
 pub mod quant;
 pub mod stores;
 

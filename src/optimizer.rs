@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::compression::parse_f64;
+use crate::params::parse_f64;
 use crate::bytes::Reader;
 use crate::error::{Error, Result};
 use crate::key::Key;

@@ -6,7 +6,7 @@
 use super::protocol::Flag;
 use crate::bytes::Reader;
 use crate::error::{Error, Result};
-use crate::kvstore::Key;
+use crate::key::Key;
 
 const MAGIC: u32 = 0x4750_4b31; // "GPK1"
 

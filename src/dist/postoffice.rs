@@ -253,6 +253,12 @@ impl Postoffice {
         Ok(post)
     }
 
+    /// Messages this node received and dropped (each also logged, at most
+    /// 10 a second).
+    pub fn dropped(&self) -> u64 {
+        self.van.traffic.dropped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn who(&self) -> String {
         format!("{} {}", self.me.role.name(), self.me.rank)
     }

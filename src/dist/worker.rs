@@ -359,7 +359,7 @@ impl DistWorker {
     /// Messages this worker received and dropped: unauthenticated, replayed,
     /// malformed or unexpected (each also logged, at most 10 a second).
     pub fn dropped(&self) -> u64 {
-        self.post.van.traffic.dropped.load(Ordering::Relaxed)
+        self.post.dropped()
     }
 
     /// This worker's membership and transport (tests sign with it as the worker does).

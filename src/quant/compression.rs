@@ -3,7 +3,8 @@
 //! module validates them once and names the offending key.
 
 use crate::codec::Thresholds;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::params::{param_error, parse_f32};
 
 /// A validated compression configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
@@ -221,20 +222,6 @@ fn parse_seed(text: Option<&str>) -> Result<u64> {
         Some(t) => t.trim().parse::<u64>().map_err(|_| param_error("seed", &format!("must be a whole number >= 0, got '{t}'"))),
         None => Ok(0),
     }
-}
-
-fn param_error(key: &str, problem: &str) -> Error {
-    Error::InvalidParam { key: key.to_string(), problem: problem.to_string() }
-}
-
-/// Parses a float given as a string, the way MXNet accepts `'0.5'`.
-pub(crate) fn parse_f32(key: &str, value: &str) -> Result<f32> {
-    value.trim().parse::<f32>().map_err(|_| param_error(key, &format!("must be a number, got '{value}'")))
-}
-
-/// As `parse_f32`, keeping a Python float's full precision.
-pub(crate) fn parse_f64(key: &str, value: &str) -> Result<f64> {
-    value.trim().parse::<f64>().map_err(|_| param_error(key, &format!("must be a number, got '{value}'")))
 }
 
 #[cfg(test)]
