@@ -32,7 +32,8 @@ fn main() {
         // the version script rustc gives the linker; a second script is merged
         // differently by GNU ld and LLD, which then exported every C++ symbol),
         // so lib_api.cc's entry points are compiled as gpmx_<name>, and Rust
-        // exports <name> as a jump to each (src/capi/mxnet_exports.rs).
+        // exports <name> as a jump to each (capi::mxnet_exports includes
+        // the file written here).
         let symbols = lib_api_exports(&std::fs::read_to_string(&header).unwrap());
         for s in &symbols {
             build.define(s, format!("gpmx_{s}").as_str());

@@ -100,9 +100,10 @@ def processes_of(out_dir):
     return found
 
 
-def qsgd_on_a_device_store():
-    """What the qsgd_mn run must pull: a device store with the two workers'
-    gradients as its two devices gives the same bits (README)."""
+def qsgd_on_a_device_store(pushed):
+    """What the qsgd_mn run must pull: a device store with the gradients the
+    two workers pushed (`pushed[rank][step]`) as its two devices gives the
+    same bits (README)."""
     import numpy as np
     import gradpack.kv
     kv = gradpack.kv.create("device")
@@ -110,8 +111,7 @@ def qsgd_on_a_device_store():
     kv.init(3, np.ones(4, np.float32))
     seen = []
     for step in range(4):
-        g = [np.array([0.3, -0.1, 0.05, 0.2], np.float32) * (step + 1) * (rank + 1) for rank in range(2)]
-        kv.push(3, g)
+        kv.push(3, [np.array(p[step], np.float32) for p in pushed])
         out = np.zeros(4, np.float32)
         kv.pull(3, out=out)
         seen.append(out.tolist())
@@ -129,14 +129,18 @@ def test_mxnet_first_is_served_by_gradpack_with_the_startup_hook(tmp_path, compr
     results = finish(procs, timeout=240)
     for name, (code, err) in results.items():
         assert code == 0, (name, err[-3000:])
+    results = []
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            results.append(json.load(f))
     if compression == "2bit":
         expected = [[0.0] * 4, [1.0] * 4, [0.0] * 4, [1.0] * 4]  # as in the gradpack-first test above
     else:
-        expected = qsgd_on_a_device_store()
+        pushed = [res["pushed"] for res in results]
+        assert pushed[0] != pushed[1] and pushed[0][0] != pushed[0][1]  # ranks and steps differ
+        expected = qsgd_on_a_device_store(pushed)
         assert expected[0] != expected[1]  # the steps differ: a real comparison
-    for rank in range(2):
-        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
-            res = json.load(f)
+    for res in results:
         assert res["pulled"] == expected, (res, expected)
         assert res["type"] == "GradpackStore"
     deadline = time.monotonic() + 10

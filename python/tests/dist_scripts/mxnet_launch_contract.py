@@ -5,8 +5,8 @@ that MXNet's ps-lite takes the scheduler and server roles (unless
 GRADPACK_SERVE_ROLES=1 hands them to gradpack's start-up hook). argv[2]
 '2bit' (the default): a worker pushes 0.3 four times on a 2-bit dist_sync
 store, to a float32 and a float16 key; 'qsgd_mn': it pushes
-grads(rank, step) under qsgd_mn (2 bits, seed 1) to the float32 key. It
-writes what it pulled."""
+a gradient that differs by rank and step under qsgd_mn (2 bits, seed 1) to
+the float32 key, and writes the gradients too. It writes what it pulled."""
 import json
 import os
 import sys
@@ -23,24 +23,21 @@ import numpy as np
 compression = sys.argv[2] if len(sys.argv) > 2 else "2bit"
 
 
-def grads(rank, step):
-    """The qsgd_mn run's gradient of worker `rank` at `step` (test_mxnet_launch.py repeats it)."""
-    return np.array([0.3, -0.1, 0.05, 0.2], np.float32) * (step + 1) * (rank + 1)
-
-
 gpmx.install()
 kv = mx.kv.create("dist_sync")
 if compression == "qsgd_mn":
     kv.set_compress({"compress": "qsgd_mn", "bits": 2, "seed": 1})
     kv.init(3, mx.nd.ones((4,)))
-    seen = []
+    seen, pushed = [], []
     for step in range(4):
-        kv.push(3, mx.nd.array(grads(kv.rank, step)))
+        grad = np.array([0.3, -0.1, 0.05, 0.2], np.float32) * (step + 1) * (kv.rank + 1)
+        kv.push(3, mx.nd.array(grad))
         out = mx.nd.zeros((4,))
         kv.pull(3, out=out)
         seen.append(out.asnumpy().tolist())
+        pushed.append(grad.tolist())
     with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % kv.rank), "w") as f:
-        json.dump({"pulled": seen, "type": type(kv).__name__}, f)
+        json.dump({"pulled": seen, "pushed": pushed, "type": type(kv).__name__}, f)
     sys.exit(0)
 kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
 kv.init(3, mx.nd.ones((4,)))
