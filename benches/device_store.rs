@@ -10,7 +10,7 @@ mod common;
 
 use common::time;
 use gradpack::compression::Compression;
-use gradpack::kvstore::{Array, Grad, KVStore, Key};
+use gradpack::store::{Array, Grad, KVStore, Key};
 use gradpack::quant::collective::InProcess;
 use gradpack::quant::scheme::{self, Ctx, State};
 

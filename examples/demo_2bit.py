@@ -13,7 +13,7 @@ from gradpack.nd import contrib
 
 def main(n=16 * 1024 * 1024):
     print("gradpack %s, codec kernel: %s" % (gradpack.__version__, gradpack.kernel_name()))
-    # The example of SPEC section 1.
+    # The example of docs/contract.md section 1.
     grad = np.array([0, 2.5, 1, -3, 2, 0.5, -1, -2], np.float32)
     residual = np.zeros_like(grad)
     compr = contrib.create_2bit(grad)

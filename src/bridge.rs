@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{catch_panic as guarded, Error, Result};
-use crate::kvstore::{elements, Array, ArrayMut, Grad, Key, Updater};
+use crate::store::{elements, Array, ArrayMut, Grad, Key, Updater};
 use std::borrow::Cow;
 
 #[cxx::bridge(namespace = "gradpack")]
@@ -36,7 +36,7 @@ mod ffi {
         /// Validates thresholds given as attribute values; Err names the problem.
         fn check_thresholds(neg_threshold: f32, pos_threshold: f32) -> Result<()>;
 
-        /// Any store (`crate::kvstore::Store`), opened by `crate::stores::open`.
+        /// Any store (`crate::store::Store`), opened by `crate::store::open`.
         type Store;
         fn store_new(type_name: &str) -> Result<Box<Store>>;
         fn store_type(store: &Store) -> &'static str;
@@ -76,7 +76,7 @@ unsafe impl Send for ffi::Updater {}
 unsafe impl Sync for ffi::Updater {}
 
 /// The store behind `gradpack::KVStore`: any store, behind the one trait.
-pub struct Store(Box<dyn crate::kvstore::Store>);
+pub struct Store(Box<dyn crate::store::Store>);
 
 fn key_of(k: &ffi::KeyArg) -> Key {
     if k.is_str {
@@ -88,7 +88,7 @@ fn key_of(k: &ffi::KeyArg) -> Key {
 
 fn store_new(type_name: &str) -> Result<Box<Store>> {
     guarded(|| {
-        Ok(Box::new(Store(crate::stores::open(type_name)?)))
+        Ok(Box::new(Store(crate::store::open(type_name)?)))
     })
 }
 

@@ -24,7 +24,7 @@ use crate::codec;
 use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::key::Key;
-use crate::kvstore::checkpoint::{self, KeyState, Saved};
+use crate::store::checkpoint::{self, KeyState, Saved};
 use crate::quant::collective::{self, Collective};
 use crate::quant::{lanes, powersgd, qsgd, scheme};
 
@@ -343,7 +343,7 @@ impl Group {
                 return Err(Error::InvalidParam { key: "bits".into(), problem: format!("{world} ranks could overflow the code sum at {} bits", q.bits()[0]) });
             }
         }
-        let fingerprint = crate::allreduce::fingerprint(&format!("{compression:?}"));
+        let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
         Ok(Group { compression, fingerprint, rank, world, start_iter, min_rate, keys: Arc::default() })
     }
 
@@ -504,7 +504,7 @@ impl Group {
         // (no second read of the gradients); other schemes check first.
         let qsgd = matches!(self.compression, Compression::Qsgd(_));
         let fault = if qsgd { 0 } else { self.fault_code(tensors, entries, &compresses) };
-        let settings = crate::allreduce::fingerprint(&format!("{} {} {}", self.world, self.start_iter, self.min_rate));
+        let settings = crate::hash::fingerprint(&format!("{} {} {}", self.world, self.start_iter, self.min_rate));
         let fields = [layout, pushes, self.fingerprint, settings, fault];
         const NAMES: [&str; 4] = ["bucket layout (the tensors' keys and shapes)", "push counts (a checkpoint loaded on some ranks only?)", "compression parameters", "world size, start_iter or min_compression_rate"];
         let (max, differs) = collective::compare_fields(coll, &fields)?;

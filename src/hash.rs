@@ -1,6 +1,7 @@
 //! splitmix64, the one mixing function behind every seed, noise stream and
 //! test generator here (Steele, Lea and Flood's finalizer). Changing it
-//! changes every seeded result, so it lives once.
+//! changes every seeded result, so it lives once. And `fingerprint`, the
+//! hash workers compare settings by.
 
 /// The golden-ratio increment of a splitmix64 sequence.
 pub const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -21,6 +22,12 @@ impl SplitMix {
         self.0 = self.0.wrapping_add(GAMMA);
         finalize(self.0)
     }
+}
+
+/// A stable 64-bit fingerprint of a configuration's text (BLAKE3's first
+/// eight bytes): what workers compare to agree on a setting.
+pub fn fingerprint(text: &str) -> u64 {
+    u64::from_le_bytes(blake3::hash(text.as_bytes()).as_bytes()[..8].try_into().unwrap())
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@
 //! use gradpack::codec::Grad;
 //! use gradpack::compression::Compression;
 //! use gradpack::key::Key;
-//! use gradpack::kvstore::{Array, ArrayMut, KVStore};
+//! use gradpack::store::{Array, ArrayMut, KVStore};
 //!
 //! let kv = KVStore::new("device")?;
 //! kv.set_compress(Compression::from_params([
@@ -55,7 +55,7 @@
 //! - `cuda`: the CUDA kernels ([`cuda`]) through cudarc, which loads the
 //!   driver and NVRTC at run time: the build needs no CUDA toolkit, and
 //!   without a driver the same API returns "CUDA not available".
-//! - `mpi`: the all-reduce store `dist_sync_allreduce` ([`allreduce`]) over
+//! - `mpi`: the all-reduce store `dist_sync_allreduce` ([`store::mpi`]) over
 //!   Open MPI, loaded at run time (the one the `mpirun` on `PATH` belongs
 //!   to, or `$GRADPACK_MPI_LIBRARY`): the build needs no MPI. Jobs run under
 //!   `mpirun`. Without the feature, joining says how to get it.
@@ -71,27 +71,24 @@
 //! convert errors once.
 
 mod bridge;
-pub mod allreduce;
 pub mod bytes;
 pub mod capi;
 pub mod codec;
 pub mod cuda;
-/// `compress_params` parsing and validation (SPEC §2); it lives in `quant`.
+/// `compress_params` parsing and validation (docs/contract.md §2); it lives in `quant`.
 pub mod compression {
     pub use crate::quant::compression::*;
 }
-pub mod dist;
 pub mod error;
 pub mod group;
 pub mod hash;
 pub mod isa;
 pub mod key;
-pub mod kvstore;
 pub mod optimizer;
 pub mod par;
 mod params;
 pub mod quant;
-pub mod stores;
+pub mod store;
 
 pub use codec::{compressed_len, create_2bit, dequantize_2bit, dequantize_2bit_add, quantize_2bit, quantize_2bit_to, Thresholds};
 pub use error::{Dtype, Error, Result};

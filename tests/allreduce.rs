@@ -7,7 +7,7 @@
 use std::process::Command;
 
 use gradpack::compression::Compression;
-use gradpack::kvstore::{AllreduceStore, Array, ArrayMut, Grad, KVStore, Key, Store};
+use gradpack::store::{MpiStore, Array, ArrayMut, Grad, KVStore, Key, Store};
 
 const WORKERS: usize = 3;
 
@@ -53,7 +53,7 @@ fn every_scheme_matches_the_device_store_bit_for_bit() {
     if !under_mpi() {
         return mpirun("every_scheme_matches_the_device_store_bit_for_bit");
     }
-    let kv = AllreduceStore::join().unwrap();
+    let kv = MpiStore::join().unwrap();
     let (rank, workers) = (kv.rank(), kv.num_workers());
     assert_eq!(workers, WORKERS);
     let shape = [6usize, 10];
@@ -81,7 +81,7 @@ fn every_scheme_matches_the_device_store_bit_for_bit() {
     for (s, c) in schemes.iter().enumerate() {
         let key = Key::Int(10 + s as i64);
         // Compression comes before init: a store per scheme (one MPI world).
-        let kv = AllreduceStore::join().unwrap();
+        let kv = MpiStore::join().unwrap();
         kv.local().set_compress(*c).unwrap();
         kv.init(&key, f32s(&shape, &vec![0.0; n])).unwrap();
         let device = KVStore::new("device").unwrap();
@@ -127,7 +127,7 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     if !under_mpi() {
         return mpirun("mismatched_pushes_fail_on_every_worker_and_the_store_recovers");
     }
-    let kv = AllreduceStore::join().unwrap();
+    let kv = MpiStore::join().unwrap();
     let rank = kv.rank();
     let shape = [8usize];
     kv.local().set_compress(params(&[("compress", "qsgd_mn"), ("bits", "4")])).unwrap();
@@ -159,7 +159,7 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
 
     // 2-bit: rank 1's inf at element 3 fails every worker's push (rank 1 names
     // the element), before any residual or value changes; the next push is exact.
-    let two = AllreduceStore::join().unwrap();
+    let two = MpiStore::join().unwrap();
     two.local().set_compress(params(&[("compress", "2bit"), ("threshold", "0.5")])).unwrap();
     two.init(&Key::from("w"), f32s(&shape, &[0.0; 8])).unwrap();
     two.push(&Key::from("w"), &[f32s(&shape, &[0.25; 8])]).unwrap(); // below the threshold: residual 0.25
@@ -194,7 +194,7 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     use gradpack::optimizer::Optimizer;
     let shape = [8usize];
     let store = |compress: Compression| {
-        let kv = AllreduceStore::join().unwrap();
+        let kv = MpiStore::join().unwrap();
         kv.local().set_compress(compress).unwrap();
         kv.init(&Key::Int(0), f32s(&shape, &[1.0; 8])).unwrap();
         kv
@@ -232,7 +232,7 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     // Different compression (2-bit thresholds on rank 0, or another scheme): refused at init.
     for other in [Compression::from_params([("compress", "2bit"), ("threshold", "0.25")]).unwrap(), Compression::from_params([("compress", "qsgd_mn"), ("bits", "4")]).unwrap()] {
         let mine = if rank == 0 { other } else { Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap() };
-        let s = AllreduceStore::join().unwrap();
+        let s = MpiStore::join().unwrap();
         s.local().set_compress(mine).unwrap();
         let err = s.init(&Key::Int(0), f32s(&shape, &g)).unwrap_err().to_string();
         assert!(err.contains("the workers' compression differ"), "rank {rank}: {err}");
@@ -276,7 +276,7 @@ fn a_checkpoint_resumes_every_scheme_bit_for_bit() {
     let key = Key::Int(1);
     for c in schemes {
         let make = |value: &[f32]| {
-            let kv = AllreduceStore::join().unwrap();
+            let kv = MpiStore::join().unwrap();
             kv.local().set_compress(c).unwrap();
             kv.init(&key, f32s(&shape, value)).unwrap();
             kv

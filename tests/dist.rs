@@ -7,9 +7,9 @@ use std::thread;
 use std::time::Duration;
 
 use gradpack::compression::Compression;
-use gradpack::dist::auth::Secret;
-use gradpack::dist::{serve, Config, DistWorker, Role};
-use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
+use gradpack::store::param_server::auth::Secret;
+use gradpack::store::param_server::{serve, Config, DistWorker, Role};
+use gradpack::store::{Array, ArrayMut, Grad, Key};
 use gradpack::Thresholds;
 
 static PORT: AtomicU16 = AtomicU16::new(0);
@@ -28,7 +28,7 @@ fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
         bigarray_bound: 1000,
         // Scheme keys of 1500 elements and more take several slices per server.
         partition_bytes: 6000,
-        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: gradpack::store::param_server::config::DEFAULT_MAX_MESSAGE_BYTES,
         secret: None,
     }
 }
@@ -163,7 +163,7 @@ fn bad_requests_get_errors_and_change_nothing() {
 
 #[test]
 fn bad_input_is_refused_before_anything_changes() {
-    use gradpack::kvstore::Store;
+    use gradpack::store::Store;
     // 2 workers, 2 servers, a key split over both (bigarray_bound 1000):
     // a non-finite sum in the second slice must leave the first slice's
     // residual and every stored value as they were, on every worker. Each
@@ -217,8 +217,8 @@ fn bad_input_is_refused_before_anything_changes() {
 /// (with the refusal undeliverable to the unknown sender, node 9999), and
 /// counted, while the server keeps serving exact values.
 fn rogue_frames(key: &Key) -> Vec<Vec<Vec<u8>>> {
-    use gradpack::dist::message::{f32s_to_bytes, Command, Meta};
-    use gradpack::dist::protocol::Flag;
+    use gradpack::store::param_server::message::{f32s_to_bytes, Command, Meta};
+    use gradpack::store::param_server::protocol::Flag;
     let meta = |command, k: &Key, len: u64, flags: u16| {
         let mut m = Meta::new(command, 9999);
         m.key = Some(k.clone());
@@ -260,11 +260,11 @@ type Node = thread::JoinHandle<gradpack::error::Result<()>>;
 /// A job of one worker and one server whose postoffice (and so its traffic
 /// counters) the test can read: the scheduler's and server's threads, the
 /// server's postoffice, and the worker.
-fn one_server_job() -> (Node, Node, std::sync::Arc<gradpack::dist::postoffice::Postoffice>, DistWorker) {
+fn one_server_job() -> (Node, Node, std::sync::Arc<gradpack::store::param_server::postoffice::Postoffice>, DistWorker) {
     one_server_job_with(None)
 }
 
-fn one_server_job_with(secret: Option<Secret>) -> (Node, Node, std::sync::Arc<gradpack::dist::postoffice::Postoffice>, DistWorker) {
+fn one_server_job_with(secret: Option<Secret>) -> (Node, Node, std::sync::Arc<gradpack::store::param_server::postoffice::Postoffice>, DistWorker) {
     let port = free_port();
     let node = move |role| Config { secret: secret.clone(), ..config(role, port, 1, 1) };
     let sched = { let c = node(Role::Scheduler); thread::spawn(move || serve(c)) };
@@ -272,7 +272,7 @@ fn one_server_job_with(secret: Option<Secret>) -> (Node, Node, std::sync::Arc<gr
     let server = {
         let c = node(Role::Server);
         thread::spawn(move || {
-            let post = gradpack::dist::server::start_server(c)?;
+            let post = gradpack::store::param_server::server::start_server(c)?;
             post_tx.send(post.clone()).unwrap();
             let result = post.customer.wait_until_over();
             post.stop();
@@ -292,7 +292,7 @@ fn malformed_frames_do_not_hurt_a_server() {
     let (c, p) = two_bit();
     w.set_compress(c, &p).unwrap();
     w.init(&k, Array { shape: &shape, data: Grad::F32(&[1.0; 32]) }).unwrap();
-    let dropped = |post: &gradpack::dist::postoffice::Postoffice| post.van.traffic.dropped.load(std::sync::atomic::Ordering::Relaxed);
+    let dropped = |post: &gradpack::store::param_server::postoffice::Postoffice| post.van.traffic.dropped.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(dropped(&post), 0);
 
     let (host, server_port) = w.server_addresses()[0].clone();
@@ -338,7 +338,7 @@ fn a_dead_server_fails_pending_requests_within_the_timeout() {
     let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
     // A "server" that registers, then goes silent: its postoffice stops heartbeating.
     let server = thread::spawn(move || {
-        let post = gradpack::dist::postoffice::Postoffice::start(config(Role::Server, port, 1, 1), Some(Box::new(|_: &gradpack::dist::postoffice::NodeInfo| -> gradpack::dist::postoffice::RequestHandler { Box::new(|_| Vec::new()) }))).unwrap();
+        let post = gradpack::store::param_server::postoffice::Postoffice::start(config(Role::Server, port, 1, 1), Some(Box::new(|_: &gradpack::store::param_server::postoffice::NodeInfo| -> gradpack::store::param_server::postoffice::RequestHandler { Box::new(|_| Vec::new()) }))).unwrap();
         post.stop();
         std::thread::sleep(Duration::from_secs(5));
     });
@@ -422,7 +422,7 @@ fn every_scheme_on_the_servers_matches_the_device_store() {
                 w.init(&key, Array { shape: &shape, data: Grad::F32(&zeros) }).unwrap();
                 w.barrier().unwrap(); // rank 0's init is sent before the count starts
                 let sent_before = w.stats().0;
-                let device = gradpack::kvstore::KVStore::new("device").unwrap();
+                let device = gradpack::store::KVStore::new("device").unwrap();
                 device.set_compress(c).unwrap();
                 device.init(&key, Array { shape: &shape, data: Grad::F32(&zeros) }).unwrap();
                 for step in 0..4 {
@@ -495,7 +495,7 @@ fn open_fds() -> usize {
 /// what it opened, and the job then runs with exact values.
 #[test]
 fn rogue_registrations_do_not_hurt_the_scheduler() {
-    use gradpack::dist::message::{encode_pairs, Command, Meta};
+    use gradpack::store::param_server::message::{encode_pairs, Command, Meta};
     let port = free_port();
     let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
     let rogue = outsider("127.0.0.1", port, 0);
@@ -538,8 +538,8 @@ fn rogue_registrations_do_not_hurt_the_scheduler() {
 /// refused and counted, and the server goes on serving exact values.
 #[test]
 fn scheme_frames_claiming_huge_sizes_are_refused() {
-    use gradpack::dist::message::{encode_pairs, Command, Meta};
-    use gradpack::dist::protocol::Flag;
+    use gradpack::store::param_server::message::{encode_pairs, Command, Meta};
+    use gradpack::store::param_server::protocol::Flag;
     let (sched, server, post, w) = one_server_job();
     let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
@@ -594,8 +594,8 @@ fn scheme_frames_claiming_huge_sizes_are_refused() {
 /// when signed with another secret), values stay exact and the job ends 0.
 #[test]
 fn a_job_with_a_secret_drops_every_forged_message() {
-    use gradpack::dist::auth::Auth;
-    use gradpack::dist::message::{encode_pairs, f32s_to_bytes, Command, Meta};
+    use gradpack::store::param_server::auth::Auth;
+    use gradpack::store::param_server::message::{encode_pairs, f32s_to_bytes, Command, Meta};
     let secret = Secret::new(b"the job's secret").unwrap();
     let (sched, server, post, w) = one_server_job_with(Some(secret));
     let k = Key::Int(5);
@@ -790,7 +790,7 @@ fn a_scheme_push_that_fails_on_one_worker_fails_the_round_for_all() {
 /// server sends it (no input reaches a panic to test it end to end).
 #[test]
 fn a_server_that_stops_serving_ends_the_job_with_its_reason() {
-    use gradpack::dist::message::{Command, Message, Meta, Payload};
+    use gradpack::store::param_server::message::{Command, Message, Meta, Payload};
     let secret = Secret::new(b"job").unwrap();
     let (sched, server, post, w) = one_server_job_with(Some(secret.clone()));
     w.init(&Key::Int(1), Array { shape: &[2], data: Grad::F32(&[1.0, 2.0]) }).unwrap();
@@ -867,16 +867,16 @@ fn a_checkpoint_resumes_every_scheme_on_dist_sync() {
 /// server's postoffice, the workers (by rank).
 struct Secured {
     port: u16,
-    scheduler: std::sync::Arc<gradpack::dist::van::Van>,
+    scheduler: std::sync::Arc<gradpack::store::param_server::van::Van>,
     sched: Node,
-    servers: Vec<(std::sync::Arc<gradpack::dist::postoffice::Postoffice>, Node)>,
+    servers: Vec<(std::sync::Arc<gradpack::store::param_server::postoffice::Postoffice>, Node)>,
     workers: Vec<DistWorker>,
 }
 
 fn secured_job(secret: &Secret, workers: usize, servers: usize) -> Secured {
     let port = free_port();
     let node = |role| Config { secret: Some(secret.clone()), ..config(role, port, workers, servers) };
-    let scheduler = gradpack::dist::postoffice::Scheduler::bind(node(Role::Scheduler)).unwrap();
+    let scheduler = gradpack::store::param_server::postoffice::Scheduler::bind(node(Role::Scheduler)).unwrap();
     let van = scheduler.van.clone();
     let sched = thread::spawn(move || scheduler.run());
     let server_threads: Vec<_> = (0..servers)
@@ -884,7 +884,7 @@ fn secured_job(secret: &Secret, workers: usize, servers: usize) -> Secured {
             let c = node(Role::Server);
             let (tx, rx) = std::sync::mpsc::channel();
             let t = thread::spawn(move || {
-                let post = gradpack::dist::server::start_server(c)?;
+                let post = gradpack::store::param_server::server::start_server(c)?;
                 tx.send(post.clone()).unwrap();
                 let result = post.customer.wait_until_over();
                 post.stop();
@@ -934,7 +934,7 @@ impl Secured {
 
 /// The frames `van` would send node `to`: header, payload and its genuine
 /// authentication frame (signed as the node signs, with its own key state).
-fn genuine(van: &gradpack::dist::van::Van, to: i32, meta: gradpack::dist::message::Meta, payload: Vec<u8>) -> Vec<Vec<u8>> {
+fn genuine(van: &gradpack::store::param_server::van::Van, to: i32, meta: gradpack::store::param_server::message::Meta, payload: Vec<u8>) -> Vec<Vec<u8>> {
     let header = meta.encode();
     let tag = van.auth().unwrap().sign(to, &header, &payload).unwrap();
     vec![header, payload, tag]
@@ -961,8 +961,8 @@ fn reaches(what: &str, count: impl Fn() -> u64, want: u64) {
 /// job's values stay exact and its barriers hold.
 #[test]
 fn genuine_frames_replayed_to_another_node_are_refused() {
-    use gradpack::dist::message::{Command, Meta};
-    use gradpack::dist::protocol::Flag;
+    use gradpack::store::param_server::message::{Command, Meta};
+    use gradpack::store::param_server::protocol::Flag;
     let secret = Secret::new(b"one job").unwrap();
     let job = secured_job(&secret, 2, 2);
     let k = Key::Int(3);
@@ -975,10 +975,10 @@ fn genuine_frames_replayed_to_another_node_are_refused() {
         (m.key, m.len, m.flags, m.request_id) = (Some(k.clone()), 4, flags, 1 << 40);
         m
     };
-    let values = gradpack::dist::message::f32s_to_bytes(&[1000.0; 4]);
+    let values = gradpack::store::param_server::message::f32s_to_bytes(&[1000.0; 4]);
     let send = |host: &str, port: u16, frames: Vec<Vec<u8>>| outsider(host, port, 1000).send_multipart(frames, 0).unwrap();
-    let at = |p: &gradpack::dist::postoffice::Postoffice| (p.me.host.clone(), p.me.port);
-    let dropped = |p: &gradpack::dist::postoffice::Postoffice| p.van.traffic.dropped.load(Ordering::Relaxed);
+    let at = |p: &gradpack::store::param_server::postoffice::Postoffice| (p.me.host.clone(), p.me.port);
+    let dropped = |p: &gradpack::store::param_server::postoffice::Postoffice| p.van.traffic.dropped.load(Ordering::Relaxed);
 
     // To worker 1: the scheduler's BarrierDone and worker 0's Terminate (a worker never sends one).
     let (h, port) = at(p1);
@@ -1024,7 +1024,7 @@ fn genuine_frames_replayed_to_another_node_are_refused() {
 /// started again on A's port refuses A's frames the same way.
 #[test]
 fn frames_of_another_job_with_the_same_secret_are_refused() {
-    use gradpack::dist::message::{f32s_to_bytes, Command, Meta};
+    use gradpack::store::param_server::message::{f32s_to_bytes, Command, Meta};
     let secret = Secret::new(b"a secret file used twice").unwrap();
     let a = secured_job(&secret, 1, 1);
     let b = secured_job(&secret, 1, 1);
@@ -1046,7 +1046,7 @@ fn frames_of_another_job_with_the_same_secret_are_refused() {
     for f in &to_scheduler {
         send("127.0.0.1", b.port, f.clone());
     }
-    let dropped = |v: &gradpack::dist::van::Van| v.traffic.dropped.load(Ordering::Relaxed);
+    let dropped = |v: &gradpack::store::param_server::van::Van| v.traffic.dropped.load(Ordering::Relaxed);
     reaches("job B's server drops", || dropped(&b_srv.van), 1);
     reaches("job B's worker drops", || dropped(&bw.van), 1);
     reaches("job B's scheduler drops", || dropped(&b.scheduler), 2);
@@ -1058,7 +1058,7 @@ fn frames_of_another_job_with_the_same_secret_are_refused() {
     b.end();
     // A job run again on A's port with the same secret refuses A's frames to A's scheduler.
     let port = a_port;
-    let c_sched = gradpack::dist::postoffice::Scheduler::bind(Config { secret: Some(secret.clone()), ..config(Role::Scheduler, port, 1, 1) }).unwrap();
+    let c_sched = gradpack::store::param_server::postoffice::Scheduler::bind(Config { secret: Some(secret.clone()), ..config(Role::Scheduler, port, 1, 1) }).unwrap();
     let c_van = c_sched.van.clone();
     let c = thread::spawn(move || c_sched.run());
     let more = vec![
@@ -1219,7 +1219,7 @@ fn a_lost_request_is_an_error_and_a_long_round_is_not() {
 /// malformed frame, and the real reply completes the push with exact values.
 #[test]
 fn a_forged_malformed_response_is_dropped_and_the_real_one_counts() {
-    use gradpack::dist::message::{Command, Meta};
+    use gradpack::store::param_server::message::{Command, Meta};
     let results = two_workers(|rank, w| {
         let k = Key::Int(2);
         w.init(&k, Array { shape: &[4], data: Grad::F32(&[0.0; 4]) }).unwrap();
@@ -1267,13 +1267,13 @@ fn a_forged_malformed_response_is_dropped_and_the_real_one_counts() {
 /// for it and get exact values, all answered under the server's own id.
 #[test]
 fn a_server_held_after_registration_serves_under_its_own_id() {
-    use gradpack::dist::postoffice::{MakeHandler, NodeInfo, Postoffice, RequestHandler};
+    use gradpack::store::param_server::postoffice::{MakeHandler, NodeInfo, Postoffice, RequestHandler};
     let port = free_port();
     let sched = thread::spawn(move || serve(config(Role::Scheduler, port, 1, 1)));
     let server = thread::spawn(move || {
         let make: MakeHandler = Box::new(|me: &NodeInfo| -> RequestHandler {
             thread::sleep(Duration::from_millis(1500));
-            let mut srv = gradpack::dist::server::Server::new(1, me.id);
+            let mut srv = gradpack::store::param_server::server::Server::new(1, me.id);
             Box::new(move |msg| srv.handle(msg))
         });
         let post = Postoffice::start(config(Role::Server, port, 1, 1), Some(make))?;
@@ -1299,7 +1299,7 @@ fn a_server_held_after_registration_serves_under_its_own_id() {
 /// not taken for the next barrier's.
 #[test]
 fn a_lost_barrier_message_is_asked_again_and_a_repeated_release_is_ignored() {
-    use gradpack::dist::message::{Command, Message, Meta, Payload};
+    use gradpack::store::param_server::message::{Command, Message, Meta, Payload};
     let results = two_workers(|rank, w| {
         let post = w.postoffice();
         let seen = post.customer.barriers_done();
@@ -1366,7 +1366,7 @@ fn a_node_caps_the_connections_one_address_holds() {
             s
         })
         .collect();
-    let cap = gradpack::dist::gate::Caps::for_job(3).per_address;
+    let cap = gradpack::store::param_server::gate::Caps::for_job(3).per_address;
     let mut most = 0;
     let t = std::time::Instant::now();
     while t.elapsed() < Duration::from_secs(3) {

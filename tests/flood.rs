@@ -11,9 +11,9 @@ use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use gradpack::dist::auth::Secret;
-use gradpack::dist::{serve, Config, DistWorker, Role};
-use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
+use gradpack::store::param_server::auth::Secret;
+use gradpack::store::param_server::{serve, Config, DistWorker, Role};
+use gradpack::store::{Array, ArrayMut, Grad, Key};
 
 fn rss_mib() -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -34,7 +34,7 @@ fn config(role: Role, port: u16) -> Config {
         verbose: 0,
         bigarray_bound: 1_000_000,
         partition_bytes: 4 << 20,
-        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: gradpack::store::param_server::config::DEFAULT_MAX_MESSAGE_BYTES,
         secret: Some(Secret::new(b"flood").unwrap()),
     }
 }

@@ -13,12 +13,12 @@ use std::thread;
 use std::time::Duration;
 
 use gradpack::codec::{self, Thresholds};
-use gradpack::dist::counts;
-use gradpack::dist::message::{decode_pairs, encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta};
-use gradpack::dist::protocol::Flag;
-use gradpack::dist::server::Server;
-use gradpack::dist::{serve, Config, DistWorker, Role};
-use gradpack::kvstore::{Array, ArrayMut, Grad, Key};
+use gradpack::store::param_server::counts;
+use gradpack::store::param_server::message::{decode_pairs, encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta};
+use gradpack::store::param_server::protocol::Flag;
+use gradpack::store::param_server::server::Server;
+use gradpack::store::param_server::{serve, Config, DistWorker, Role};
+use gradpack::store::{Array, ArrayMut, Grad, Key};
 use gradpack::quant::scheme::{from_wire, to_wire, value_from_wire, value_to_wire, LaneSum, Part};
 
 /// Counts, per thread, the bytes allocated and not freed and their peak since
@@ -258,7 +258,7 @@ fn loopback_port() -> u16 {
 }
 
 /// A node of a one-worker, one-server job on loopback at `port`.
-fn live_config(role: Role, port: u16, secret: Option<gradpack::dist::auth::Secret>) -> Config {
+fn live_config(role: Role, port: u16, secret: Option<gradpack::store::param_server::auth::Secret>) -> Config {
     Config {
         role,
         root_uri: "127.0.0.1".into(),
@@ -271,7 +271,7 @@ fn live_config(role: Role, port: u16, secret: Option<gradpack::dist::auth::Secre
         verbose: 0,
         bigarray_bound: 1000,
         partition_bytes: 4 << 20,
-        max_message_bytes: gradpack::dist::config::DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: gradpack::store::param_server::config::DEFAULT_MAX_MESSAGE_BYTES,
         secret,
     }
 }
@@ -335,7 +335,7 @@ fn a_live_server_survives_mutated_frames() {
 /// counted, and the key keeps exact values.
 #[test]
 fn genuine_frames_with_another_destination_or_job_are_dropped() {
-    use gradpack::dist::auth::{Auth, Secret};
+    use gradpack::store::param_server::auth::{Auth, Secret};
     let port = loopback_port();
     let secret = Secret::new(b"fuzz").unwrap();
     let config = |role| live_config(role, port, Some(secret.clone()));
@@ -344,7 +344,7 @@ fn genuine_frames_with_another_destination_or_job_are_dropped() {
     let server = {
         let c = config(Role::Server);
         thread::spawn(move || {
-            let post = gradpack::dist::server::start_server(c)?;
+            let post = gradpack::store::param_server::server::start_server(c)?;
             tx.send(post.clone()).unwrap();
             let r = post.customer.wait_until_over();
             post.stop();

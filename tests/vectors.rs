@@ -42,7 +42,7 @@ fn committed_vectors_match() {
             assert_eq!(got, u64s(&step["compr_bits"]), "case {ci} ({dtype}, n={n}) step {si}: compr");
             let got: Vec<u64> = residual.iter().map(|x| x.to_bits() as u64).collect();
             assert_eq!(got, u64s(&step["residual_bits"]), "case {ci} ({dtype}, n={n}) step {si}: residual");
-            // Dequantize gives each element's threshold by its code (SPEC §1),
+            // Dequantize gives each element's threshold by its code (docs/contract.md §1),
             // read here straight from the committed bits.
             let mut out = vec![f32::NAN; n];
             dequantize_2bit(&compr, &mut out).unwrap();

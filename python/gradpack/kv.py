@@ -346,7 +346,7 @@ class KVStore(object):
     # ----------------------------------------------------------- configuration
 
     def set_compress(self, compress_params):
-        """Gradient compression (SPEC section 2), e.g. {'compress': '2bit',
+        """Gradient compression (docs/contract.md §2), e.g. {'compress': '2bit',
         'pos_threshold': 0.5, 'neg_threshold': -0.5}. A 'local' store refuses it."""
         if not isinstance(compress_params, dict):
             raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)

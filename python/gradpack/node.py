@@ -3,7 +3,7 @@
     DMLC_ROLE=server DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=9091 \\
     DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 python -m gradpack.node
 
-Exits 0 when the job ends, 1 when it fails (see gradpack::dist::config for
+Exits 0 when the job ends, 1 when it fails (see gradpack::store::param_server::config for
 every variable)."""
 import os
 import sys

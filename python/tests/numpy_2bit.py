@@ -1,4 +1,4 @@
-"""An independent numpy model of SPEC §1 (vectorised, float32 throughout): the
+"""An independent numpy model of docs/contract.md §1 (vectorised, float32 throughout): the
 oracle for the committed vectors and the Python tests, and the numpy baseline
 of the codec benchmark."""
 import numpy as np

@@ -203,7 +203,7 @@ def test_large_n_header_rounds_to_nearest():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_sums_are_refused_untouched(dtype, bad):
-    """SPEC §1: a NaN or ±inf in residual + grad fails naming the first such
+    """docs/contract.md §1: a NaN or ±inf in residual + grad fails naming the first such
     element, and neither the residual nor the compressed array changes."""
     np_dtype = DTYPES[dtype][0]
     grad = np.full(40, 0.3, np.float32)

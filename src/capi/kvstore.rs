@@ -1,5 +1,5 @@
 //! C ABI of every KVStore: an opaque `gp_kvstore_t` handle (a `Box<dyn
-//! Store>` from `stores::open`, so each call is one trait call) with
+//! Store>` from `store::open`, so each call is one trait call) with
 //! `_new`/`_free`, keys as `gp_key_t`, arrays as `gp_array_t` descriptors.
 //! The caller owns every array; the store copies what it keeps.
 #![allow(non_camel_case_types)] // the C names, as c_api.h spells them
@@ -10,9 +10,9 @@ use half::{bf16, f16};
 
 use super::{cstr, dtype_of, guard, params, slice, slice_mut, Raw};
 use crate::compression::Compression;
-use crate::dist::{self, Config};
+use crate::store::param_server::{self, Config};
 use crate::error::{Dtype, Error, Result};
-use crate::kvstore::{elements, Array, ArrayMut, Grad, Key, Store, Updater};
+use crate::store::{elements, Array, ArrayMut, Grad, Key, Store, Updater};
 
 /// Opaque store handle: any store, behind the one `Store` trait.
 pub struct gp_kvstore_t(Box<dyn Store>);
@@ -170,7 +170,7 @@ pub unsafe extern "C" fn gp_kvstore_new(type_name: *const c_char, out: *mut *mut
         if out.is_null() {
             return Err(Error::NullPointer { what: "out" });
         }
-        let store = crate::stores::open(cstr(type_name, "type")?)?;
+        let store = crate::store::open(cstr(type_name, "type")?)?;
         *out = Box::into_raw(Box::new(gp_kvstore_t(store)));
         Ok(())
     })
@@ -243,13 +243,13 @@ pub extern "C" fn gp_kvstore_types() -> *const c_char {
     static TABLE: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
     TABLE
         .get_or_init(|| {
-            let entries: Vec<String> = crate::kvstore::STORE_TYPES
+            let entries: Vec<String> = crate::store::STORE_TYPES
                 .iter()
                 .map(|(n, k)| {
                     let kind = match k {
-                        crate::kvstore::Kind::Dist { .. } => "dist",
-                        crate::kvstore::Kind::Local(crate::kvstore::StoreType::Allreduce) => "allreduce",
-                        crate::kvstore::Kind::Local(_) => "local",
+                        crate::store::Kind::ParamServer { .. } => "dist",
+                        crate::store::Kind::AllReduce => "allreduce",
+                        crate::store::Kind::Local | crate::store::Kind::Device => "local",
                     };
                     format!("{}:{kind}", n.to_string_lossy())
                 })
@@ -268,7 +268,7 @@ pub unsafe extern "C" fn gp_kvstore_type(store: *const gp_kvstore_t) -> *const c
     let Some(store) = store.as_ref() else { return std::ptr::null() };
     let name = store.0.type_name();
     // Every store was made from a name of the table.
-    crate::kvstore::store_type(name).map_or(std::ptr::null(), |(c, _)| c.as_ptr())
+    crate::store::store_type(name).map_or(std::ptr::null(), |(c, _)| c.as_ptr())
 }
 
 /// This worker's rank and the number of workers (0 and 1 for local stores).
@@ -323,7 +323,7 @@ pub unsafe extern "C" fn gp_kvstore_residual(store: *const gp_kvstore_t, key: gp
 /// ends: 0 when it ended normally, -1 (with the message) when it failed.
 #[no_mangle]
 pub extern "C" fn gp_dist_serve() -> c_int {
-    guard(|| dist::serve(Config::from_env()?))
+    guard(|| param_server::serve(Config::from_env()?))
 }
 
 /// Initialises `key` with a float32 `value` (copied).

@@ -1,4 +1,4 @@
-//! The 2-bit codec of SPEC §1: header `[neg_threshold, pos_threshold, n]`, then
+//! The 2-bit codec of docs/contract.md §1: header `[neg_threshold, pos_threshold, n]`, then
 //! 16 two-bit codes per float, with error feedback into an f32 residual.
 //!
 //! This module owns validation and the public API; `reference` is the oracle,
@@ -89,7 +89,7 @@ fn blocks_mut(compr: &mut [f32]) -> &mut [u32] {
     &mut all[HEADER_LEN..]
 }
 
-/// Checks that `residual + grad` is finite for every element (SPEC §1): an
+/// Checks that `residual + grad` is finite for every element (docs/contract.md §1): an
 /// error naming `what` and the first element where it is not. A read-only
 /// pass, so that a failing quantize changes nothing.
 pub fn check_finite<G: Gradient>(what: &str, grad: &[G], residual: &[f32]) -> Result<()> {
@@ -123,7 +123,7 @@ pub(crate) fn quantize_2bit_finite<G: Gradient>(grad: &[G], residual: &mut [f32]
 fn write_header(compr: &mut [f32], n: usize, th: Thresholds) {
     compr[0] = th.neg;
     compr[1] = th.pos;
-    compr[2] = n as f32; // round to nearest, as SPEC §1 says
+    compr[2] = n as f32; // round to nearest, as docs/contract.md §1 says
 }
 
 /// `quantize_2bit` out of place, at the memory floor: reads `residual`,

@@ -1,4 +1,4 @@
-//! The scalar oracle: SPEC §1 written out element by element. It is not the
+//! The scalar oracle: docs/contract.md §1 written out element by element. It is not the
 //! product; every fast kernel is tested bit-for-bit against it.
 
 use super::gradient::Gradient;

@@ -1,4 +1,4 @@
-//! `compress_params` (SPEC §2): one dictionary configures compression
+//! `compress_params` (docs/contract.md §2): one dictionary configures compression
 //! everywhere. Values arrive as strings (as MXNet passes them) or numbers; this
 //! module validates them once and names the offending key.
 

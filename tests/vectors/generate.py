@@ -42,7 +42,7 @@ def main():
     cases.append(case(rng, "float32", 50, -0.25, 1.0, 5))  # asymmetric
     cases.append(case(rng, "float32", 40, -2.0, 2.0, 3))
     with open(os.path.join(here, "2bit.json"), "w") as f:
-        json.dump({"spec": "SPEC.md section 1", "generator": "tests/vectors/generate.py",
+        json.dump({"spec": "docs/contract.md section 1", "generator": "tests/vectors/generate.py",
                    "cases": cases}, f, separators=(",", ":"))
         f.write("\n")
 

@@ -13,7 +13,8 @@ use super::counts;
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::{settle, Key};
+use crate::store::sum::settle;
+use crate::store::Key;
 use crate::optimizer::Optimizer;
 use crate::quant::{collective, scheme, scheme::Part};
 
@@ -118,7 +119,7 @@ struct Slot {
     shape: Vec<usize>,
     scheme: SchemeRound,
     value: Vec<f32>,
-    /// A float16 key: sums and updates rounded to float16 (`kvstore::settle`).
+    /// A float16 key: sums and updates rounded to float16 (`store::sum::settle`).
     half: bool,
     merge: Vec<f32>,
     round: Round,
@@ -728,7 +729,7 @@ pub fn run_server(config: Config) -> Result<()> {
 pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
     let num_workers = config.num_workers;
     // The handler is made once the node has its id: every response carries it.
-    let make = Box::new(move |me: &crate::dist::postoffice::NodeInfo| -> crate::dist::postoffice::RequestHandler {
+    let make = Box::new(move |me: &crate::store::param_server::postoffice::NodeInfo| -> crate::store::param_server::postoffice::RequestHandler {
         let mut srv = Server::new(num_workers, me.id);
         Box::new(move |msg: Message| {
             let mut replies = srv.handle(msg);
@@ -736,7 +737,7 @@ pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
                 // A server that can no longer serve says so; the scheduler ends the job.
                 let mut m = Meta::new(Command::NodeFailed, srv.my_id);
                 m.body = why;
-                replies.push((crate::dist::postoffice::SCHEDULER_ID, Message { meta: m, data: Payload::empty() }));
+                replies.push((crate::store::param_server::postoffice::SCHEDULER_ID, Message { meta: m, data: Payload::empty() }));
             }
             replies
         })
@@ -747,7 +748,7 @@ pub fn start_server(config: Config) -> Result<std::sync::Arc<Postoffice>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::message::encode_pairs;
+    use crate::store::param_server::message::encode_pairs;
 
     #[test]
     fn a_panicking_handler_answers_then_refuses_and_reports_once() {

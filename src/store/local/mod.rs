@@ -1,9 +1,9 @@
-//! The `local` and `device` KVStores (SPEC §3): init / push / pull / pushpull /
-//! broadcast with MXNet's semantics, compression on `device`, and an updater
-//! (a Rust optimizer or a caller's function). `store` is the trait every
-//! store implements; `mpi` the MPI all-reduce store, which keeps its keys in
-//! a `KVStore` and agrees and reduces each init and push through its job;
-//! `checkpoint` the compression states' format.
+//! The `local` and `device` KVStores (docs/contract.md §3): init / push /
+//! pull with MXNet's semantics, compression on `device`, and an updater (a
+//! Rust optimizer or a caller's function). Below them, the replica API
+//! (`KVStore::replica`, `Replica`, `Round`): how the MPI store keeps one
+//! worker's keys in a `KVStore` and runs each push through its job, without
+//! touching an entry.
 //!
 //! Thread safety: a `KVStore` is `Send + Sync`. Each key has its own lock, held
 //! for the whole of a push (reduce, then update) or pull of that key, so pushes
@@ -14,101 +14,20 @@
 //! Changing compression or the updater waits for no push: pushes already
 //! running finish with the setting they started with.
 
-pub(crate) mod checkpoint;
-mod mpi;
-mod store;
-
-pub use mpi::AllreduceStore;
-pub use store::Store;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-pub use crate::key::Key;
-
-pub use crate::codec::Grad;
-use crate::allreduce;
+use super::checks::{check_compress_before_init, check_outputs, check_push, check_shape, key_error, lock};
+use super::sum::{round_to_f16, settle, sum_into};
+use super::{checkpoint, Array, ArrayMut, Grad, Key, Kind, Store, Updater};
 use crate::codec;
-use crate::par;
 use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 use crate::optimizer::Optimizer;
-use crate::quant::{collective, scheme};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreType {
-    /// Reduces on the CPU; compression is refused (as in MXNet).
-    Local,
-    /// Reduces on a merge device; with compression every pushed array is
-    /// quantized with its own residual, then dequantized and summed.
-    Device,
-    /// `dist_sync_allreduce`: one worker of an MPI job (`crate::allreduce`);
-    /// its devices are merged, then reduced with every other worker's by MPI,
-    /// and each worker updates its own replica.
-    Allreduce,
-}
-
-/// What a store type name makes: a `KVStore` of some `StoreType`, or a
-/// parameter-server worker (`dist::DistWorker`), asynchronous or not.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Local(StoreType),
-    Dist { asynchronous: bool },
-}
-
-/// Every store type gradpack serves, in one table: the C ABI's names, the
-/// Python package's lists and the MXNet front all come from here.
-pub const STORE_TYPES: [(&std::ffi::CStr, Kind); 7] = [
-    (c"local", Kind::Local(StoreType::Local)),
-    (c"device", Kind::Local(StoreType::Device)),
-    (c"dist_sync_allreduce", Kind::Local(StoreType::Allreduce)),
-    (c"dist_sync", Kind::Dist { asynchronous: false }),
-    (c"dist_async", Kind::Dist { asynchronous: true }),
-    (c"dist_sync_device", Kind::Dist { asynchronous: false }),
-    (c"dist_device_sync", Kind::Dist { asynchronous: false }),
-];
-
-/// The table's entry for `name`: its static C string and kind.
-pub fn store_type(name: &str) -> Option<(&'static std::ffi::CStr, Kind)> {
-    STORE_TYPES.iter().find(|(n, _)| n.to_bytes() == name.as_bytes()).copied()
-}
-
-impl StoreType {
-    pub fn parse(name: &str) -> Result<StoreType> {
-        match store_type(name) {
-            Some((_, Kind::Local(t))) => Ok(t),
-            _ => Err(Error::Store(format!("unknown KVStore type '{name}' (this store supports 'local', 'device' and '{}')", allreduce::TYPE_NAME))),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        let entry = STORE_TYPES.iter().find(|(_, k)| *k == Kind::Local(self)).expect("every StoreType is in the table");
-        entry.0.to_str().expect("ASCII names")
-    }
-}
-
-/// One array handed to the store, with its shape.
-#[derive(Clone, Copy, Debug)]
-pub struct Array<'a> {
-    pub shape: &'a [usize],
-    pub data: Grad<'a>,
-}
-
-/// One output array the store writes into.
-#[derive(Debug)]
-pub struct ArrayMut<'a> {
-    pub shape: &'a [usize],
-    pub data: &'a mut [f32],
-}
-
-/// What a push does with the merged gradient.
-pub enum Updater {
-    /// gradpack's own optimizer.
-    Optimizer(Optimizer),
-    /// A caller's function `(key, merged, stored)`, `stored` updated in place.
-    Custom(Box<dyn Fn(&Key, &[f32], &mut [f32]) -> Result<()> + Send + Sync>),
-}
+use crate::par;
+use crate::quant::collective::{self, Collective};
+use crate::quant::scheme;
 
 /// Invariant: `value.len() == shape.iter().product()`; every non-empty residual
 /// has that length too; each compressed buffer is `compressed_len(value.len())`.
@@ -165,97 +84,16 @@ pub struct Stats {
 }
 
 pub struct KVStore {
-    kind: StoreType,
+    /// `Kind::Local` or `Kind::Device`; `Kind::AllReduce` for a replica.
+    kind: Kind,
     keys: RwLock<Keys>,
     compression: RwLock<Compression>,
     updater: RwLock<Option<Arc<Updater>>>,
     raw_bytes: AtomicU64,
     wire_bytes: AtomicU64,
     /// This process's rank and the number of workers: (0, 1), or the MPI
-    /// job's when an `AllreduceStore` holds this store.
+    /// job's for a replica (`KVStore::replica`).
     member: (usize, usize),
-}
-
-/// The rule of every store, as MXNet's: compression is chosen before the
-/// first init, so no residual is ever dropped or reinterpreted.
-pub(crate) fn check_compress_before_init(keys: usize) -> Result<()> {
-    if keys > 0 {
-        return Err(Error::Store(format!("set the gradient compression before initializing any key ({keys} already initialized)")));
-    }
-    Ok(())
-}
-
-/// A key's lock. A panic while it was held (a bug; caller's updaters are
-/// caught before that) leaves the key unusable with this error, never a panic.
-pub(crate) fn lock<'a, T>(key: &Key, entry: &'a Mutex<T>) -> Result<std::sync::MutexGuard<'a, T>> {
-    entry.lock().map_err(|_| key_error(key, "an earlier call panicked while changing this key; its state is unknown, so it refuses every call"))
-}
-
-pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
-    Error::Key { key: key.to_string(), problem: problem.into() }
-}
-
-/// The element count of a shape from outside, with checked arithmetic: a
-/// product that overflows, or more float32 bytes than a slice may span, is an
-/// error (never a wrapped count such as [2^32, 2^32] -> 0).
-pub fn elements(shape: &[usize]) -> Result<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .filter(|&n| n.checked_mul(std::mem::size_of::<f32>()).is_some_and(|b| b <= isize::MAX as usize))
-        .ok_or_else(|| Error::InvalidParam { key: "shape".into(), problem: format!("{shape:?} has more elements than memory can hold") })
-}
-
-pub(crate) fn check_shape(key: &Key, what: &str, shape: &[usize], len: usize, want: &[usize]) -> Result<()> {
-    if elements(shape).map_err(|e| key_error(key, format!("{what}: {e}")))? != len {
-        return Err(key_error(key, format!("{what} has shape {shape:?} but {len} elements")));
-    }
-    if shape != want {
-        return Err(key_error(key, format!("{what} has shape {shape:?}, expected {want:?}")));
-    }
-    Ok(())
-}
-
-/// The checks of a push, shared by every store: values present, each of the
-/// key's shape, and without compression of the key's dtype (`half`: float16).
-pub(crate) fn check_push(key: &Key, values: &[Array], shape: &[usize], compression: Compression, half: bool) -> Result<()> {
-    if values.is_empty() {
-        return Err(key_error(key, "push of an empty list of values"));
-    }
-    let want = if half { Dtype::F16 } else { Dtype::F32 };
-    for (i, v) in values.iter().enumerate() {
-        check_shape(key, &format!("pushed value {i}"), v.shape, v.data.len(), shape)?;
-        if compression.is_none() && v.data.dtype() != want {
-            return Err(key_error(key, format!("pushed value {i} has dtype {}; without compression values must have the key's dtype, {want}", v.data.dtype())));
-        }
-    }
-    Ok(())
-}
-
-/// Rounds each element to the nearest float16, kept in float32: how a
-/// float16 key's value stays what MXNet would hold.
-pub(crate) fn round_to_f16(x: &mut [f32]) {
-    x.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32());
-}
-
-/// After an update or a sum became a float16 key's value: rounded to
-/// float16, unless the optimizer keeps a float32 master copy
-/// (`multi_precision`), which pulls round instead.
-pub(crate) fn settle(value: &mut [f32], half: bool, optimizer: Option<&Optimizer>) {
-    if half && !optimizer.is_some_and(|o| o.multi_precision()) {
-        round_to_f16(value);
-    }
-}
-
-/// The checks of a pull: outputs present, each of the key's shape.
-pub(crate) fn check_outputs(key: &Key, what: &str, outs: &[ArrayMut], shape: &[usize]) -> Result<()> {
-    if outs.is_empty() {
-        return Err(key_error(key, format!("{what} into an empty list of outputs")));
-    }
-    for (i, o) in outs.iter().enumerate() {
-        check_shape(key, &format!("{what} output {i}"), o.shape, o.data.len(), shape)?;
-    }
-    Ok(())
 }
 
 impl Store for KVStore {
@@ -353,37 +191,18 @@ fn copy_into(dst: &mut [f32], src: &[f32]) {
     par::chunks(dst, |start, d| d.copy_from_slice(&src[start..start + d.len()]));
 }
 
-/// `dst = grads[0] + grads[1] + ...` in float32 (half-precision gradients
-/// widened exactly), left to right per element, in parallel chunks. With
-/// `half` (a float16 key) each partial sum is rounded to float16, as MXNet
-/// adds float16 arrays.
-pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad], half: bool) {
-    let round = |x: f32| if half { half::f16::from_f32(x).to_f32() } else { x };
-    let chunk = |offset: usize, d: &mut [f32]| {
-        let range = offset..offset + d.len();
-        for (i, g) in grads.iter().enumerate() {
-            let add = |x: &mut f32, y: f32| if i == 0 { *x = y } else { *x = round(*x + y) };
-            match g.slice(range.clone()) {
-                Grad::F32(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y)),
-                Grad::F16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
-                Grad::Bf16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
-            }
-        }
-    };
-    par::chunks(dst, chunk);
-}
-
 impl KVStore {
     /// A `local` or `device` store (`dist_sync_allreduce` is an MPI job's:
-    /// `AllreduceStore::join`, or `stores::open` for any name).
+    /// `MpiStore::join`, or `store::open` for any name).
     pub fn new(type_name: &str) -> Result<KVStore> {
-        match StoreType::parse(type_name)? {
-            StoreType::Allreduce => Err(Error::Store(format!("'{type_name}' joins an MPI job: open it with gradpack::stores::open or AllreduceStore::join"))),
-            kind => Ok(KVStore::with_member(kind, 0, 1)),
+        match super::store_type(type_name) {
+            Some((_, kind @ (Kind::Local | Kind::Device))) => Ok(KVStore::with_member(kind, 0, 1)),
+            Some((_, Kind::AllReduce)) => Err(Error::Store(format!("'{type_name}' joins an MPI job: open it with gradpack::store::open or MpiStore::join"))),
+            _ => Err(Error::Store(format!("unknown KVStore type '{type_name}' (this store supports 'local', 'device' and '{}')", Kind::AllReduce.name()))),
         }
     }
 
-    fn with_member(kind: StoreType, rank: usize, workers: usize) -> KVStore {
+    fn with_member(kind: Kind, rank: usize, workers: usize) -> KVStore {
         KVStore {
             kind,
             keys: RwLock::default(),
@@ -411,10 +230,10 @@ impl KVStore {
         *self.compression.read().unwrap()
     }
 
-    /// Sets compression (SPEC §2). A `local` store refuses anything but `None`;
+    /// Sets compression (docs/contract.md §2). A `local` store refuses anything but `None`;
     /// every store refuses it once a key exists (`check_compress_before_init`).
     pub fn set_compress(&self, compression: Compression) -> Result<()> {
-        if self.kind == StoreType::Local && !compression.is_none() {
+        if self.kind == Kind::Local && !compression.is_none() {
             return Err(Error::Store(
                 "gradient compression is not supported on a 'local' KVStore (it reduces on the CPU without a transfer to save); \
                  create a 'device' store, e.g. kv.create('device'), to compress gradients"
@@ -556,7 +375,7 @@ impl KVStore {
     }
 
     /// Adds a checked key with `data` as its value (float32, of `value`'s shape).
-    fn insert(&self, key: &Key, value: Array, mut data: Vec<f32>) -> Result<()> {
+    pub(in crate::store) fn insert(&self, key: &Key, value: Array, mut data: Vec<f32>) -> Result<()> {
         let mut keys = self.keys.write().unwrap();
         // Checked again under the write lock: another thread may have inserted meanwhile.
         if keys.map.contains_key(key) {
@@ -573,13 +392,13 @@ impl KVStore {
 
     /// The checks of an init; the value as float32. A float16 value makes a
     /// float16 key (not on the all-reduce store).
-    fn check_init(&self, key: &Key, value: Array) -> Result<Vec<f32>> {
+    pub(in crate::store) fn check_init(&self, key: &Key, value: Array) -> Result<Vec<f32>> {
         key.check()?;
         let data = match value.data {
             Grad::F32(d) => d.to_vec(),
-            Grad::F16(d) if self.kind != StoreType::Allreduce => d.iter().map(|x| x.to_f32()).collect(),
+            Grad::F16(d) if self.kind != Kind::AllReduce => d.iter().map(|x| x.to_f32()).collect(),
             other => {
-                let want = if self.kind != StoreType::Allreduce { "float32 or float16" } else { "float32 (the all-reduce store holds float32 values)" };
+                let want = if self.kind != Kind::AllReduce { "float32 or float16" } else { "float32 (the all-reduce store holds float32 values)" };
                 return Err(key_error(key, format!("init value has dtype {}, expected {want}", other.dtype())));
             }
         };
@@ -642,8 +461,8 @@ impl KVStore {
                 // float16 keys sum as MXNet's stores do: 'device' rounds each
                 // partial sum to float16, 'local' accumulates in float32 and
                 // rounds the total once.
-                sum_into(&mut e.merge_buf, &grads, e.half && self.kind == StoreType::Device);
-                if e.half && self.kind == StoreType::Local {
+                sum_into(&mut e.merge_buf, &grads, e.half && self.kind == Kind::Device);
+                if e.half && self.kind == Kind::Local {
                     round_to_f16(&mut e.merge_buf);
                 }
             }
@@ -752,6 +571,133 @@ impl KVStore {
                 }))
             }
         }
+    }
+}
+
+// --- The replica API: one worker's keys of an all-reduce job (the MPI
+// store's). The driving store runs its job's protocol around each push; the
+// entry, its buffers, states and counters stay this module's.
+
+impl KVStore {
+    /// A store for rank `rank`'s replica of a `workers`-worker all-reduce
+    /// job's keys: float32 keys only; its pushes run through `Replica::push`.
+    pub(in crate::store) fn replica(rank: usize, workers: usize) -> KVStore {
+        KVStore::with_member(Kind::AllReduce, rank, workers)
+    }
+
+    /// `key`'s replica, ready for a push, or the error a push of it gives.
+    pub(in crate::store) fn replica_of<'a>(&'a self, key: &'a Key) -> Result<Replica<'a>> {
+        Ok(Replica { store: self, key, entry: self.entry(key)? })
+    }
+
+    /// The updater as every worker must hold it: 0 for none, 1 for a
+    /// caller's function, else the optimizer's fingerprint.
+    pub(in crate::store) fn updater_fingerprint(&self) -> u64 {
+        match self.updater.read().unwrap().as_deref() {
+            None => 0,
+            Some(Updater::Optimizer(o)) => crate::hash::fingerprint(&format!("{:?}", o.rule())),
+            Some(Updater::Custom(_)) => 1,
+        }
+    }
+}
+
+/// One key of a replica store, found.
+pub(in crate::store) struct Replica<'a> {
+    store: &'a KVStore,
+    key: &'a Key,
+    entry: Arc<Mutex<Entry>>,
+}
+
+impl Replica<'_> {
+    /// One push of the key under its lock: the store's checks, then `drive`
+    /// with the round and the checks' result (a job's member takes part in
+    /// its collectives even when its own checks failed). What a failed push
+    /// changed is put back.
+    pub fn push(&self, values: &[Array], drive: impl FnOnce(Round<'_>, Result<()>) -> Result<()>) -> Result<()> {
+        let store = self.store;
+        let (compression, updater) = (store.compression(), store.updater.read().unwrap().clone());
+        let mut guard = lock(self.key, &self.entry)?;
+        let e = &mut *guard;
+        let checked = store.check_push(self.key, e, values, compression, updater.as_deref());
+        store.undoable(e, updater.as_deref(), |e| drive(Round { store, key: self.key, e, compression, updater: updater.as_deref() }, checked))
+    }
+}
+
+/// One push of one replica key, under its lock.
+pub(in crate::store) struct Round<'a> {
+    store: &'a KVStore,
+    key: &'a Key,
+    e: &'a mut Entry,
+    compression: Compression,
+    updater: Option<&'a Updater>,
+}
+
+impl Round<'_> {
+    /// The key's element count.
+    pub fn len(&self) -> usize {
+        self.e.value.len()
+    }
+
+    /// Compressed pushes of the key so far.
+    pub fn step(&self) -> u64 {
+        self.e.pushes
+    }
+
+    /// Sums this worker's devices into the merge buffer (scratch, not state)
+    /// and checks the sum as the compression will take it (under 2-bit, that
+    /// the sum plus the residual is finite): nothing of the key changes.
+    pub fn merge(&mut self, values: &[Array]) -> Result<()> {
+        let (key, e) = (self.key, &mut *self.e);
+        let n = e.value.len();
+        let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
+        e.merge_buf.resize(n, 0.0);
+        sum_into(&mut e.merge_buf, &grads, false);
+        if let Compression::TwoBit(_) = self.compression {
+            let zeros;
+            let residual = match e.states.first() {
+                Some(s) if s.residual.len() == n => &s.residual[..],
+                _ => {
+                    zeros = vec![0f32; n]; // a first push starts from a zero residual
+                    &zeros[..]
+                }
+            };
+            codec::check_finite("merged gradient", &e.merge_buf, residual).map_err(|err| key_error(key, err.to_string()))?;
+        } else if !matches!(self.compression, Compression::Qsgd(_)) {
+            // (QSGD's shared scale fails every worker together by itself.)
+            scheme::check_input(&self.compression, 1, &[&e.merge_buf], 1).map_err(|err| key_error(key, err.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Reduces the merged sum with the other workers' through `group`
+    /// (this worker is `member` of `workers`): a float32 sum, or the
+    /// compression's encode, sum and decode. Every worker's checks passed.
+    pub fn reduce(&mut self, group: &mut dyn Collective, member: u64, workers: usize) -> Result<()> {
+        let e = &mut *self.e;
+        if self.compression.is_none() {
+            group.sum_f32(&mut e.merge_buf)?;
+        } else {
+            if e.states.is_empty() {
+                e.states.push(scheme::State::default());
+            }
+            let ctx = scheme::Ctx { shape: &e.shape, step: e.pushes, key_hash: self.key.stable_hash(), member, workers };
+            // The decoded sum goes to a second buffer, kept between pushes.
+            let mut out = std::mem::take(&mut e.scheme_out);
+            out.resize(e.value.len(), 0.0);
+            let result = scheme::allreduce(&self.compression, &mut e.states[..1], &[&e.merge_buf], &ctx, group, &mut out);
+            e.scheme_out = std::mem::replace(&mut e.merge_buf, out);
+            result?;
+        }
+        e.pushes += 1;
+        Ok(())
+    }
+
+    /// Counts the push (`wire_bytes` handed to the group) and applies the
+    /// updater to the reduced sum.
+    pub fn update(self, wire_bytes: u64) -> Result<()> {
+        self.store.raw_bytes.fetch_add(4 * self.e.value.len() as u64, Ordering::Relaxed);
+        self.store.wire_bytes.fetch_add(wire_bytes, Ordering::Relaxed);
+        apply_update(self.key, self.e, self.updater)
     }
 }
 

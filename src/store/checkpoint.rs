@@ -10,7 +10,7 @@
 
 use crate::bytes::{put_f32s, put_str, put_u32, put_u64, Reader};
 use crate::error::{Error, Result};
-use crate::kvstore::Key;
+use crate::store::Key;
 use crate::quant::scheme;
 
 const STATES_MAGIC: &[u8; 4] = b"GPCS";

@@ -24,8 +24,10 @@ use super::counts;
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::kvstore::checkpoint;
-use crate::kvstore::{check_outputs, check_push, check_shape, key_error, lock, round_to_f16, store_type, sum_into, Array, ArrayMut, Key, Kind, Store};
+use crate::store::checkpoint;
+use crate::store::checks::{check_compress_before_init, check_outputs, check_push, check_shape, key_error, lock};
+use crate::store::sum::{round_to_f16, sum_into};
+use crate::store::{store_type, Array, ArrayMut, Key, Kind, Store};
 use crate::quant::collective::Collective;
 use crate::quant::scheme::{self, Part};
 
@@ -289,9 +291,9 @@ pub struct DistWorker {
 
 impl DistWorker {
     /// Joins the job described by `config` (a worker's) as a store of
-    /// `type_name`, a dist type of `kvstore::STORE_TYPES`.
+    /// `type_name`, a parameter-server type of `store::STORE_TYPES`.
     pub fn start(type_name: &str, config: Config) -> Result<DistWorker> {
-        let Some((_, Kind::Dist { asynchronous })) = store_type(type_name) else {
+        let Some((_, Kind::ParamServer { asynchronous })) = store_type(type_name) else {
             return Err(Error::Store(format!("unknown distributed KVStore type '{type_name}'")));
         };
         if config.role != Role::Worker {
@@ -413,7 +415,7 @@ impl DistWorker {
                 )));
             }
         }
-        crate::kvstore::check_compress_before_init(self.keys.read().unwrap().len())?;
+        check_compress_before_init(self.keys.read().unwrap().len())?;
         if self.rank() == 0 {
             self.to_all_servers(Command::SetCompress, encode_pairs(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))))?;
         }
@@ -805,7 +807,7 @@ impl DistWorker {
 impl Store for DistWorker {
     fn type_name(&self) -> &'static str {
         // Every worker was started from a name of the table.
-        crate::kvstore::store_type(&self.type_name).and_then(|(c, _)| c.to_str().ok()).unwrap_or("dist")
+        crate::store::store_type(&self.type_name).and_then(|(c, _)| c.to_str().ok()).unwrap_or("dist")
     }
     fn rank(&self) -> usize {
         DistWorker::rank(self)

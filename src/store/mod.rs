@@ -1,16 +1,123 @@
-//! `Store`: what every store does, whatever carries its traffic. The
-//! local/device and MPI stores (`KVStore`) and the parameter-server worker
-//! (`dist::DistWorker`) implement it; the C ABI, the C++ bridge (and through
-//! the C ABI, Python) hold a `Box<dyn Store>` from `stores::open` and call
-//! nothing else, so each call is dispatched once, here.
+//! The stores: what every store shares, in this wing, and each store in a
+//! folder of its own beside the others.
+//!
+//! - this file: the `Store` trait every store implements (the C ABI, the
+//!   C++ bridge and, through the C ABI, Python hold a `Box<dyn Store>` from
+//!   `open` and call nothing else), the arrays handed to a store, the
+//!   updater, and the one table of store types;
+//! - `checks`: the checks every store runs before it changes anything
+//!   (shapes, dtypes, outputs, the key lock);
+//! - `sum`: summing devices' gradients and settling float16 keys;
+//! - `checkpoint`: the compression states' format ("GPCS", "GPST");
+//! - `local`: the `local` and `device` stores (`KVStore`), and the replica
+//!   API through which the MPI store keeps its keys in one;
+//! - `mpi`: the all-reduce store `dist_sync_allreduce` over Open MPI;
+//! - `param_server`: MXNet's parameter server (`dist_sync`, `dist_async`):
+//!   its worker, server and transport.
+//!
+//! The stores use one another only through this file, `local`'s replica API
+//! and the shared modules; none reads another's private state.
 //!
 //! The calls that combine others (pushpull, broadcast) are written once
 //! below and check every output before the push or init changes anything:
 //! validate, then mutate, on every store alike.
 
-use super::{check_outputs, Array, ArrayMut, Key, Updater};
+pub(crate) mod checkpoint;
+pub(crate) mod checks;
+pub mod local;
+pub mod mpi;
+pub mod param_server;
+pub(crate) mod sum;
+
+pub use checks::elements;
+pub use local::{KVStore, Stats};
+pub use mpi::MpiStore;
+pub use param_server::DistWorker;
+
+pub use crate::codec::Grad;
+pub use crate::key::Key;
+
+use checks::check_outputs;
 use crate::compression::Compression;
 use crate::error::{Error, Result};
+use crate::optimizer::Optimizer;
+
+/// What a store type name makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A `KVStore` that reduces on the CPU; compression is refused (as in MXNet).
+    Local,
+    /// A `KVStore` that reduces on a merge device; with compression every
+    /// pushed array is quantized with its own residual, then summed.
+    Device,
+    /// `dist_sync_allreduce`: one worker of an MPI job (`MpiStore`); its
+    /// devices are merged, then reduced with every other worker's by MPI, and
+    /// each worker updates its own replica.
+    AllReduce,
+    /// A worker of MXNet's parameter server (`DistWorker`), asynchronous or not.
+    ParamServer { asynchronous: bool },
+}
+
+/// Every store type gradpack serves, in one table: the C ABI's names, the
+/// Python package's lists and the MXNet front all come from here.
+pub const STORE_TYPES: [(&std::ffi::CStr, Kind); 7] = [
+    (c"local", Kind::Local),
+    (c"device", Kind::Device),
+    (c"dist_sync_allreduce", Kind::AllReduce),
+    (c"dist_sync", Kind::ParamServer { asynchronous: false }),
+    (c"dist_async", Kind::ParamServer { asynchronous: true }),
+    (c"dist_sync_device", Kind::ParamServer { asynchronous: false }),
+    (c"dist_device_sync", Kind::ParamServer { asynchronous: false }),
+];
+
+/// The table's entry for `name`: its static C string and kind.
+pub fn store_type(name: &str) -> Option<(&'static std::ffi::CStr, Kind)> {
+    STORE_TYPES.iter().find(|(n, _)| n.to_bytes() == name.as_bytes()).copied()
+}
+
+impl Kind {
+    /// The kind's first name in the table (a parameter-server kind has
+    /// several: this is `dist_sync` or `dist_async`).
+    pub fn name(self) -> &'static str {
+        let entry = STORE_TYPES.iter().find(|(_, k)| *k == self).expect("every Kind is in the table");
+        entry.0.to_str().expect("ASCII names")
+    }
+}
+
+/// A new store of `type_name`: a local or device store, a member of the MPI
+/// job this process was started in, or a worker of a parameter-server job
+/// that the DMLC_* variables describe (this blocks until every node
+/// registered). Each distributed store holds its transport below it
+/// (`mpi::world::World`, `param_server::postoffice::Postoffice`).
+pub fn open(type_name: &str) -> Result<Box<dyn Store>> {
+    Ok(match store_type(type_name) {
+        Some((_, Kind::ParamServer { .. })) => Box::new(DistWorker::start(type_name, param_server::Config::from_env()?)?),
+        Some((_, Kind::AllReduce)) => Box::new(MpiStore::join()?),
+        _ => Box::new(KVStore::new(type_name)?), // an unknown name: KVStore::new says which exist
+    })
+}
+
+/// One array handed to the store, with its shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Array<'a> {
+    pub shape: &'a [usize],
+    pub data: Grad<'a>,
+}
+
+/// One output array the store writes into.
+#[derive(Debug)]
+pub struct ArrayMut<'a> {
+    pub shape: &'a [usize],
+    pub data: &'a mut [f32],
+}
+
+/// What a push does with the merged gradient.
+pub enum Updater {
+    /// gradpack's own optimizer.
+    Optimizer(Optimizer),
+    /// A caller's function `(key, merged, stored)`, `stored` updated in place.
+    Custom(Box<dyn Fn(&Key, &[f32], &mut [f32]) -> Result<()> + Send + Sync>),
+}
 
 pub trait Store: Send + Sync {
     /// The name it was created with, from `STORE_TYPES`.

@@ -4,6 +4,7 @@
 use super::*;
 use half::{bf16, f16};
 use crate::codec::Thresholds;
+use crate::store::elements;
 
 const SHAPE: &[usize] = &[4, 4];
 const N: usize = 16;

@@ -1,4 +1,4 @@
-//! The all-reduce store's transport (`dist_sync_allreduce`, MXNet's name for
+//! The MPI store's transport (`dist_sync_allreduce`, MXNet's name for
 //! its MPI store): no servers; every worker reduces through MPI collectives
 //! and updates its own replica. Open MPI, loaded when the first store opens
 //! (`openmpi`: the one the `mpirun` on PATH belongs to), behind the Cargo
@@ -17,16 +17,13 @@
 use crate::error::{Error, Result};
 
 #[cfg(feature = "mpi")]
-mod openmpi;
-
-#[cfg(feature = "mpi")]
 mod imp {
     use std::ffi::{c_int, c_void};
     use std::ptr::null_mut;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Mutex, PoisonError};
 
-    use super::openmpi::{check, Handle, Mpi, UserFunction, IN_PLACE, THREAD_MULTIPLE};
+    use super::super::openmpi::{check, Handle, Mpi, UserFunction, IN_PLACE, THREAD_MULTIPLE};
     use crate::error::{Error, Result};
     use crate::quant::collective::{self, Collective};
     use crate::quant::lanes;
@@ -310,10 +307,6 @@ mod imp {
 
 pub use imp::World;
 
-/// The name MXNet gives its MPI store.
-/// `kvstore::STORE_TYPES`'s name for this store (MXNet's).
-pub const TYPE_NAME: &str = "dist_sync_allreduce";
-
 /// The operations whose agreement `check_agree` checks; each has its own
 /// tag, so that one worker's init can never pair with another's push.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -339,11 +332,6 @@ pub struct Agreement {
     pub compression: u64,
     /// `fingerprint` of the optimizer configuration (0: none).
     pub optimizer: u64,
-}
-
-/// A stable 64-bit fingerprint of a configuration's text.
-pub fn fingerprint(text: &str) -> u64 {
-    u64::from_le_bytes(blake3::hash(text.as_bytes()).as_bytes()[..8].try_into().unwrap())
 }
 
 impl Agreement {

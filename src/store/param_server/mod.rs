@@ -1,4 +1,4 @@
-//! The distributed KVStore (SPEC §3 dist, §4 launch), in ps-lite's layers, one
+//! MXNet's parameter server (`dist_sync`, `dist_async`; docs/contract.md §3, §4), in ps-lite's layers, one
 //! file each, each knowing only the one below: `van` (ZeroMQ transport, with
 //! `auth` for MACs and `gate` for admitting connections) ->
 //! `postoffice` (membership: scheduler, ranks, barrier, heartbeats) and

@@ -1,0 +1,210 @@
+//! The MPI all-reduce store (`dist_sync_allreduce`): a replica `KVStore`
+//! (`local`'s replica API) for its keys, values, residuals and optimizer,
+//! beside the MPI job (`world::World`, over `openmpi`) that every init and
+//! push goes through. Each init and push is first
+//! agreed by every worker (operation, key, size, step, compression,
+//! optimizer, and whether each worker's own checks passed), so that a
+//! worker's bad input fails the call on every worker before anything is
+//! reduced or changed; then the values are broadcast (init) or the
+//! devices' sum is reduced (push) through the scheme's one path.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+#[cfg(feature = "mpi")]
+mod openmpi;
+pub mod world;
+
+use self::world::World;
+use super::local::Round;
+use super::{Array, ArrayMut, KVStore, Key, Kind, Store, Updater};
+use crate::compression::Compression;
+use crate::error::{Error, Result};
+
+pub struct MpiStore {
+    local: KVStore,
+    world: World,
+    /// Held for a whole init or push: one process issues its collectives
+    /// one key at a time.
+    order: Mutex<()>,
+    /// Closed (`close`, or another worker's): no more collectives.
+    closed: AtomicBool,
+}
+
+impl MpiStore {
+    /// Joins the MPI job this process was started in (mpirun).
+    pub fn join() -> Result<MpiStore> {
+        let world = World::join()?;
+        let local = KVStore::replica(world.rank(), world.size());
+        Ok(MpiStore { local, world, order: Mutex::new(()), closed: AtomicBool::new(false) })
+    }
+
+    /// The store holding this worker's keys, values and states.
+    pub fn local(&self) -> &KVStore {
+        &self.local
+    }
+
+    fn ordered(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.order.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stores `value` under a new key on every worker: each takes rank 0's
+    /// value (as a dist store does); init is never lossy.
+    pub fn init(&self, key: &Key, value: Array) -> Result<()> {
+        let _order = self.ordered();
+        let checked = self.local.check_init(key, value);
+        self.check_open()?;
+        let mine = self.agreement(world::Op::Init, key, value.data.len() as u64, 0, checked.is_ok());
+        let agreed = self.agree(&format!("the init of key {key}"), &mine);
+        let mut data = checked?; // a worker's own error first, then the others'
+        agreed?;
+        self.world.broadcast_f32(&mut data)?;
+        self.local.insert(key, value, data)
+    }
+
+    /// Sums this worker's devices, agrees, all-reduces the sum (compressed
+    /// by the scheme), and applies the updater on every worker alike.
+    pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        let _order = self.ordered();
+        let replica = match self.local.replica_of(key) {
+            Ok(r) => r,
+            Err(err) => {
+                // Every worker takes part in the agreement, even one that failed here.
+                self.check_open()?;
+                let _ = self.agree(&format!("the push of key {key}"), &self.agreement(world::Op::Push, key, 0, 0, false));
+                return Err(err);
+            }
+        };
+        replica.push(values, |mut round, checked| {
+            // The merge and its finiteness check come before the agreement,
+            // so that a worker's non-finite gradient fails every worker's push.
+            let checked = checked.and_then(|()| round.merge(values));
+            self.check_open()?;
+            let mine = self.agreement(world::Op::Push, key, round.len() as u64, round.step(), checked.is_ok());
+            let agreed = self.agree(&format!("the push of key {key}"), &mine);
+            checked?; // a worker's own error first, then the others'
+            agreed?;
+            self.reduce(round)
+        })
+    }
+
+    /// The all-reduce of the local sum that the round merged (checks done,
+    /// agreed by every worker), then the update.
+    fn reduce(&self, mut round: Round<'_>) -> Result<()> {
+        let sent = self.world.bytes_sent();
+        round.reduce(&mut &self.world, self.world.rank() as u64, self.world.size())?;
+        round.update(self.world.bytes_sent() - sent)
+    }
+
+    /// This worker's side of an agreement: the operation and key, and
+    /// fingerprints of its compression and optimizer.
+    fn agreement(&self, op: world::Op, key: &Key, size: u64, step: u64, ok: bool) -> world::Agreement {
+        let compression = crate::hash::fingerprint(&format!("{:?}", self.local.compression()));
+        world::Agreement { op, key_hash: key.stable_hash(), size, step, ok, compression, optimizer: self.local.updater_fingerprint() }
+    }
+
+    /// An agreement; when another worker was closing, this store is closed
+    /// too (it could only wait for workers that will not come).
+    fn agree(&self, what: &str, mine: &world::Agreement) -> Result<()> {
+        world::check_agree_or_closed(&self.world, what, mine).map_err(|(err, closed)| {
+            if closed {
+                self.closed.store(true, Ordering::SeqCst);
+            }
+            err
+        })
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Store(format!("this '{}' store is closed (by close(), or because another worker closed its store)", Kind::AllReduce.name())));
+        }
+        Ok(())
+    }
+
+    /// Waits for every worker, through an agreement (itself a collective of
+    /// every worker): a worker still in an init or a push instead gets an
+    /// error, as this one does, rather than both waiting for ever.
+    pub fn barrier(&self) -> Result<()> {
+        let _order = self.ordered();
+        self.check_open()?;
+        let mine = world::Agreement { op: world::Op::Barrier, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
+        self.agree("a barrier", &mine)
+    }
+
+    /// Closes the store together with every other worker: a worker still
+    /// waiting in an init or push of its own gets an error saying that
+    /// another worker closed (instead of waiting forever). A no-op after
+    /// the first call.
+    pub fn close(&self) -> Result<()> {
+        let _order = self.ordered();
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mine = world::Agreement { op: world::Op::Close, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
+        world::check_agree(&self.world, "closing the store", &mine)
+    }
+}
+
+impl Store for MpiStore {
+    fn type_name(&self) -> &'static str {
+        Kind::AllReduce.name()
+    }
+    fn rank(&self) -> usize {
+        self.world.rank()
+    }
+    fn num_workers(&self) -> usize {
+        self.world.size()
+    }
+    fn barrier(&self) -> Result<()> {
+        MpiStore::barrier(self)
+    }
+    fn stats(&self) -> (u64, u64) {
+        Store::stats(&self.local)
+    }
+    fn close(&self) -> Result<()> {
+        MpiStore::close(self)
+    }
+    fn set_compress(&self, compression: Compression, params: &[(String, String)]) -> Result<()> {
+        Store::set_compress(&self.local, compression, params)
+    }
+    fn set_optimizer(&self, name: &str, params: &[(String, String)]) -> Result<()> {
+        Store::set_optimizer(&self.local, name, params)
+    }
+    fn init(&self, key: &Key, value: Array) -> Result<()> {
+        MpiStore::init(self, key, value)
+    }
+    fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
+        MpiStore::push(self, key, values)
+    }
+    fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
+        self.local.pull(key, outs)
+    }
+    fn shape(&self, key: &Key) -> Result<Vec<usize>> {
+        self.local.shape(key)
+    }
+    fn save_compression_states(&self) -> Result<Vec<u8>> {
+        self.local.save_compression_states()
+    }
+    fn load_compression_states(&self, blob: &[u8]) -> Result<()> {
+        self.local.load_compression_states(blob)
+    }
+    fn set_rates(&self, key: &Key, learning_rate: f64, wd: f64) -> Result<()> {
+        self.local.set_rates(key, learning_rate, wd)
+    }
+    fn set_grad_scaling(&self, rescale_grad: f32, clip_gradient: f32) -> Result<()> {
+        self.local.set_grad_scaling(rescale_grad, clip_gradient)
+    }
+    fn set_updater(&self, updater: Updater) -> Result<()> {
+        self.local.set_updater(updater);
+        Ok(())
+    }
+    fn save_optimizer_states(&self) -> Result<Vec<u8>> {
+        self.local.save_optimizer_states()
+    }
+    fn load_optimizer_states(&self, blob: &[u8]) -> Result<()> {
+        self.local.load_optimizer_states(blob)
+    }
+    fn residual(&self, key: &Key, device: usize) -> Result<Vec<f32>> {
+        self.local.residual(key, device)
+    }
+}
