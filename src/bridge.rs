@@ -9,8 +9,8 @@ use half::{bf16, f16};
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{catch_panic as guarded, Error, Result};
-use crate::store::{elements, Array, ArrayMut, Grad, Key, Updater};
-use std::borrow::Cow;
+use crate::boundary::{Inputs, Outputs, RawGrad};
+use crate::store::{elements, Array, Grad, Key, Updater};
 
 #[cxx::bridge(namespace = "gradpack")]
 mod ffi {
@@ -114,82 +114,65 @@ fn store_init(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: &[f32]) 
     })
 }
 
-/// The bytes of an array of `n` floats at `addr`: null only when empty, and
-/// not wrapping the address space.
-fn span(addr: usize, n: usize, what: &'static str) -> Result<std::ops::Range<usize>> {
-    if addr == 0 && n > 0 {
-        return Err(Error::NullPointer { what });
-    }
-    let end = addr.checked_add(4 * n).ok_or_else(|| Error::InvalidParam { key: what.into(), problem: format!("{n} floats at {addr:#x} pass the end of memory") })?;
-    Ok(addr..end)
-}
-
+/// A call's float32 inputs at `addrs`, each of `shape`, through the one
+/// checked boundary; those that overlap one of `outs` are copied.
+///
 /// # Safety
-/// Each address points to `shape`'s element count of readable floats. An
-/// input that overlaps one of `outs` is copied here, before any output
-/// exists as a slice, so a `&[f32]` and a `&mut [f32]` never share memory.
-unsafe fn inputs(shape: &[usize], addrs: &[usize], outs: &[usize]) -> Result<Vec<Cow<'static, [f32]>>> {
-    let n = elements(shape)?;
-    let outs = outs.iter().map(|&o| span(o, n, "output data")).collect::<Result<Vec<_>>>()?;
-    addrs
-        .iter()
-        .map(|&a| {
-            let bytes = span(a, n, "value data")?;
-            if n == 0 {
-                return Ok(Cow::Borrowed(&[][..]));
-            }
-            let data = std::slice::from_raw_parts(a as *const f32, n);
-            let aliased = outs.iter().any(|o| bytes.start < o.end && o.start < bytes.end);
-            Ok(if aliased { Cow::Owned(data.to_vec()) } else { Cow::Borrowed(data) })
-        })
-        .collect()
-}
-
-/// # Safety
-/// Each address points to `shape`'s element count of writable floats; no
-/// reference to them may be alive (`inputs` copies those that overlap).
-unsafe fn outputs<'a>(shape: &[usize], addrs: &[usize]) -> Result<Vec<&'a mut [f32]>> {
-    let n = elements(shape)?;
-    let mut spans = addrs.iter().map(|&a| span(a, n, "output data")).collect::<Result<Vec<_>>>()?;
-    spans.sort_unstable_by_key(|r| r.start);
-    if n > 0 && spans.windows(2).any(|w| w[1].start < w[0].end) {
-        return Err(Error::OverlappingBuffers { a: "output", b: "output" });
+/// Each address points to `shape`'s element count of readable floats that
+/// stay valid for the lifetime the caller picks.
+unsafe fn inputs<'a>(shape: &[usize], addrs: &[usize], outs: &Outputs) -> Result<Inputs<'a>> {
+    let n = elements(shape)? as u64;
+    let outs = outs.raws();
+    let mut inputs = Inputs::new();
+    for &a in addrs {
+        // SAFETY: the function's contract.
+        unsafe { inputs.push(shape.to_vec(), RawGrad::F32(a as *const f32), n, &outs)? };
     }
-    Ok(addrs.iter().map(|&a| if n == 0 { &mut [][..] } else { std::slice::from_raw_parts_mut(a as *mut f32, n) }).collect())
+    Ok(inputs)
 }
 
-fn arrays<'a>(shape: &'a [usize], values: &'a [Cow<'static, [f32]>]) -> Vec<Array<'a>> {
-    values.iter().map(|v| Array { shape, data: Grad::F32(v) }).collect()
+/// A call's float32 outputs at `addrs`, each of `shape`: checked, pairwise
+/// disjoint, not yet slices.
+fn outputs<'a>(shape: &[usize], addrs: &[usize]) -> Result<Outputs<'a>> {
+    let n = elements(shape)? as u64;
+    let mut outputs = Outputs::new();
+    for &a in addrs {
+        outputs.push(shape.to_vec(), a as *mut f32, n)?;
+    }
+    Ok(outputs)
 }
 
-fn arrays_mut<'a>(shape: &'a [usize], outs: Vec<&'a mut [f32]>) -> Vec<ArrayMut<'a>> {
-    outs.into_iter().map(|data| ArrayMut { shape, data }).collect()
-}
+// SAFETY (the four calls below): the C++ class `gradpack::KVStore`
+// (cpp/kvstore.cc) passes the addresses of float32 arrays of `shape` that
+// its caller keeps valid, and otherwise unused, until the call returns.
 
 unsafe fn store_push(store: &Store, key: &ffi::KeyArg, shape: &[usize], values: &[usize]) -> Result<()> {
     guarded(|| {
-        let vals = inputs(shape, values, &[])?;
-        store.0.push(&key_of(key), &arrays(shape, &vals))
+        let vals = unsafe { inputs(shape, values, &Outputs::new())? };
+        store.0.push(&key_of(key), &vals.views())
     })
 }
 
 unsafe fn store_pull(store: &Store, key: &ffi::KeyArg, shape: &[usize], outs: &[usize]) -> Result<()> {
     guarded(|| {
-        store.0.pull(&key_of(key), &mut arrays_mut(shape, outputs(shape, outs)?))
+        let mut outs = outputs(shape, outs)?;
+        store.0.pull(&key_of(key), &mut unsafe { outs.slices() })
     })
 }
 
 unsafe fn store_pushpull(store: &Store, key: &ffi::KeyArg, shape: &[usize], values: &[usize], outs: &[usize]) -> Result<()> {
     guarded(|| {
-        let vals = inputs(shape, values, outs)?;
-        store.0.pushpull( &key_of(key), &arrays(shape, &vals), &mut arrays_mut(shape, outputs(shape, outs)?))
+        let mut outs = outputs(shape, outs)?;
+        let vals = unsafe { inputs(shape, values, &outs)? };
+        store.0.pushpull(&key_of(key), &vals.views(), &mut unsafe { outs.slices() })
     })
 }
 
 unsafe fn store_broadcast(store: &Store, key: &ffi::KeyArg, shape: &[usize], value: usize, outs: &[usize]) -> Result<()> {
     guarded(|| {
-        let vals = inputs(shape, &[value], outs)?;
-        store.0.broadcast( &key_of(key), arrays(shape, &vals)[0], &mut arrays_mut(shape, outputs(shape, outs)?))
+        let mut outs = outputs(shape, outs)?;
+        let vals = unsafe { inputs(shape, &[value], &outs)? };
+        store.0.broadcast(&key_of(key), vals.views()[0], &mut unsafe { outs.slices() })
     })
 }
 

@@ -70,6 +70,7 @@
 //! (cxx, the C++ front of `include/gradpack/kvstore.h`) are thin edges that
 //! convert errors once.
 
+mod boundary;
 mod bridge;
 pub mod bytes;
 pub mod capi;

@@ -4,7 +4,8 @@ use std::ffi::{c_int, c_void};
 
 use half::{bf16, f16};
 
-use super::{dtype_of, guard, slice, slice_mut, Raw};
+use super::{dtype_of, guard};
+use crate::boundary::{slice, slice_mut, Raw};
 use crate::codec::{self, Thresholds};
 use crate::error::{Dtype, Error};
 

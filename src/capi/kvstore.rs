@@ -6,13 +6,13 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use half::{bf16, f16};
 
-use super::{cstr, dtype_of, guard, params, slice, slice_mut, Raw};
+use super::{cstr, dtype_of, guard, params};
+use crate::boundary::{slice, slice_mut, Inputs, Outputs, Raw, RawGrad};
 use crate::compression::Compression;
 use crate::store::param_server::{self, Config};
 use crate::error::{Dtype, Error, Result};
-use crate::store::{elements, Array, ArrayMut, Grad, Key, Store, Updater};
+use crate::store::{elements, Key, Store, Updater};
 
 /// Opaque store handle: any store, behind the one `Store` trait.
 pub struct gp_kvstore_t(Box<dyn Store>);
@@ -67,83 +67,44 @@ unsafe fn shape_of(ndim: c_int, shape: *const u64) -> Result<Vec<usize>> {
         .collect()
 }
 
-/// One input array of a call: borrowed, or copied (widened to float32, which
-/// every store computes with) when it overlaps an output, so that a `&[T]`
-/// and a `&mut [f32]` over the same memory never live at once (MXNet's
-/// Trainer pushpulls a gradient into itself).
-enum Input {
-    Borrowed(Grad<'static>),
-    Copied(Vec<f32>),
-}
-
-struct Inputs(Vec<(Vec<usize>, Input)>);
-
-impl Inputs {
-    fn views(&self) -> Vec<Array<'_>> {
-        self.0
-            .iter()
-            .map(|(shape, input)| Array {
-                shape,
-                data: match input {
-                    Input::Borrowed(g) => *g,
-                    Input::Copied(v) => Grad::F32(v),
-                },
-            })
-            .collect()
-    }
-}
-
+/// A call's input arrays, checked through the one boundary.
+///
 /// # Safety
-/// `arrays` points to `num` arrays whose data are valid for their shapes.
-/// `outputs` are the outputs of the same call (none exists as a slice yet).
-unsafe fn arrays_in(arrays: *const gp_array_t, num: c_int, outputs: &[Raw]) -> Result<Inputs> {
+/// `arrays` points to `num` arrays whose data are valid for their shapes for
+/// `'a`. `outputs` are the outputs of the same call (none exists as a slice yet).
+unsafe fn arrays_in<'a>(arrays: *const gp_array_t, num: c_int, outputs: &[Raw]) -> Result<Inputs<'a>> {
     Raw::new("values", arrays, num.max(0) as u64)?;
-    let mut out = Vec::new();
-    for a in slice(arrays, num.max(0) as u64) {
-        let shape = shape_of(a.ndim, a.shape)?;
+    let mut inputs = Inputs::new();
+    // SAFETY: Raw::new checked the descriptors' span; the caller's contract covers the rest.
+    for a in unsafe { slice(arrays, num.max(0) as u64) } {
+        let shape = unsafe { shape_of(a.ndim, a.shape)? };
         let n = elements(&shape)? as u64;
-        let (raw, grad) = match dtype_of(a.dtype)? {
-            Dtype::F32 => (Raw::new("value data", a.data.cast::<f32>(), n)?, Grad::F32(slice(a.data.cast::<f32>(), n))),
-            Dtype::F16 => (Raw::new("value data", a.data.cast::<f16>(), n)?, Grad::F16(slice(a.data.cast::<f16>(), n))),
-            Dtype::Bf16 => (Raw::new("value data", a.data.cast::<bf16>(), n)?, Grad::Bf16(slice(a.data.cast::<bf16>(), n))),
+        let data = match dtype_of(a.dtype)? {
+            Dtype::F32 => RawGrad::F32(a.data.cast()),
+            Dtype::F16 => RawGrad::F16(a.data.cast()),
+            Dtype::Bf16 => RawGrad::Bf16(a.data.cast()),
         };
-        let input = if outputs.iter().any(|o| o.overlaps(&raw)) { Input::Copied(grad.to_f32().into_owned()) } else { Input::Borrowed(grad) };
-        out.push((shape, input));
+        // SAFETY: the caller's contract: `data` holds `n` elements of its dtype.
+        unsafe { inputs.push(shape, data, n, outputs)? };
     }
-    Ok(Inputs(out))
+    Ok(inputs)
 }
 
-/// The outputs of a call, checked (non-null, in memory, pairwise disjoint)
-/// but not yet slices: `slices` makes them once the inputs are safe.
-struct Outputs(Vec<(Vec<usize>, Raw, *mut f32)>);
-
-impl Outputs {
-    /// # Safety
-    /// `arrays` points to `num` arrays whose data are valid for their shapes.
-    unsafe fn new(arrays: *const gp_array_mut_t, num: c_int) -> Result<Outputs> {
-        Raw::new("outputs", arrays, num.max(0) as u64)?;
-        let mut out: Vec<(Vec<usize>, Raw, *mut f32)> = Vec::new();
-        for a in slice(arrays, num.max(0) as u64) {
-            let shape = shape_of(a.ndim, a.shape)?;
-            let raw = Raw::new("output data", a.data, elements(&shape)? as u64)?;
-            for (_, r, _) in &out {
-                r.check_disjoint(&raw)?;
-            }
-            out.push((shape, raw, a.data));
-        }
-        Ok(Outputs(out))
+/// A call's outputs, checked (non-null, in memory, pairwise disjoint) but
+/// not yet slices.
+///
+/// # Safety
+/// `arrays` points to `num` arrays (their data are checked when sliced).
+unsafe fn arrays_out<'a>(arrays: *const gp_array_mut_t, num: c_int) -> Result<Outputs<'a>> {
+    Raw::new("outputs", arrays, num.max(0) as u64)?;
+    let mut outputs = Outputs::new();
+    // SAFETY: Raw::new checked the descriptors' span; the caller's contract covers the rest.
+    for a in unsafe { slice(arrays, num.max(0) as u64) } {
+        let shape = unsafe { shape_of(a.ndim, a.shape)? };
+        let n = elements(&shape)? as u64;
+        outputs.push(shape, a.data, n)?;
     }
-
-    fn raws(&self) -> Vec<Raw> {
-        self.0.iter().map(|(_, r, _)| r.clone()).collect()
-    }
-
-    /// # Safety
-    /// No other reference to the outputs' memory may be alive (inputs that
-    /// overlap them were copied by `arrays_in`).
-    unsafe fn slices(&mut self) -> Vec<ArrayMut<'_>> {
-        self.0.iter().map(|(shape, raw, data)| ArrayMut { shape, data: slice_mut(*data, raw.len::<f32>()) }).collect()
-    }
+    Ok(outputs)
 }
 
 unsafe fn store<'a>(s: *const gp_kvstore_t) -> Result<&'a gp_kvstore_t> {
@@ -361,7 +322,7 @@ pub unsafe extern "C" fn gp_kvstore_push(store: *mut gp_kvstore_t, key: gp_key_t
 pub unsafe extern "C" fn gp_kvstore_pull(store: *mut gp_kvstore_t, key: gp_key_t, outs: *const gp_array_mut_t, num: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let mut outputs = Outputs::new(outs, num)?;
+        let mut outputs = arrays_out(outs, num)?;
         kv.0.pull(&key_of(key)?, &mut outputs.slices())
     })
 }
@@ -381,7 +342,7 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
 ) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let mut outputs = Outputs::new(outs, num_outs)?;
+        let mut outputs = arrays_out(outs, num_outs)?;
         let inputs = arrays_in(values, num_values, &outputs.raws())?;
         kv.0.pushpull(&key_of(key)?, &inputs.views(), &mut outputs.slices())
     })
@@ -395,7 +356,7 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
 pub unsafe extern "C" fn gp_kvstore_broadcast(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t, outs: *const gp_array_mut_t, num_outs: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let mut outputs = Outputs::new(outs, num_outs)?;
+        let mut outputs = arrays_out(outs, num_outs)?;
         let inputs = arrays_in(&value, 1, &outputs.raws())?;
         kv.0.broadcast(&key_of(key)?, inputs.views()[0], &mut outputs.slices())
     })

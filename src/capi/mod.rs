@@ -25,6 +25,7 @@ pub use kvstore::*;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CStr, CString};
 
+use crate::boundary::{slice, Raw};
 use crate::codec::Platform;
 use crate::error::{Error, Result};
 
@@ -89,68 +90,6 @@ pub(crate) fn dtype_of(code: std::ffi::c_int) -> Result<crate::error::Dtype> {
         1 => Ok(Dtype::F16),
         2 => Ok(Dtype::Bf16),
         other => Err(Error::UnknownDtype(other)),
-    }
-}
-
-/// A raw buffer described by the caller, checked before it becomes a slice.
-#[derive(Clone)]
-pub(crate) struct Raw {
-    what: &'static str,
-    addr: usize,
-    bytes: usize,
-}
-
-impl Raw {
-    pub(crate) fn new<T>(what: &'static str, ptr: *const T, len: u64) -> Result<Raw> {
-        if ptr.is_null() && len > 0 {
-            return Err(Error::NullPointer { what });
-        }
-        // A span past isize::MAX bytes (or the address space) is no slice.
-        let bytes = usize::try_from(len)
-            .ok()
-            .and_then(|n| n.checked_mul(std::mem::size_of::<T>()))
-            .filter(|&b| b <= isize::MAX as usize && (ptr as usize).checked_add(b).is_some())
-            .ok_or_else(|| Error::InvalidParam { key: what.into(), problem: format!("{len} elements do not fit in memory") })?;
-        Ok(Raw { what, addr: ptr as usize, bytes })
-    }
-
-    /// Elements of `T` the buffer spans.
-    pub(crate) fn len<T>(&self) -> u64 {
-        (self.bytes / std::mem::size_of::<T>()) as u64
-    }
-
-    /// True when the two buffers share a byte (`new` checked that neither
-    /// wraps the address space).
-    pub(crate) fn overlaps(&self, other: &Raw) -> bool {
-        self.bytes > 0 && other.bytes > 0 && self.addr < other.addr + other.bytes && other.addr < self.addr + self.bytes
-    }
-
-    pub(crate) fn check_disjoint(&self, other: &Raw) -> Result<()> {
-        if self.overlaps(other) {
-            Err(Error::OverlappingBuffers { a: self.what, b: other.what })
-        } else {
-            Ok(())
-        }
-    }
-}
-
-/// # Safety
-/// `ptr` must be valid for `len` reads of T (checked non-null when len > 0).
-pub(crate) unsafe fn slice<'a, T>(ptr: *const T, len: u64) -> &'a [T] {
-    if len == 0 {
-        &[]
-    } else {
-        std::slice::from_raw_parts(ptr, len as usize)
-    }
-}
-
-/// # Safety
-/// `ptr` must be valid for `len` reads and writes of T and not aliased.
-pub(crate) unsafe fn slice_mut<'a, T>(ptr: *mut T, len: u64) -> &'a mut [T] {
-    if len == 0 {
-        &mut []
-    } else {
-        std::slice::from_raw_parts_mut(ptr, len as usize)
     }
 }
 
