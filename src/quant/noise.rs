@@ -3,7 +3,7 @@
 //! can be drawn on its own, in any order, on any thread, and vector kernels
 //! draw 8 or 16 at once.
 //!
-//! A stream's 64-bit seed (`qsgd::stream_seed` of the configured seed, the
+//! A stream's 64-bit seed (`stream_seed` of the configured seed, the
 //! step, the key and the worker) and the high half of `i` give two 32-bit
 //! keys (splitmix64); the low half of `i` goes through a two-round
 //! multiply-xorshift hash (constants from Wellons' hash prospector, one of
@@ -12,6 +12,15 @@
 //! every vector kernel give the same bits on every machine.
 
 use crate::hash;
+
+/// The noise seed of one stream: the configured `seed`, the key's push
+/// count, the key and the device (or worker), mixed so that every
+/// (step, key, device) gets its own independent stream. QSGD's rounding
+/// seeds each member's stream so; random-K's selection and PowerSGD's first
+/// `Q` take `device = u64::MAX`, the same on every worker.
+pub fn stream_seed(seed: u64, step: u64, key_hash: u64, device: u64) -> u64 {
+    [step, key_hash, device].iter().fold(seed, |h, &x| hash::finalize((h ^ x).wrapping_add(hash::GAMMA)))
+}
 
 /// The keys of one stream over elements `block * 2^32 ..= block * 2^32 + (2^32 - 1)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

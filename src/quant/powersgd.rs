@@ -531,7 +531,7 @@ pub fn orthogonalize(p: &mut [f32], rows: usize, r: usize) {
 
 /// The first `q` of a key: the same on every worker (from `seed` and the key).
 pub fn initial_q(cols: usize, r: usize, seed: u64) -> Vec<f32> {
-    (0..cols * r).map(|i| super::qsgd::uniform(seed, i as u64) - 0.5).collect()
+    (0..cols * r).map(|i| super::noise::uniform(seed, i as u64) - 0.5).collect()
 }
 
 #[cfg(test)]

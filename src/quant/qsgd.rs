@@ -15,7 +15,6 @@ use crate::isa::Isa;
 use crate::par;
 
 use crate::error::{Error, Result};
-use crate::hash;
 
 /// The largest `bits` accepted: codes stay far inside an `i32` accumulator.
 pub const MAX_BITS: u32 = 15;
@@ -45,17 +44,9 @@ pub fn max_workers(bits: u32) -> Result<u64> {
     Ok(i32::MAX as u64 / levels(bits)? as u64)
 }
 
-/// A uniform float in [0, 1) for element `i` under `seed` (`noise`).
-pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
-    noise::uniform(seed, i)
-}
-
-/// The noise seed of one quantization: the configured `seed`, the key's push
-/// count, the key and the device (or worker), mixed so that every
-/// (step, key, device) gets its own independent stream.
-pub fn stream_seed(seed: u64, step: u64, key_hash: u64, device: u64) -> u64 {
-    [step, key_hash, device].iter().fold(seed, |h, &x| hash::finalize((h ^ x).wrapping_add(hash::GAMMA)))
-}
+/// The noise seed of one quantization (`noise::stream_seed`, where every
+/// user of the counter-based noise finds it).
+pub use super::noise::stream_seed;
 
 /// Quantizes `grad` against the shared `scale` into `codes`. Errors (before
 /// writing) for a bad `bits`, a scale that is not finite and >= 0, a scale
@@ -1621,7 +1612,7 @@ mod tests {
     use crate::quant::scheme::{from_wire, to_wire, Part};
 
     fn grad(n: usize, seed: u64) -> Vec<f32> {
-        (0..n).map(|i| (uniform(seed, i as u64) - 0.5) * 2.0).collect()
+        (0..n).map(|i| (noise::uniform(seed, i as u64) - 0.5) * 2.0).collect()
     }
 
     #[test]
@@ -1738,7 +1729,7 @@ mod tests {
     #[test]
     fn a_scale_index_out_of_range_is_named_and_nothing_is_written() {
         let n = 3 * crate::par::CHUNK + 5; // several parallel pieces
-        let g: Vec<f32> = (0..n).map(|i| uniform(3, i as u64) - 0.5).collect();
+        let g: Vec<f32> = (0..n).map(|i| noise::uniform(3, i as u64) - 0.5).collect();
         let mut l = vec![1u8; n];
         l[n - 2] = 2; // of two levels
         let mut codes = vec![7i32; n];

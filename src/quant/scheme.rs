@@ -222,7 +222,7 @@ pub fn selection(q: &Qsgd, n: usize, step: u64, key_hash: u64) -> Option<Arc<Vec
         }
         cache.recycle()
     };
-    draw_selection(qsgd::stream_seed(q.seed, step, key_hash, u64::MAX), n, k, &mut idx);
+    draw_selection(noise::stream_seed(q.seed, step, key_hash, u64::MAX), n, k, &mut idx);
     let idx = Arc::new(idx);
     lock().put(id, idx.clone());
     Some(idx)
@@ -518,7 +518,7 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             };
             for s in states.iter_mut() {
                 if s.q.len() != cols * r {
-                    s.q = powersgd::initial_q(cols, r, qsgd::stream_seed(*seed, 0, ctx.key_hash, u64::MAX));
+                    s.q = powersgd::initial_q(cols, r, noise::stream_seed(*seed, 0, ctx.key_hash, u64::MAX));
                 }
             }
             // Error feedback: compress g + e; e keeps what the approximation missed.
@@ -659,7 +659,7 @@ fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll
     };
     // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
     let codes = sum_packed(states, len, qsgd_codes(q), coll.lanes_for(), |i, _, words, width, add| {
-        let (x, seed) = (&xs[i], qsgd::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64));
+        let (x, seed) = (&xs[i], noise::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64));
         if add {
             qsgd::quantize_levels_packed::<true>(x, scale[0], &levels, level_of.as_deref(), seed, words, width);
         } else {

@@ -9,7 +9,7 @@ fn params(p: &[(&str, &str)]) -> Compression {
 }
 
 fn grad(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    (0..n).map(|i| (qsgd::uniform(seed, i as u64) - 0.5) * 2.0 * amp).collect()
+    (0..n).map(|i| (noise::uniform(seed, i as u64) - 0.5) * 2.0 * amp).collect()
 }
 
 /// Every member's aggregate of one push per step, with fresh states, each
@@ -65,7 +65,7 @@ fn qsgd_mn_is_exact_integer_sums_decoded_once_and_alike_everywhere() {
         let mut acc = vec![0i32; 101];
         for (w, g) in grads.iter().enumerate() {
             let mut codes = vec![0i32; 101];
-            qsgd::quantize(g, scale, 3, qsgd::stream_seed(9, step, 42, w as u64), &mut codes).unwrap();
+            qsgd::quantize(g, scale, 3, noise::stream_seed(9, step, 42, w as u64), &mut codes).unwrap();
             crate::quant::collective::add_codes(&mut acc, &codes).unwrap();
         }
         let mut want = vec![0f32; 101];
@@ -402,7 +402,7 @@ fn stratified(seed: u64, n: usize, k: usize) -> Vec<usize> {
         let c = k * m / n + extra;
         let mut mine = std::collections::BTreeSet::new();
         for (d, j) in (m - c..m).enumerate() {
-            let t = ((qsgd::uniform(seed, (first + d) as u64) as f64 * (j + 1) as f64) as usize).min(j);
+            let t = ((noise::uniform(seed, (first + d) as u64) as f64 * (j + 1) as f64) as usize).min(j);
             if !mine.insert(t) {
                 mine.insert(j);
             }
@@ -476,12 +476,12 @@ fn selection_is_cached_by_what_it_is_a_function_of() {
     let (a, b) = (selection(&q, 5000, 9, 1).unwrap(), selection(&q, 5000, 9, 1).unwrap());
     assert!(Arc::ptr_eq(&a, &b));
     let mut want = Vec::new();
-    draw_selection(qsgd::stream_seed(q.seed, 9, 1, u64::MAX), 5000, 300, &mut want);
+    draw_selection(noise::stream_seed(q.seed, 9, 1, u64::MAX), 5000, 300, &mut want);
     assert_eq!(*a, want);
     // Evicted selections lend their memory to new draws, which still draw right.
     for step in 10..20 {
         let got = selection(&q, 5000, step, 1).unwrap();
-        draw_selection(qsgd::stream_seed(q.seed, step, 1, u64::MAX), 5000, 300, &mut want);
+        draw_selection(noise::stream_seed(q.seed, step, 1, u64::MAX), 5000, 300, &mut want);
         assert_eq!(*got, want, "step {step}");
     }
 }
