@@ -1,4 +1,6 @@
+use super::randomk::{count_ones, draw_selection, draw_selection_on, gather, positions, scatter, strata_counts, SPREAD_PIECE, STRATA_SALT, STRATUM};
 use super::*;
+use std::sync::Arc;
 use crate::codec;
 use crate::quant::compression::Compression;
 use crate::quant::collective::threads::run_group;
