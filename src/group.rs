@@ -864,7 +864,7 @@ mod tests {
                     let mine: Vec<&[f32]> = g.iter().map(|g| &g[at..at + n]).collect();
                     let ctx = scheme::Ctx { shape, step, key_hash: Key::Str(key.to_string()).stable_hash(), member: 0, workers: 2 };
                     let mut want = vec![0f32; n];
-                    scheme::allreduce(&c, &mut states[t], &mine, &ctx, &mut collective::InProcess::new(2), &mut want).unwrap();
+                    scheme::push_round(&c, &mut states[t], &mine, &ctx, &mut collective::InProcess::new(2), &mut want).unwrap();
                     want.iter_mut().for_each(|x| *x /= 2.0);
                     for r in &got {
                         assert_eq!(&r.as_ref().unwrap()[at..at + n], &want[..], "{c:?} step {step} key {key}");

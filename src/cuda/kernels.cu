@@ -1,8 +1,8 @@
 // gradpack's CUDA kernels, compiled at run time by NVRTC (src/cuda/device.rs).
 //
 // Each kernel is the scalar reference of its CPU module written for one
-// element per thread: src/codec/reference.rs (2-bit), src/quant/qsgd.rs
-// (`kernels::code`), src/quant/noise.rs (`bits`, `unit`), src/quant/onebit.rs.
+// element per thread: src/codec/reference.rs (2-bit), src/quant/qsgd/portable.rs
+// (`code`), src/quant/noise.rs (`bits`, `unit`), src/quant/onebit.rs.
 // NVRTC runs with --fmad=false and IEEE division, so every float operation
 // rounds exactly as the CPU's does and results are bit-identical.
 //

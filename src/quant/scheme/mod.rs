@@ -580,7 +580,7 @@ pub fn sum_final(part: &mut Part, coll: &mut dyn Collective) -> Result<()> {
 /// A whole push on a store whose members all decode: encode, sum, decode,
 /// finish. With `keep_local` random-K, unselected coordinates take the
 /// members' own gradients (their sum: this process is one worker).
-pub fn allreduce(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective, out: &mut [f32]) -> Result<()> {
+pub fn push_round(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective, out: &mut [f32]) -> Result<()> {
     let (exchanged, mut part) = encode(c, states, grads, ctx, coll)?;
     sum_final(&mut part, coll)?;
     decode(c, &exchanged, &part, ctx, out)?;

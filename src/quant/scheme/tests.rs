@@ -27,7 +27,7 @@ fn run(c: &Compression, shape: &[usize], grads: &[Vec<f32>], steps: u64) -> Vec<
             .map(|step| {
                 let ctx = Ctx { shape, step, key_hash: 42, member: m as u64, workers: w };
                 let mut out = vec![0f32; n];
-                allreduce(c, &mut state, &[&grads[m]], &ctx, coll, &mut out)?;
+                push_round(c, &mut state, &[&grads[m]], &ctx, coll, &mut out)?;
                 Ok(out)
             })
             .collect::<Result<Vec<_>>>()
@@ -51,7 +51,7 @@ fn in_process(c: &Compression, shape: &[usize], grads: &[Vec<f32>], steps: u64) 
             let mut out = vec![0f32; n];
             let mut group = InProcess::new(w);
             check_input(c, w, &views, w).unwrap();
-            allreduce(c, &mut states, &views, &ctx, &mut group, &mut out).unwrap();
+            push_round(c, &mut states, &views, &ctx, &mut group, &mut out).unwrap();
             out
         })
         .collect()
@@ -253,7 +253,7 @@ fn check_input_names_the_member_and_element_of_a_non_finite_value() {
     check_input(&q, 2, &[&g0, &g1], 2).unwrap();
     let mut states = [State::default(), State::default()];
     let ctx = Ctx { shape: &[3], step: 0, key_hash: 1, member: 0, workers: 2 };
-    let err = allreduce(&q, &mut states, &[&g0, &g1], &ctx, &mut InProcess::new(2), &mut [0.0; 3]).unwrap_err().to_string();
+    let err = push_round(&q, &mut states, &[&g0, &g1], &ctx, &mut InProcess::new(2), &mut [0.0; 3]).unwrap_err().to_string();
     assert!(err.contains("pushed value 1 holds -inf at element 1"), "{err}");
     // 2-bit's codec checks residual + gradient itself; lengths and counts are checked for all.
     check_input(&params(&[("compress", "2bit"), ("threshold", "0.5")]), 2, &[&g0, &g1], 2).unwrap();
@@ -269,7 +269,7 @@ fn a_non_finite_gradient_fails_every_member_together() {
     let grads = vec![vec![1.0f32, 2.0], vec![f32::NAN, 0.0]];
     let err = run_group(2, |m, coll| {
         let ctx = Ctx { shape: &[2], step: 0, key_hash: 1, member: m as u64, workers: 2 };
-        allreduce(&c, &mut [State::default()], &[&grads[m]], &ctx, coll, &mut [0.0; 2])
+        push_round(&c, &mut [State::default()], &[&grads[m]], &ctx, coll, &mut [0.0; 2])
     })
     .unwrap_err();
     assert!(err.to_string().contains("non-finite"), "{err}");

@@ -511,7 +511,7 @@ impl KVStore {
                 }
                 let ctx = scheme::Ctx { shape: &e.shape, step: e.pushes, key_hash: key.stable_hash(), member: 0, workers: devices };
                 let mut group = collective::InProcess::new(devices);
-                scheme::allreduce(&c, &mut e.states[..devices], &grads, &ctx, &mut group, &mut e.merge_buf)?;
+                scheme::push_round(&c, &mut e.states[..devices], &grads, &ctx, &mut group, &mut e.merge_buf)?;
                 // Counted, not modelled: what each device handed the reductions.
                 sent = group.bytes_sent();
                 e.pushes += 1;
@@ -684,7 +684,7 @@ impl Round<'_> {
             // The decoded sum goes to a second buffer, kept between pushes.
             let mut out = std::mem::take(&mut e.scheme_out);
             out.resize(e.value.len(), 0.0);
-            let result = scheme::allreduce(&self.compression, &mut e.states[..1], &[&e.merge_buf], &ctx, group, &mut out);
+            let result = scheme::push_round(&self.compression, &mut e.states[..1], &[&e.merge_buf], &ctx, group, &mut out);
             e.scheme_out = std::mem::replace(&mut e.merge_buf, out);
             result?;
         }
