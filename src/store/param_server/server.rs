@@ -369,8 +369,9 @@ impl Server {
                         value,
                         half,
                         round: Round::Empty,
-                        round_pos: vec![0; n],
-                        round_neg: vec![0; n],
+                        // Allocated by the first 2-bit push: a key of another compression never counts codes.
+                        round_pos: Vec::new(),
+                        round_neg: Vec::new(),
                         value_pos: Vec::new(),
                         value_neg: Vec::new(),
                         value_counts: None,
@@ -528,6 +529,9 @@ impl Server {
         }
         slot.round = match (slot.round, th) {
             (Round::Empty, Some(th)) => {
+                let n = slot.merge.len();
+                slot.round_pos.resize(n, 0);
+                slot.round_neg.resize(n, 0);
                 counts::add_codes(&payload, &mut slot.round_pos, &mut slot.round_neg, true);
                 Round::Counts(th)
             }
@@ -569,8 +573,6 @@ impl Server {
                 counts::values(&slot.round_pos, &slot.round_neg, th, &mut slot.value);
                 std::mem::swap(&mut slot.round_pos, &mut slot.value_pos);
                 std::mem::swap(&mut slot.round_neg, &mut slot.value_neg);
-                slot.round_pos.resize(slot.value.len(), 0);
-                slot.round_neg.resize(slot.value.len(), 0);
                 slot.value_counts = Some((th, pushes));
                 Ok(())
             }
