@@ -26,18 +26,28 @@ pub(crate) fn settle(value: &mut [f32], half: bool, optimizer: Option<&Optimizer
 /// `half` (a float16 key) each partial sum is rounded to float16, as MXNet
 /// adds float16 arrays.
 pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad], half: bool) {
-    let round = |x: f32| if half { half::f16::from_f32(x).to_f32() } else { x };
     let chunk = |offset: usize, d: &mut [f32]| {
         let range = offset..offset + d.len();
         for (i, g) in grads.iter().enumerate() {
-            let add = |x: &mut f32, y: f32| if i == 0 { *x = y } else { *x = round(*x + y) };
             match g.slice(range.clone()) {
-                Grad::F32(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y)),
-                Grad::F16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
-                Grad::Bf16(g) => d.iter_mut().zip(g).for_each(|(x, &y)| add(x, y.to_f32())),
+                Grad::F32(g) => add_into(d, g, i == 0, half, |y| y),
+                Grad::F16(g) => add_into(d, g, i == 0, half, half::f16::to_f32),
+                Grad::Bf16(g) => add_into(d, g, i == 0, half, half::bf16::to_f32),
             }
         }
     };
     par::chunks(dst, chunk);
+}
+
+/// `d = g` (`first`), else `d += g`, widened; with `half` each sum rounded
+/// to float16. One loop per case, so none tests a flag per element.
+#[inline(always)]
+fn add_into<T: Copy>(d: &mut [f32], g: &[T], first: bool, half: bool, widen: impl Fn(T) -> f32) {
+    let pairs = d.iter_mut().zip(g);
+    match (first, half) {
+        (true, _) => pairs.for_each(|(x, &y)| *x = widen(y)),
+        (false, false) => pairs.for_each(|(x, &y)| *x += widen(y)),
+        (false, true) => pairs.for_each(|(x, &y)| *x = half::f16::from_f32(*x + widen(y)).to_f32()),
+    }
 }
 
