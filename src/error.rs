@@ -48,9 +48,6 @@ pub enum Error {
     #[error("{what}: residual + gradient is {value} at element {index} (NaN, infinity or float32 overflow); nothing was changed")]
     NonFinite { what: String, index: usize, value: f32 },
 
-    #[error("gradient of {n} elements is too large for the 2-bit header (at most 2^24 = 16777216 elements are exact in float32)")]
-    TooLarge { n: usize },
-
     // --- codec: corrupt data -----------------------------------------------
     #[error("corrupt compressed block {block}: element {element} has code 0b11, which quantize never produces")]
     CorruptCode { block: usize, element: usize },
