@@ -16,9 +16,6 @@ use crate::par;
 use super::lanes;
 use crate::error::{Error, Result};
 
-#[cfg(test)]
-pub(crate) mod threads;
-
 fn zip_chunks<A: Send, B: Sync>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, &B) + Sync) {
     par::chunks(acc, |start, a| {
         let b = &x[start..start + a.len()];

@@ -602,3 +602,6 @@ pub fn push_round(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: 
 
 #[cfg(test)]
 mod tests;
+/// The scheme tests' harness: members on threads of their own.
+#[cfg(test)]
+mod threads;

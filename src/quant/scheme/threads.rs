@@ -5,7 +5,7 @@
 
 use std::sync::{Condvar, Mutex};
 
-use super::Collective;
+use crate::quant::collective::{self, Collective};
 use crate::error::{Error, Result};
 
 const ABORTED: &str = "another device failed";
@@ -102,22 +102,22 @@ impl Collective for LocalMember<'_> {
 
     fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
         let all = self.all(Buf::F32(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, super::max_into)
+        fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, collective::max_into)
     }
 
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
         let all = self.all(Buf::F32(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, super::sum_into)
+        fold(x, all, |b| if let Buf::F32(v) = b { v } else { unreachable!() }, collective::sum_into)
     }
 
     fn min_u8(&mut self, x: &mut [u8], _count: u8) -> Result<()> {
         let all = self.all(Buf::U8(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::U8(v) = b { v } else { unreachable!() }, super::min_into)
+        fold(x, all, |b| if let Buf::U8(v) = b { v } else { unreachable!() }, collective::min_into)
     }
 
     fn sum_codes(&mut self, x: &mut [i32], _lo: i32, _hi: i32) -> Result<()> {
         let all = self.all(Buf::I32(x.to_vec()))?;
-        fold(x, all, |b| if let Buf::I32(v) = b { v } else { unreachable!() }, super::add_codes)
+        fold(x, all, |b| if let Buf::I32(v) = b { v } else { unreachable!() }, collective::add_codes)
     }
 }
 
