@@ -417,14 +417,10 @@ impl KVStore {
 
     /// Sums `values` (one per device) and applies the updater, or stores the sum.
     pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
-        let entry = self.entry(key)?;
-        let (compression, updater) = (self.compression(), self.updater.read().unwrap().clone());
-        let mut guard = lock(key, &entry)?;
-        let e = &mut *guard;
-        let checked = self.check_push(key, e, values, compression, updater.as_deref());
-        self.undoable(e, updater.as_deref(), |e| {
+        // The same locked, checked, undoable round the MPI store drives (`Replica::push`).
+        self.replica_of(key)?.push(values, |Round { key, e, compression, updater, .. }, checked| {
             checked?; // every check before anything is written
-            self.push_local(key, e, values, compression, updater.as_deref())
+            self.push_local(key, e, values, compression, updater)
         })
     }
 
@@ -601,7 +597,8 @@ impl KVStore {
     }
 }
 
-/// One key of a replica store, found.
+/// One key of a store, found: its pushes run through `Replica::push`, the
+/// store's own (`KVStore::push`) and the MPI store's alike.
 pub(in crate::store) struct Replica<'a> {
     store: &'a KVStore,
     key: &'a Key,
@@ -623,7 +620,7 @@ impl Replica<'_> {
     }
 }
 
-/// One push of one replica key, under its lock.
+/// One push of one key, under its lock.
 pub(in crate::store) struct Round<'a> {
     store: &'a KVStore,
     key: &'a Key,
