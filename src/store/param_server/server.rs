@@ -1,7 +1,10 @@
-//! The parameter server: holds its slice of every key, decodes pushed 2-bit
-//! blocks (or float32), aggregates them (sync: once every worker pushed;
-//! async: each push), then runs the optimizer or stores the sum. A bad request
-//! gets an error response and changes nothing.
+//! The parameter server: holds its slices of every key and runs one round
+//! machine per slice (`Round`). A round gathers every worker's turn: a plain
+//! push (2-bit codes counted, `counts`, or float32 summed) or one exchange of
+//! a scheme's round (`quant::scheme`); sync rounds are answered once every
+//! worker took its turn, async pushes one by one. At a round's end the
+//! optimizer runs, or the sum becomes the value. A bad request gets an error
+//! response and changes nothing.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -18,23 +21,95 @@ use crate::store::Key;
 use crate::optimizer::Optimizer;
 use crate::quant::{collective, scheme, scheme::Part};
 
-/// A scheme's round in progress on one key.
+/// A scheme's progress on one slice from round to round.
 #[derive(Default)]
-struct SchemeRound {
+struct SchemeSteps {
     /// Completed rounds: the step every worker's push must carry.
     step: u64,
     /// This round's completed reductions, in order.
     exchanged: Vec<Part>,
-    /// The reduction being gathered: its op and partial result.
-    acc: Option<(Exchange, Gathered)>,
-    /// Workers that contributed to it: (node id, request id).
-    waiting: Vec<(i32, u64)>,
-    /// A worker's part failed on the worker (`Flag::Abort`): the round fails
-    /// for every worker once all took their turn.
-    aborted: Option<String>,
     /// Some worker contributed to a round of this key. Until then the first
     /// push sets `step`: workers resumed from a checkpoint go on from theirs.
     started: bool,
+}
+
+/// The one round machine of a slice, whatever the compression: the workers'
+/// contributions to the current round (a plain push, 2-bit or float32, or
+/// one exchange of a scheme's round), who waits for the answer, and whether
+/// a worker aborted it. A sync round is answered once every worker took its
+/// turn; an async push is a round of its own.
+#[derive(Default)]
+struct Round {
+    gathering: Gathering,
+    /// Workers that took their turn: (node id, request id).
+    waiting: Vec<(i32, u64)>,
+    /// A worker's push failed on the worker (`Flag::Abort`): its turn
+    /// counts, and once every worker took its turn all get this error and
+    /// the value stays as it was.
+    aborted: Option<String>,
+}
+
+/// What a round has gathered so far.
+#[derive(Default)]
+enum Gathering {
+    /// No part yet (or only aborts).
+    #[default]
+    Nothing,
+    /// Plain pushes, summed as `PlainSum` says.
+    Plain(PlainSum),
+    /// A scheme's exchange `op` (or its final contribution).
+    Exchange(Exchange, Gathered),
+}
+
+/// How a round's plain pushes are summed.
+#[derive(Clone, Copy, PartialEq)]
+enum PlainSum {
+    /// Every push so far was 2-bit with these thresholds: codes are counted
+    /// in the slot's `round_pos` and `round_neg`.
+    Counts(Thresholds),
+    /// float32 sum in the slot's `merge` (float32 pushes, or 2-bit ones with
+    /// mixed thresholds).
+    Float,
+}
+
+impl Round {
+    /// Refuses a second turn of `sender` in this round.
+    fn check_turn(&self, sender: i32, key: &Key) -> Result<()> {
+        if self.waiting.iter().any(|(s, _)| *s == sender) {
+            return Err(Error::Key { key: key.to_string(), problem: format!("node {sender} pushed twice in one round") });
+        }
+        Ok(())
+    }
+
+    /// Worker `sender` failed its push on the worker: the round's cause of
+    /// failure, unless an earlier abort gave one. (Its turn still counts.)
+    fn abort(&mut self, sender: i32, key: &Key, cause: &str) {
+        let cause: String = cause.chars().take(1000).collect();
+        self.aborted.get_or_insert(format!("worker node {sender} failed its push of key {key}: {cause}"));
+    }
+
+    /// Whether `node` took its turn in a round others wait in.
+    fn waits_without(&self, node: i32) -> bool {
+        !self.waiting.is_empty() && !self.waiting.iter().any(|(s, _)| *s == node)
+    }
+
+    /// Ends the round: every waiting worker gets `result`; the next starts empty.
+    fn answer(&mut self, meta: &Meta, me: i32, result: Result<Payload>) -> Vec<(i32, Message)> {
+        let waiting: Vec<(i32, u64)> = self.waiting.drain(..).collect();
+        self.gathering = Gathering::Nothing;
+        self.aborted = None;
+        answer_all(meta, me, waiting, result)
+    }
+
+    /// Ends an aborted round once every worker took its turn (None before,
+    /// or when no worker aborted).
+    fn end_aborted(&mut self, meta: &Meta, me: i32, num_workers: usize) -> Option<Vec<(i32, Message)>> {
+        if self.waiting.len() < num_workers {
+            return self.aborted.is_some().then(Vec::new);
+        }
+        let why = self.aborted.clone()?;
+        Some(self.answer(meta, me, Err(Error::JobFailed(why))))
+    }
 }
 
 /// A reduction being gathered: parts reduced as they come, float32 sums
@@ -103,26 +178,16 @@ fn combine(op: Exchange, acc: &mut Part, part: Part) -> Result<()> {
     }
 }
 
-/// How the current round's pushes are being summed.
-#[derive(Clone, Copy, PartialEq)]
-enum Round {
-    Empty,
-    /// Every push so far was 2-bit with these thresholds: codes are counted.
-    Counts(Thresholds),
-    /// float32 sum in `merge`.
-    Float,
-}
-
 struct Slot {
     offset: u64,
     /// The whole key's shape (from init), for schemes that need it.
     shape: Vec<usize>,
-    scheme: SchemeRound,
+    scheme: SchemeSteps,
+    round: Round,
     value: Vec<f32>,
     /// A float16 key: sums and updates rounded to float16 (`store::sum::settle`).
     half: bool,
     merge: Vec<f32>,
-    round: Round,
     round_pos: Vec<u8>,
     round_neg: Vec<u8>,
     /// When the value is exactly a sum of 2-bit pushes: its counts, thresholds
@@ -132,12 +197,6 @@ struct Slot {
     value_counts: Option<(Thresholds, usize)>,
     /// The encoded pull payload of the current value, made on the first pull.
     pull_cache: Option<(Payload, u16)>,
-    /// Workers that pushed in the current sync round: (node id, request id).
-    pushed: Vec<(i32, u64)>,
-    /// Why the current sync round fails: a worker's push failed on the
-    /// worker (`Flag::Abort`). Its turn counts; the round ends when every
-    /// worker has taken it, with this error for all and the value unchanged.
-    aborted: Option<String>,
 }
 
 pub struct Server {
@@ -264,7 +323,7 @@ impl Server {
                 // A worker asks whether a request of its still waits here (in a sync round).
                 let rid = decode_pairs(&meta.body).ok().and_then(|p| p.into_iter().find(|(k, _)| k == "request")).and_then(|(_, v)| v.parse::<u64>().ok());
                 let held = |w: &[(i32, u64)]| w.iter().any(|&(s, r)| s == meta.sender && Some(r) == rid);
-                let result = if self.slots.values().any(|slot| held(&slot.pushed) || held(&slot.scheme.waiting)) {
+                let result = if self.slots.values().any(|slot| held(&slot.round.waiting)) {
                     Ok(Vec::new())
                 } else {
                     Err(Error::JobFailed(format!("server node {} holds no request {} of worker node {}: it was lost on the way", self.my_id, rid.map_or("(none)".to_string(), |r| r.to_string()), meta.sender)))
@@ -364,11 +423,11 @@ impl Server {
                     Slot {
                         offset: meta.offset,
                         shape,
-                        scheme: SchemeRound::default(),
+                        scheme: SchemeSteps::default(),
+                        round: Round::default(),
                         merge: vec![0.0; n],
                         value,
                         half,
-                        round: Round::Empty,
                         // Allocated by the first 2-bit push: a key of another compression never counts codes.
                         round_pos: Vec::new(),
                         round_neg: Vec::new(),
@@ -376,8 +435,6 @@ impl Server {
                         value_neg: Vec::new(),
                         value_counts: None,
                         pull_cache: None,
-                        pushed: Vec::new(),
-                        aborted: None,
                     },
                 );
                 Ok(Vec::new())
@@ -451,32 +508,11 @@ impl Server {
             // A request of this slot, as the waiting pushes were (answer_all sets sender and id).
             let mut meta = Meta::new(Command::Push, 0);
             (meta.key, meta.offset, meta.len) = (Some(key.clone()), slot.offset, slot.value.len() as u64);
-            if !slot.pushed.is_empty() && !slot.pushed.iter().any(|(s, _)| *s == node) {
-                let waiting: Vec<_> = slot.pushed.drain(..).collect();
-                slot.round = Round::Empty;
-                slot.aborted = None;
-                replies.extend(answer_all(&meta, self.my_id, waiting, Err(why(key))));
-            }
-            if !slot.scheme.waiting.is_empty() && !slot.scheme.waiting.iter().any(|(s, _)| *s == node) {
-                let waiting: Vec<_> = slot.scheme.waiting.drain(..).collect();
-                slot.scheme.acc = None;
-                slot.scheme.aborted = None;
-                replies.extend(answer_all(&meta, self.my_id, waiting, Err(why(key))));
+            if slot.round.waits_without(node) {
+                replies.extend(slot.round.answer(&meta, self.my_id, Err(why(key))));
             }
         }
         replies
-    }
-
-    /// A sync round some worker aborted: once every worker took its turn,
-    /// all get the abort's error and the round is dropped (value unchanged).
-    fn end_failed_round(slot: &mut Slot, meta: &Meta, me: i32, num_workers: usize) -> Vec<(i32, Message)> {
-        if slot.pushed.len() < num_workers {
-            return Vec::new();
-        }
-        let why = slot.aborted.take().unwrap_or_default();
-        slot.round = Round::Empty;
-        let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
-        answer_all(meta, me, waiting, Err(Error::JobFailed(why)))
     }
 
     fn push(&mut self, msg: Message) -> Result<Vec<(i32, Message)>> {
@@ -504,14 +540,19 @@ impl Server {
         let num_workers = self.num_workers;
         let asynchronous = meta.has(Flag::Async);
         let slot = self.slots.get_mut(&(key.clone(), meta.offset)).unwrap();
-        if slot.pushed.iter().any(|(s, _)| *s == meta.sender) {
-            return Err(Error::Key { key: key.to_string(), problem: format!("node {} pushed twice in one sync round", meta.sender) });
+        if asynchronous {
+            slot.round = Round::default(); // each async push is a round of its own
         }
+        slot.round.check_turn(meta.sender, &key)?;
+        let sum = match &slot.round.gathering {
+            Gathering::Nothing => None,
+            Gathering::Plain(sum) => Some(*sum),
+            Gathering::Exchange(op, _) => return Err(Error::Key { key: key.to_string(), problem: format!("a plain push while the workers' scheme exchange '{}' is being gathered", op.name()) }),
+        };
         if meta.has(Flag::Abort) && !asynchronous {
-            let cause: String = meta.body.chars().take(1000).collect();
-            slot.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
-            slot.pushed.push((meta.sender, meta.request_id));
-            return Ok(Self::end_failed_round(slot, &meta, self.my_id, num_workers));
+            slot.round.abort(meta.sender, &key, &meta.body);
+            slot.round.waiting.push((meta.sender, meta.request_id));
+            return Ok(slot.round.end_aborted(&meta, self.my_id, num_workers).unwrap_or_default());
         }
         let payload = f32_view(&msg.data)?;
         // Validate first: a bad push changes nothing.
@@ -524,29 +565,26 @@ impl Server {
             }
             None
         };
-        if asynchronous {
-            slot.round = Round::Empty;
-        }
-        slot.round = match (slot.round, th) {
-            (Round::Empty, Some(th)) => {
+        let sum = match (sum, th) {
+            (None, Some(th)) => {
                 let n = slot.merge.len();
                 slot.round_pos.resize(n, 0);
                 slot.round_neg.resize(n, 0);
                 counts::add_codes(&payload, &mut slot.round_pos, &mut slot.round_neg, true);
-                Round::Counts(th)
+                PlainSum::Counts(th)
             }
-            (Round::Counts(t0), Some(th)) if t0 == th && slot.pushed.len() < 255 => {
+            (Some(PlainSum::Counts(t0)), Some(th)) if t0 == th && slot.round.waiting.len() < 255 => {
                 counts::add_codes(&payload, &mut slot.round_pos, &mut slot.round_neg, false);
-                Round::Counts(th)
+                PlainSum::Counts(th)
             }
-            (round, th) => {
+            (sum, th) => {
                 // Mixed thresholds or float32 pushes: sum in float32 from here on.
-                match round {
-                    Round::Counts(t0) => counts::values(&slot.round_pos, &slot.round_neg, t0, &mut slot.merge),
-                    Round::Empty => slot.merge.fill(0.0),
-                    Round::Float => {}
+                match sum {
+                    Some(PlainSum::Counts(t0)) => counts::values(&slot.round_pos, &slot.round_neg, t0, &mut slot.merge),
+                    None => slot.merge.fill(0.0),
+                    Some(PlainSum::Float) => {}
                 }
-                let first = round == Round::Empty;
+                let first = sum.is_none();
                 match th {
                     Some(_) if first => codec::dequantize_2bit(&payload, &mut slot.merge)?,
                     Some(_) => codec::dequantize_2bit_add(&payload, &mut slot.merge)?,
@@ -555,20 +593,21 @@ impl Server {
                     None if slot.half => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m = half::f16::from_f32(*m + *p).to_f32()),
                     None => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m += *p),
                 }
-                Round::Float
+                PlainSum::Float
             }
         };
-        slot.pushed.push((meta.sender, meta.request_id));
-        if slot.aborted.is_some() {
-            return Ok(Self::end_failed_round(slot, &meta, self.my_id, num_workers));
+        slot.round.gathering = Gathering::Plain(sum);
+        slot.round.waiting.push((meta.sender, meta.request_id));
+        if let Some(replies) = slot.round.end_aborted(&meta, self.my_id, num_workers) {
+            return Ok(replies);
         }
-        if !asynchronous && slot.pushed.len() < num_workers {
+        if !asynchronous && slot.round.waiting.len() < num_workers {
             return Ok(Vec::new()); // answered when the round completes
         }
-        let pushes = slot.pushed.len();
+        let pushes = slot.round.waiting.len();
         slot.pull_cache = None;
-        let result = match (&self.optimizer, slot.round) {
-            (None, Round::Counts(th)) => {
+        let result = match (&self.optimizer, sum) {
+            (None, PlainSum::Counts(th)) => {
                 // The value is exactly the counted sum: keep the counts for lossless pulls.
                 counts::values(&slot.round_pos, &slot.round_neg, th, &mut slot.value);
                 std::mem::swap(&mut slot.round_pos, &mut slot.value_pos);
@@ -576,8 +615,8 @@ impl Server {
                 slot.value_counts = Some((th, pushes));
                 Ok(())
             }
-            (opt, round) => {
-                if let Round::Counts(th) = round {
+            (opt, sum) => {
+                if let PlainSum::Counts(th) = sum {
                     counts::values(&slot.round_pos, &slot.round_neg, th, &mut slot.merge);
                 }
                 slot.value_counts = None;
@@ -592,9 +631,7 @@ impl Server {
                 updated
             }
         };
-        slot.round = Round::Empty;
-        let waiting: Vec<(i32, u64)> = slot.pushed.drain(..).collect();
-        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| Payload::empty())))
+        Ok(slot.round.answer(&meta, self.my_id, result.map(|_| Payload::empty())))
     }
 }
 
@@ -628,63 +665,56 @@ impl Server {
             (false, true) => Some(Err(&msg.data[..])),
             (false, false) => Some(Ok(scheme::from_wire(&msg.data)?)),
         };
-        let cause: String = get("cause").unwrap_or("").chars().take(1000).collect();
         let num_workers = self.num_workers;
         let slot = self.slots.get_mut(&(key.clone(), meta.offset)).unwrap();
-        let round = &mut slot.scheme;
-        if !round.started {
-            round.step = step; // a fresh key: the workers' step (0, or where a checkpoint left them)
+        let steps = &mut slot.scheme;
+        if !steps.started {
+            steps.step = step; // a fresh key: the workers' step (0, or where a checkpoint left them)
         }
-        round.started = true;
-        if step != round.step {
-            return Err(Error::Key { key: key.to_string(), problem: format!("scheme push for step {step}, but this server is at step {}", round.step) });
+        steps.started = true;
+        if step != steps.step {
+            return Err(Error::Key { key: key.to_string(), problem: format!("scheme push for step {step}, but this server is at step {}", steps.step) });
         }
+        let round = &mut slot.round;
         // Every worker gave up the last round after an exchange (e.g. a
         // non-finite scale): a new first exchange starts the round over.
-        if phase == Some(0) && round.acc.is_none() && !round.exchanged.is_empty() {
-            round.exchanged.clear();
+        if phase == Some(0) && matches!(round.gathering, Gathering::Nothing) && !steps.exchanged.is_empty() {
+            steps.exchanged.clear();
         }
         if let Some(p) = phase {
-            if p != round.exchanged.len() {
-                return Err(Error::Key { key: key.to_string(), problem: format!("exchange {p} of the round, but the server expects {}", round.exchanged.len()) });
+            if p != steps.exchanged.len() {
+                return Err(Error::Key { key: key.to_string(), problem: format!("exchange {p} of the round, but the server expects {}", steps.exchanged.len()) });
             }
         }
-        if round.waiting.iter().any(|(s, _)| *s == meta.sender) {
-            return Err(Error::Key { key: key.to_string(), problem: format!("node {} sent twice in one exchange", meta.sender) });
-        }
-        match (&mut round.acc, part) {
-            (_, None) => {
-                round.aborted.get_or_insert(format!("worker node {} failed its push of key {key}: {cause}", meta.sender));
-            }
-            (None, Some(Ok(part))) => round.acc = Some((op, Gathered::first(op, meta.sender, part))),
-            (None, Some(Err(lanes))) => round.acc = Some((op, Gathered::Lanes(scheme::LaneSum::first(lanes, num_workers)?))),
-            (Some((o, acc @ (Gathered::Part(_) | Gathered::Ordered(_)))), Some(Ok(part))) if *o == op => acc.add(op, meta.sender, part)?,
-            (Some((o, Gathered::Lanes(sum))), Some(Err(lanes))) if *o == op => sum.add(lanes)?,
-            (Some((o, _)), Some(_)) if *o == op => return Err(mismatch(op)),
-            (Some((o, _)), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' while the workers' '{}' is being gathered", op.name(), o.name()) }),
+        round.check_turn(meta.sender, &key)?;
+        match (&mut round.gathering, part) {
+            (Gathering::Plain(_), _) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' of a scheme while the workers' plain pushes are being gathered", op.name()) }),
+            (_, None) => round.abort(meta.sender, &key, get("cause").unwrap_or("")),
+            (Gathering::Nothing, Some(Ok(part))) => round.gathering = Gathering::Exchange(op, Gathered::first(op, meta.sender, part)),
+            (Gathering::Nothing, Some(Err(lanes))) => round.gathering = Gathering::Exchange(op, Gathered::Lanes(scheme::LaneSum::first(lanes, num_workers)?)),
+            (Gathering::Exchange(o, acc @ (Gathered::Part(_) | Gathered::Ordered(_))), Some(Ok(part))) if *o == op => acc.add(op, meta.sender, part)?,
+            (Gathering::Exchange(o, Gathered::Lanes(sum)), Some(Err(lanes))) if *o == op => sum.add(lanes)?,
+            (Gathering::Exchange(o, _), Some(_)) if *o == op => return Err(mismatch(op)),
+            (Gathering::Exchange(o, _), Some(_)) => return Err(Error::Key { key: key.to_string(), problem: format!("'{}' while the workers' '{}' is being gathered", op.name(), o.name()) }),
         }
         round.waiting.push((meta.sender, meta.request_id));
+        if let Some(replies) = round.end_aborted(&meta, self.my_id, num_workers) {
+            return Ok(replies); // every worker gives up this round; the next first exchange starts over
+        }
         if round.waiting.len() < num_workers {
             return Ok(Vec::new()); // answered when every worker contributed
         }
-        if let Some(why) = round.aborted.take() {
-            // Every worker gives up this round; the next first exchange starts over.
-            round.acc = None;
-            let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
-            return Ok(answer_all(&meta, self.my_id, waiting, Err(Error::JobFailed(why))));
-        }
-        let reduced = match round.acc.take() {
-            Some((_, gathered)) => gathered.reduced()?,
-            None => return Err(Error::Internal("a completed round without a reduction".into())),
+        let reduced = match std::mem::take(&mut round.gathering) {
+            Gathering::Exchange(_, gathered) => gathered.reduced()?,
+            _ => return Err(Error::Internal("a completed round without a reduction".into())),
         };
-        let waiting: Vec<(i32, u64)> = round.waiting.drain(..).collect();
-        let (result, payload) = if !is_final {
+        let (result, payload, flags) = if !is_final {
             let reply = scheme::sum_to_wire(&reduced, num_workers);
-            round.exchanged.push(reduced);
-            (Ok(()), reply)
+            steps.exchanged.push(reduced);
+            (Ok(()), Payload::from(reply), 0)
         } else {
             let ctx = scheme::Ctx { shape: &slot.shape, step, key_hash: key.stable_hash(), member: 0, workers: num_workers };
-            let decoded = scheme::decode_slice(&compression, &round.exchanged, &reduced, &ctx, slot.offset as usize, &mut slot.merge);
+            let decoded = scheme::decode_slice(&compression, &steps.exchanged, &reduced, &ctx, slot.offset as usize, &mut slot.merge);
             slot.pull_cache = None;
             slot.value_counts = None;
             let result = decoded.and_then(|_| match &self.optimizer {
@@ -694,12 +724,12 @@ impl Server {
                     // rewritten whole by the next decode): pulls send what it
                     // was decoded from.
                     std::mem::swap(&mut slot.value, &mut slot.merge);
-                    slot.pull_cache = Some((scheme::value_to_wire(step, &round.exchanged, &reduced, num_workers).into(), Flag::SchemeValue.bit()));
+                    slot.pull_cache = Some((scheme::value_to_wire(step, &steps.exchanged, &reduced, num_workers).into(), Flag::SchemeValue.bit()));
                     Ok(())
                 }
             });
-            round.exchanged.clear();
-            round.step += 1;
+            steps.exchanged.clear();
+            steps.step += 1;
             // PowerSGD's workers warm-start from the summed Q. Other
             // schemes' workers get the slice's new value as a pull would
             // (when it is the decoded sum, with no optimizer), so the reply
@@ -709,11 +739,11 @@ impl Server {
                 (_, Some((value, flags))) if result.is_ok() && *flags == Flag::SchemeValue.bit() => (value.clone(), *flags),
                 _ => (Payload::empty(), 0),
             };
-            let mut replies = answer_all(&meta, self.my_id, waiting, result.map(|_| payload));
-            replies.iter_mut().filter(|(_, r)| r.meta.status == 0).for_each(|(_, r)| r.meta.flags = flags);
-            return Ok(replies);
+            (result, payload, flags)
         };
-        Ok(answer_all(&meta, self.my_id, waiting, result.map(|_| Payload::from(payload))))
+        let mut replies = round.answer(&meta, self.my_id, result.map(|_| payload));
+        replies.iter_mut().filter(|(_, r)| r.meta.status == 0).for_each(|(_, r)| r.meta.flags = flags);
+        Ok(replies)
     }
 }
 
@@ -803,5 +833,50 @@ mod tests {
         assert_eq!(send(&mut server, Command::Pull, 20, 10).2, f32s_to_bytes(&[20.0; 10]));
         let (status, body, _) = send(&mut server, Command::Pull, 10, 10);
         assert!(status == -1 && body.contains("holds elements 0..10, 20..30"), "{body}");
+    }
+
+    /// One round machine: a plain push and a scheme's exchange cannot share
+    /// a round; the refused one changes nothing and the round completes.
+    #[test]
+    fn plain_pushes_and_scheme_exchanges_share_one_round_machine() {
+        let mut server = Server::new(2, 8);
+        server.compression = Compression::from_params([("type", "qsgd_mn"), ("bits", "2")]).unwrap();
+        let key = Key::Int(4);
+        let send = |server: &mut Server, sender: i32, command: Command, flags: &[Flag], body: String, data: Vec<u8>| {
+            let mut m = Meta::new(command, sender);
+            (m.key, m.offset, m.len, m.request_id) = (Some(key.clone()), 0, 3, 7);
+            flags.iter().for_each(|&f| m.set(f));
+            m.body = body;
+            server.handle(Message { meta: m, data: Payload::from(data) })
+        };
+        let init = encode_pairs([("shape", "3"), ("sync", "1")]);
+        assert_eq!(send(&mut server, 9, Command::Init, &[], init, f32s_to_bytes(&[0.0; 3]))[0].1.meta.status, 0);
+        let exchange = |x: &[f32]| (encode_pairs([("step", "0"), ("op", "max"), ("phase", "0")]), scheme::to_wire(&Part::F32(x.to_vec())));
+        // A plain round open: worker 11's exchange is refused, then its plain push completes the round.
+        assert!(send(&mut server, 9, Command::Push, &[], String::new(), f32s_to_bytes(&[1.0, 2.0, 3.0])).is_empty());
+        let (body, data) = exchange(&[5.0; 3]);
+        let refused = send(&mut server, 11, Command::Push, &[Flag::Exchange], body, data);
+        assert!(refused[0].1.meta.status == -1 && refused[0].1.meta.body.contains("while the workers' plain pushes are being gathered"), "{}", refused[0].1.meta.body);
+        let done = send(&mut server, 11, Command::Push, &[], String::new(), f32s_to_bytes(&[0.5; 3]));
+        assert_eq!(done.iter().map(|(to, r)| (*to, r.meta.status)).collect::<Vec<_>>(), vec![(9, 0), (11, 0)]);
+        assert_eq!(send(&mut server, 9, Command::Pull, &[], String::new(), Vec::new())[0].1.data.to_vec(), f32s_to_bytes(&[1.5, 2.5, 3.5]));
+        // An exchange open: worker 11's plain push and its second turn are refused; its exchange completes it.
+        let (body, data) = exchange(&[1.0, -4.0, 2.0]);
+        assert!(send(&mut server, 9, Command::Push, &[Flag::Exchange], body.clone(), data.clone()).is_empty());
+        let refused = send(&mut server, 11, Command::Push, &[], String::new(), f32s_to_bytes(&[0.5; 3]));
+        assert!(refused[0].1.meta.status == -1 && refused[0].1.meta.body.contains("a plain push while the workers' scheme exchange 'max' is being gathered"), "{}", refused[0].1.meta.body);
+        let twice = send(&mut server, 9, Command::Push, &[Flag::Exchange], body, data);
+        assert!(twice[0].1.meta.body.contains("node 9 pushed twice in one round"), "{}", twice[0].1.meta.body);
+        let (body, data) = exchange(&[3.0, -5.0, 0.0]);
+        let done = send(&mut server, 11, Command::Push, &[Flag::Exchange], body, data);
+        assert_eq!(done.iter().map(|(to, r)| (*to, r.meta.status)).collect::<Vec<_>>(), vec![(9, 0), (11, 0)]);
+        assert_eq!(scheme::from_wire(&done[0].1.data).unwrap(), Part::F32(vec![3.0, -4.0, 2.0]));
+        // The value is untouched by the exchange, and a worker's close fails the next round's waiters.
+        assert_eq!(send(&mut server, 9, Command::Pull, &[], String::new(), Vec::new())[0].1.data.to_vec(), f32s_to_bytes(&[1.5, 2.5, 3.5]));
+        assert!(send(&mut server, 9, Command::Push, &[], String::new(), f32s_to_bytes(&[1.0; 3])).is_empty());
+        let mut bye = Meta::new(Command::WorkerDone, 11);
+        bye.request_id = 1;
+        let failed = server.handle(Message { meta: bye, data: Payload::empty() });
+        assert!(failed.iter().any(|(to, r)| *to == 9 && r.meta.status == -1 && r.meta.body.contains("worker node 11 closed its store")), "{failed:?}");
     }
 }
