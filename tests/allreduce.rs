@@ -11,15 +11,31 @@ use gradpack::store::{MpiStore, Array, ArrayMut, Grad, KVStore, Key, Store};
 
 const WORKERS: usize = 3;
 
+/// Whether this process is a rank of `mpirun`. There a failed assertion
+/// aborts the rank once reported, so that mpirun ends every rank at once: a
+/// rank that returned would wait in `MPI_Finalize` for ranks that wait in a
+/// collective for it, and the test would hang instead of failing.
 fn under_mpi() -> bool {
-    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some()
+    let under = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
+    if under {
+        static HOOK: std::sync::Once = std::sync::Once::new();
+        HOOK.call_once(|| {
+            let report = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                report(info);
+                std::process::abort();
+            }));
+        });
+    }
+    under
 }
 
-/// Runs test `name` of this binary on `WORKERS` ranks; panics with their output on failure.
+/// Runs test `name` of this binary on `WORKERS` ranks; panics with their
+/// output on failure, or when they run past `--timeout` (a hang).
 fn mpirun(name: &str) {
     let exe = std::env::current_exe().unwrap();
     let out = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-n", &WORKERS.to_string()])
+        .args(["--allow-run-as-root", "--oversubscribe", "--timeout", "300", "-n", &WORKERS.to_string()])
         .arg(exe)
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
         .output()
@@ -140,13 +156,13 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     let key = Key::Int(if rank == 1 { 1 } else { 0 });
     let err = kv.push(&key, &[f32s(&shape, &[0.5; 8])]).unwrap_err().to_string();
     assert!(err.contains("workers disagree on the push of key"), "{err}");
-    // a bad shape on one worker: that worker says why, the others that someone disagreed
+    // a bad shape on one worker: that worker says why, the others that it disagreed, and why
     let bad = [if rank == 2 { 4usize } else { 8 }];
     let err = kv.push(&Key::Int(0), &[f32s(&bad, &vec![0.5; bad[0]])]).unwrap_err().to_string();
     if rank == 2 {
         assert!(err.contains("has shape [4]"), "{err}");
     } else {
-        assert!(err.contains("workers disagree"), "{err}");
+        assert!(err.contains("workers disagree") && err.contains("worker rank 2: ") && err.contains("has shape [4]"), "{err}");
     }
     // a non-finite gradient on one worker fails the push everywhere, values untouched
     let g = if rank == 0 { [f32::NAN; 8] } else { [0.5; 8] };
@@ -174,7 +190,7 @@ fn mismatched_pushes_fail_on_every_worker_and_the_store_recovers() {
     if rank == 1 {
         assert!(err.contains("key 'w'") && err.contains("inf at element 3"), "{err}");
     } else {
-        assert!(err.contains("workers disagree on the push of key 'w'"), "{err}");
+        assert!(err.contains("workers disagree on the push of key 'w'") && err.contains("worker rank 1: ") && err.contains("inf at element 3"), "{err}");
     }
     assert_eq!(two.residual(&Key::from("w"), 0).unwrap(), residual);
     assert_eq!(pull(&two, &Key::from("w"), &shape), vec![0.0; 8]);
@@ -209,7 +225,7 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     if rank == 1 {
         assert!(err.contains("key 99: not initialized"), "{err}");
     } else {
-        assert!(err.contains("workers disagree on the push of key 0") && err.contains("key, size differ"), "{err}");
+        assert!(err.contains("workers disagree on the push of key 0") && err.contains("key, size differ") && err.contains("worker rank 1: key 99: not initialized"), "{err}");
     }
     // An init on rank 0 only, while the others push: the operations differ.
     let err = if rank == 0 { kv.init(&Key::Int(50), f32s(&shape, &g)) } else { kv.push(&Key::Int(0), &[f32s(&shape, &g)]) }.unwrap_err().to_string();

@@ -55,7 +55,7 @@ impl MpiStore {
         let checked = self.local.check_init(key, value);
         self.check_open()?;
         let mine = self.agreement(world::Op::Init, key, value.data.len() as u64, 0, checked.is_ok());
-        let agreed = self.agree(&format!("the init of key {key}"), &mine);
+        let agreed = self.agree(&format!("the init of key {key}"), &mine, checked.as_ref().err());
         let mut data = checked?; // a worker's own error first, then the others'
         agreed?;
         self.world.broadcast_f32(&mut data)?;
@@ -71,7 +71,7 @@ impl MpiStore {
             Err(err) => {
                 // Every worker takes part in the agreement, even one that failed here.
                 self.check_open()?;
-                let _ = self.agree(&format!("the push of key {key}"), &self.agreement(world::Op::Push, key, 0, 0, false));
+                let _ = self.agree(&format!("the push of key {key}"), &self.agreement(world::Op::Push, key, 0, 0, false), Some(&err));
                 return Err(err);
             }
         };
@@ -81,7 +81,7 @@ impl MpiStore {
             let checked = checked.and_then(|()| round.merge(values));
             self.check_open()?;
             let mine = self.agreement(world::Op::Push, key, round.len() as u64, round.step(), checked.is_ok());
-            let agreed = self.agree(&format!("the push of key {key}"), &mine);
+            let agreed = self.agree(&format!("the push of key {key}"), &mine, checked.as_ref().err());
             checked?; // a worker's own error first, then the others'
             agreed?;
             self.reduce(round)
@@ -103,10 +103,12 @@ impl MpiStore {
         world::Agreement { op, key_hash: key.stable_hash(), size, step, ok, compression, optimizer: self.local.updater_fingerprint() }
     }
 
-    /// An agreement; when another worker was closing, this store is closed
-    /// too (it could only wait for workers that will not come).
-    fn agree(&self, what: &str, mine: &world::Agreement) -> Result<()> {
-        world::check_agree_or_closed(&self.world, what, mine).map_err(|(err, closed)| {
+    /// An agreement, with this worker's own error when its checks failed
+    /// (the others' error names it); when another worker was closing, this
+    /// store is closed too (it could only wait for workers that will not come).
+    fn agree(&self, what: &str, mine: &world::Agreement, failed: Option<&Error>) -> Result<()> {
+        let failed = failed.map(|e| e.to_string());
+        world::check_agree_or_closed(&self.world, what, mine, failed.as_deref()).map_err(|(err, closed)| {
             if closed {
                 self.closed.store(true, Ordering::SeqCst);
             }
@@ -128,7 +130,7 @@ impl MpiStore {
         let _order = self.ordered();
         self.check_open()?;
         let mine = world::Agreement { op: world::Op::Barrier, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
-        self.agree("a barrier", &mine)
+        self.agree("a barrier", &mine, None)
     }
 
     /// Closes the store together with every other worker: a worker still
@@ -141,7 +143,7 @@ impl MpiStore {
             return Ok(());
         }
         let mine = world::Agreement { op: world::Op::Close, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
-        world::check_agree(&self.world, "closing the store", &mine)
+        world::check_agree(&self.world, "closing the store", &mine, None)
     }
 }
 

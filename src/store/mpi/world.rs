@@ -15,6 +15,7 @@
 //! cores). MPI is initialised on the first join and finalised at exit.
 
 use crate::error::{Error, Result};
+use crate::quant::collective::Collective;
 
 #[cfg(feature = "mpi")]
 mod imp {
@@ -336,6 +337,8 @@ pub struct Agreement {
 
 impl Agreement {
     const FIELDS: [&'static str; 7] = ["operation", "key", "size", "push count", "", "compression", "optimizer"];
+    /// The index of `ok` in `FIELDS`: a worker's own checks, named by its error.
+    const OK: usize = 4;
 
     fn values(&self) -> [u64; 7] {
         [self.op as u64, self.key_hash, self.size, self.step, self.ok as u64, self.compression, self.optimizer]
@@ -348,16 +351,21 @@ impl Agreement {
 /// so mismatched operations never pair up or truncate). A mismatch, or a
 /// worker whose own checks failed, is an error on every worker that names
 /// what differs, never a hang or garbage. A worker must call it even when
-/// its own checks failed.
-pub fn check_agree(world: &World, what: &str, mine: &Agreement) -> Result<()> {
-    check_agree_or_closed(world, what, mine).map_err(|(e, _)| e)
+/// its own checks failed, with their error (`failed`): the other workers'
+/// error then carries the cause (of the lowest such rank), as a parameter
+/// server's workers get the cause of another's failed push.
+pub fn check_agree(world: &World, what: &str, mine: &Agreement, failed: Option<&str>) -> Result<()> {
+    check_agree_or_closed(world, what, mine, failed).map_err(|(e, _)| e)
 }
 
 /// As `check_agree`; the error also says whether another worker was closing
 /// its store (so this one takes part in no more collectives either).
-pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement) -> std::result::Result<(), (Error, bool)> {
+pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement, failed: Option<&str>) -> std::result::Result<(), (Error, bool)> {
     let values = mine.values();
     let (max, differs) = crate::quant::collective::compare_fields(&mut &*world, &values).map_err(|e| (e, false))?;
+    // Some worker's own checks failed, and not every worker's: every worker
+    // (each sees the same `differs`) takes part in sharing the cause.
+    let cause = if differs.contains(&Agreement::OK) { Some(first_failure(world, failed.filter(|_| !mine.ok)).map_err(|e| (e, false))?) } else { None };
     let differs: Vec<&str> = differs.into_iter().map(|f| Agreement::FIELDS[f]).collect();
     if differs.is_empty() {
         return Ok(());
@@ -372,7 +380,38 @@ pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement) -> std
     } else if !named.is_empty() {
         format!("the workers' {} differ; every worker must init and push the same keys, with the same shapes, compression and optimizer, in the same order", named.join(", "))
     } else {
-        "another worker's own checks failed (its error says why)".to_string()
+        "another worker's own checks failed".to_string()
+    };
+    let why = match cause {
+        Some((rank, cause)) => format!("{why}; worker rank {rank}: {cause}"),
+        None => why,
     };
     Err((Error::Store(format!("workers disagree on {what} (rank {}): {why}", world.rank())), closing || mine.op == Op::Close))
+}
+
+/// The longest cause `first_failure` carries, in bytes.
+const CAUSE_BYTES: usize = 1000;
+
+/// The lowest rank among the workers whose own checks failed, and its error
+/// (`failed`, cut at `CAUSE_BYTES`), for every worker: two MAX reductions,
+/// the rank's, then its error's bytes from that rank alone (each a float32,
+/// exact). Every worker calls it; the others pass None.
+fn first_failure(world: &World, failed: Option<&str>) -> Result<(usize, String)> {
+    let size = world.size();
+    let mut first = [failed.map_or(0.0, |_| (size - world.rank()) as f32)];
+    (&mut &*world).max_f32(&mut first)?;
+    let rank = size.checked_sub(first[0] as usize).filter(|&r| first[0] >= 1.0 && r < size).ok_or_else(|| Error::Internal(format!("no failed rank in {}", first[0])))?;
+    let mut text = vec![0f32; 1 + CAUSE_BYTES];
+    if let (Some(cause), true) = (failed, rank == world.rank()) {
+        let mut end = cause.len().min(CAUSE_BYTES);
+        while !cause.is_char_boundary(end) {
+            end -= 1;
+        }
+        text[0] = end as f32;
+        text[1..=end].iter_mut().zip(cause.bytes()).for_each(|(t, b)| *t = b as f32);
+    }
+    (&mut &*world).max_f32(&mut text)?;
+    let len = (text[0] as usize).min(CAUSE_BYTES);
+    let bytes: Vec<u8> = text[1..=len].iter().map(|&b| b as u8).collect();
+    Ok((rank, String::from_utf8_lossy(&bytes).into_owned()))
 }
