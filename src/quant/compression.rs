@@ -202,7 +202,11 @@ impl Compression {
         }
     }
 
-    /// Schemes that reduce through `quant::scheme` (everything but none and 2bit).
+    /// Whether its rounds on the device store and the parameter server are
+    /// a scheme's exchanges (`quant::scheme`): everything but none and 2bit.
+    /// 2-bit keeps MXNet's own paths there (dequantized device sums in order,
+    /// code counts on a server); only the all-reduce store reduces its codes
+    /// through `quant::scheme`, with the bits of the server's counts.
     pub fn is_scheme(&self) -> bool {
         matches!(self, Compression::Qsgd(_) | Compression::PowerSgd { .. } | Compression::OneBit { .. })
     }
