@@ -218,7 +218,7 @@ fn bad_input_is_refused_before_anything_changes() {
 /// counted, while the server keeps serving exact values.
 fn rogue_frames(key: &Key) -> Vec<Vec<Vec<u8>>> {
     use gradpack::store::param_server::message::{f32s_to_bytes, Command, Meta};
-    use gradpack::store::param_server::protocol::Flag;
+    use gradpack::store::param_server::message::Flag;
     let meta = |command, k: &Key, len: u64, flags: u16| {
         let mut m = Meta::new(command, 9999);
         m.key = Some(k.clone());
@@ -539,7 +539,7 @@ fn rogue_registrations_do_not_hurt_the_scheduler() {
 #[test]
 fn scheme_frames_claiming_huge_sizes_are_refused() {
     use gradpack::store::param_server::message::{encode_pairs, Command, Meta};
-    use gradpack::store::param_server::protocol::Flag;
+    use gradpack::store::param_server::message::Flag;
     let (sched, server, post, w) = one_server_job();
     let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
@@ -962,7 +962,7 @@ fn reaches(what: &str, count: impl Fn() -> u64, want: u64) {
 #[test]
 fn genuine_frames_replayed_to_another_node_are_refused() {
     use gradpack::store::param_server::message::{Command, Meta};
-    use gradpack::store::param_server::protocol::Flag;
+    use gradpack::store::param_server::message::Flag;
     let secret = Secret::new(b"one job").unwrap();
     let job = secured_job(&secret, 2, 2);
     let k = Key::Int(3);

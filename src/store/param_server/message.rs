@@ -1,9 +1,12 @@
-//! Messages between nodes and their wire format. A message travels as two
-//! ZeroMQ frames: a small binary header (`Meta`) and the payload bytes, which
-//! are float32 values or packed 2-bit blocks moved as bytes only. Decoding
-//! checks every length and tag: a malformed frame is an error, never a panic.
+//! Messages between nodes: their wire format and their one vocabulary, the
+//! commands (`Command`), the bits of a message's `flags` (`Flag`) and the
+//! exchanges a scheme's round runs on the servers (`Exchange`); the worker
+//! writes these and the server reads them, neither defines its own. A
+//! message travels as two ZeroMQ frames: a small binary header (`Meta`) and
+//! the payload bytes, which are float32 values or packed 2-bit blocks moved
+//! as bytes only. Decoding checks every length and tag: a malformed frame is
+//! an error, never a panic.
 
-use super::protocol::Flag;
 use crate::bytes::Reader;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -63,6 +66,66 @@ impl Command {
             26 => Response,
             other => return Err(malformed(&format!("unknown command {other}"))),
         })
+    }
+}
+
+/// One bit of `Meta::flags`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Flag {
+    /// Push payload: a 2-bit compressed array (header and blocks).
+    Compressed = 1,
+    /// Push: apply this push at once (dist_async).
+    Async = 2,
+    /// Pull response: the payload is in the code-count encoding (`counts`).
+    CodeCounts = 4,
+    /// Push: one exchange of a scheme, reduced over every worker and answered
+    /// to each with the result. Body: `op` (an `Exchange`), `step`, `phase`.
+    Exchange = 8,
+    /// Push: a scheme's final contribution: summed, decoded once with the
+    /// round's exchanges, then applied like any push. Body: `step`.
+    Scheme = 16,
+    /// Pull response: the value is a scheme's decoded sum, sent as its
+    /// exchanges and summed codes (`scheme::value_to_wire`); lossless.
+    SchemeValue = 32,
+    /// A sync push that failed on its worker (a wrong shape, a NaN): it takes
+    /// the worker's turn in the round and fails the round for every worker;
+    /// the body says why.
+    Abort = 64,
+}
+
+impl Flag {
+    pub const fn bit(self) -> u16 {
+        self as u16
+    }
+}
+
+/// The reduction of one exchange of a scheme's round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exchange {
+    /// Elementwise maximum of float32 parts (shared scales).
+    Max,
+    /// Elementwise sum of float32 parts or of codes.
+    Sum,
+    /// Elementwise minimum of level indices (multi-scale masks).
+    Min,
+    /// The round's final contribution, summed as `Sum`.
+    Final,
+}
+
+impl Exchange {
+    /// The name on the wire (the `op` of an exchange's body).
+    pub fn name(self) -> &'static str {
+        match self {
+            Exchange::Max => "max",
+            Exchange::Sum => "sum",
+            Exchange::Min => "min",
+            Exchange::Final => "final",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Exchange> {
+        [Exchange::Max, Exchange::Sum, Exchange::Min, Exchange::Final].into_iter().find(|e| e.name() == name)
     }
 }
 
@@ -321,5 +384,15 @@ mod tests {
         assert_eq!(back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), v.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
         assert!(bytes_to_f32s(&[0; 5]).is_err());
         assert_eq!(decode_pairs(&encode_pairs([("a", "1"), ("b", "x=y")])).unwrap(), vec![("a".into(), "1".into()), ("b".into(), "x=y".into())]);
+    }
+
+    #[test]
+    fn names_round_trip_and_bits_are_distinct() {
+        for e in [Exchange::Max, Exchange::Sum, Exchange::Min, Exchange::Final] {
+            assert_eq!(Exchange::parse(e.name()), Some(e));
+        }
+        assert_eq!(Exchange::parse("avg"), None);
+        let flags = [Flag::Compressed, Flag::Async, Flag::CodeCounts, Flag::Exchange, Flag::Scheme, Flag::SchemeValue, Flag::Abort];
+        assert_eq!(flags.iter().fold(0u16, |acc, f| acc | f.bit()).count_ones() as usize, flags.len());
     }
 }

@@ -3,7 +3,7 @@
 //! `auth` for MACs and `gate` for admitting connections) ->
 //! `postoffice` (membership: scheduler, ranks, barrier, heartbeats) and
 //! `customer` (request tracking) -> `worker` and `server`, which speak the
-//! vocabulary of `protocol` (flags, exchanges). `config` reads every setting
+//! vocabulary of `message` (commands, flags, exchanges). `config` reads every setting
 //! from MXNet's `DMLC_*` variables in one place.
 
 pub mod auth;
@@ -13,7 +13,6 @@ pub mod customer;
 pub mod gate;
 pub mod message;
 pub mod postoffice;
-pub mod protocol;
 pub mod server;
 pub mod van;
 pub mod worker;

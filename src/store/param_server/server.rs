@@ -9,8 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::config::Config;
-use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta, Payload};
-use super::protocol::{Exchange, Flag};
+use super::message::{bytes_to_f32s, decode_pairs, f32_view, f32s_to_bytes, Command, Exchange, Flag, Message, Meta, Payload};
 use super::postoffice::Postoffice;
 use super::counts;
 use crate::codec::{self, Thresholds};

@@ -17,8 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::{Config, Role};
-use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta};
-use super::protocol::{Exchange, Flag};
+use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Exchange, Flag, Message, Meta};
 use super::postoffice::Postoffice;
 use super::counts;
 use crate::codec::{self, Grad};
