@@ -41,8 +41,9 @@ pub(crate) fn sum_into(dst: &mut [f32], grads: &[Grad], half: bool) {
 
 /// `d = g` (`first`), else `d += g`, widened; with `half` each sum rounded
 /// to float16. One loop per case, so none tests a flag per element.
+/// The devices' sum here, and a server's sum of float32 pushes.
 #[inline(always)]
-fn add_into<T: Copy>(d: &mut [f32], g: &[T], first: bool, half: bool, widen: impl Fn(T) -> f32) {
+pub(crate) fn add_into<T: Copy>(d: &mut [f32], g: &[T], first: bool, half: bool, widen: impl Fn(T) -> f32) {
     let pairs = d.iter_mut().zip(g);
     match (first, half) {
         (true, _) => pairs.for_each(|(x, &y)| *x = widen(y)),
@@ -50,4 +51,3 @@ fn add_into<T: Copy>(d: &mut [f32], g: &[T], first: bool, half: bool, widen: imp
         (false, true) => pairs.for_each(|(x, &y)| *x = half::f16::from_f32(*x + widen(y)).to_f32()),
     }
 }
-

@@ -15,7 +15,7 @@ use super::counts;
 use crate::codec::{self, Thresholds};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::store::sum::settle;
+use crate::store::sum::{add_into, settle};
 use crate::store::Key;
 use crate::optimizer::Optimizer;
 use crate::quant::{collective, scheme, scheme::Part};
@@ -587,10 +587,8 @@ impl Server {
                 match th {
                     Some(_) if first => codec::dequantize_2bit(&payload, &mut slot.merge)?,
                     Some(_) => codec::dequantize_2bit_add(&payload, &mut slot.merge)?,
-                    None if first => slot.merge.copy_from_slice(&payload),
                     // A float16 key sums as MXNet adds float16 arrays: each partial sum rounded.
-                    None if slot.half => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m = half::f16::from_f32(*m + *p).to_f32()),
-                    None => slot.merge.iter_mut().zip(payload.iter()).for_each(|(m, p)| *m += *p),
+                    None => add_into(&mut slot.merge, &payload, first, slot.half, |p| p),
                 }
                 PlainSum::Float
             }
@@ -877,5 +875,25 @@ mod tests {
         bye.request_id = 1;
         let failed = server.handle(Message { meta: bye, data: Payload::empty() });
         assert!(failed.iter().any(|(to, r)| *to == 9 && r.meta.status == -1 && r.meta.body.contains("worker node 11 closed its store")), "{failed:?}");
+    }
+
+    /// A float16 key sums float32 pushes as MXNet adds float16 arrays, each
+    /// partial sum rounded: 1 + 0.0004 + 0.0004 stays 1, where one rounding
+    /// of the whole sum would give 1.000977.
+    #[test]
+    fn a_float16_key_rounds_each_partial_sum() {
+        let mut server = Server::new(3, 8);
+        let send = |server: &mut Server, sender: i32, command: Command, body: String, data: Vec<u8>| {
+            let mut m = Meta::new(command, sender);
+            (m.key, m.len, m.request_id) = (Some(Key::Int(1)), 2, 1);
+            m.body = body;
+            server.handle(Message { meta: m, data: Payload::from(data) })
+        };
+        let init = encode_pairs([("shape", "2"), ("sync", "1"), ("dtype", "float16")]);
+        assert_eq!(send(&mut server, 9, Command::Init, init, f32s_to_bytes(&[0.0; 2]))[0].1.meta.status, 0);
+        for (sender, x) in [(9, [1.0f32, 0.5]), (10, [0.0004, 0.25]), (11, [0.0004, 0.125])] {
+            send(&mut server, sender, Command::Push, String::new(), f32s_to_bytes(&x));
+        }
+        assert_eq!(send(&mut server, 9, Command::Pull, String::new(), Vec::new())[0].1.data.to_vec(), f32s_to_bytes(&[1.0, 0.875]));
     }
 }
