@@ -100,14 +100,11 @@ impl Round {
         answer_all(meta, me, waiting, result)
     }
 
-    /// Ends an aborted round once every worker took its turn (None before,
-    /// or when no worker aborted).
+    /// A round some worker aborted (None when none did): no answer until
+    /// every worker took its turn, then the abort's error to all of them.
     fn end_aborted(&mut self, meta: &Meta, me: i32, num_workers: usize) -> Option<Vec<(i32, Message)>> {
-        if self.waiting.len() < num_workers {
-            return self.aborted.is_some().then(Vec::new);
-        }
         let why = self.aborted.clone()?;
-        Some(self.answer(meta, me, Err(Error::JobFailed(why))))
+        Some(if self.waiting.len() < num_workers { Vec::new() } else { self.answer(meta, me, Err(Error::JobFailed(why))) })
     }
 }
 
