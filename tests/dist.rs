@@ -217,8 +217,7 @@ fn bad_input_is_refused_before_anything_changes() {
 /// (with the refusal undeliverable to the unknown sender, node 9999), and
 /// counted, while the server keeps serving exact values.
 fn rogue_frames(key: &Key) -> Vec<Vec<Vec<u8>>> {
-    use gradpack::store::param_server::message::{f32s_to_bytes, Command, Meta};
-    use gradpack::store::param_server::message::Flag;
+    use gradpack::store::param_server::message::{f32s_to_bytes, Command, Flag, Meta};
     let meta = |command, k: &Key, len: u64, flags: u16| {
         let mut m = Meta::new(command, 9999);
         m.key = Some(k.clone());
@@ -538,8 +537,7 @@ fn rogue_registrations_do_not_hurt_the_scheduler() {
 /// refused and counted, and the server goes on serving exact values.
 #[test]
 fn scheme_frames_claiming_huge_sizes_are_refused() {
-    use gradpack::store::param_server::message::{encode_pairs, Command, Meta};
-    use gradpack::store::param_server::message::Flag;
+    use gradpack::store::param_server::message::{encode_pairs, Command, Flag, Meta};
     let (sched, server, post, w) = one_server_job();
     let params: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     w.set_compress(Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap(), &params).unwrap();
@@ -961,8 +959,7 @@ fn reaches(what: &str, count: impl Fn() -> u64, want: u64) {
 /// job's values stay exact and its barriers hold.
 #[test]
 fn genuine_frames_replayed_to_another_node_are_refused() {
-    use gradpack::store::param_server::message::{Command, Meta};
-    use gradpack::store::param_server::message::Flag;
+    use gradpack::store::param_server::message::{Command, Flag, Meta};
     let secret = Secret::new(b"one job").unwrap();
     let job = secured_job(&secret, 2, 2);
     let k = Key::Int(3);

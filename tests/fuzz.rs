@@ -14,8 +14,7 @@ use std::time::Duration;
 
 use gradpack::codec::{self, Thresholds};
 use gradpack::store::param_server::counts;
-use gradpack::store::param_server::message::{decode_pairs, encode_pairs, f32_view, f32s_to_bytes, Command, Message, Meta};
-use gradpack::store::param_server::message::Flag;
+use gradpack::store::param_server::message::{decode_pairs, encode_pairs, f32_view, f32s_to_bytes, Command, Flag, Message, Meta};
 use gradpack::store::param_server::server::Server;
 use gradpack::store::param_server::{serve, Config, DistWorker, Role};
 use gradpack::store::{Array, ArrayMut, Grad, Key};
