@@ -47,6 +47,10 @@ def test_every_scheme_matches_the_device_store(tmp_path, workers):
                 assert s["wire"] * 3 < s["raw"], (name, s)
         assert res["schemes"]["none"]["wire"] == res["schemes"]["none"]["raw"]
         assert "'bits': 'qsgd_mn_ts' takes two values" in res["bad_params"]
+        # PowerSGD after a zero first push and a spike: the device store's rule, alive after step 0
+        for case in ("zero_first", "spike"):
+            s = res["powersgd " + case]
+            assert s["max_diff"] <= 1e-5 and all(m > 0.1 for m in s["max_abs"][1:]), (case, s)
 
 
 def test_ranks_on_different_kernels_and_threads_give_the_device_stores_bits(tmp_path):

@@ -291,6 +291,23 @@ def test_schemes_on_parameter_servers_match_the_device_store(tmp_path, params, c
     assert sent[0] > 0 and sent[0] == sent[1], sent
 
 
+@pytest.mark.parametrize("grads", ["zero_first", "spike"])
+def test_powersgd_on_parameter_servers_recovers_after_a_zero_push_and_a_spike(tmp_path, grads):
+    # A zero first push (or a 1e10 spike on one worker) collapses PowerSGD's
+    # Q; every later round starts from a Q drawn anew from (seed, step, key),
+    # as the device store does, on both workers alike.
+    params = {"compress": "powersgd", "rank": 1, "seed": 1}
+    out = launch(2, 2, "scheme_pushes.py", tmp_path, GRADPACK_TEST_PARAMS=json.dumps(params), GRADPACK_TEST_SHAPE="64,32",
+                 GRADPACK_TEST_GRADS=grads)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        assert res["max_diff"] <= 1e-5, res  # relative to the step's largest value
+        assert all(np.isfinite(res["max_abs"])), res
+        assert all(m > 0.1 for m in res["max_abs"][1:]), res  # alive after the first step
+
+
 # Every scheme, at sizes whose whole vectors and groups of lanes the kernels
 # take, with random-K's k = n/16 (of its 40 x 4000 key: three strata of its
 # selection, the last one short).

@@ -448,6 +448,43 @@ def test_powersgd_and_one_bit_keep_what_they_did_not_send():
             np.testing.assert_allclose(sent + kv.residual(0, 0), (step + 1) * g.astype(np.float64), atol=1e-4)
 
 
+def test_powersgd_recovers_after_a_zero_push_and_a_spike():
+    # A zero first push collapses Q (LoRA's zero-initialised B gives A a zero
+    # gradient); a 1e10 spike overflows float32's squares. Either way the
+    # next pushes start from a Q drawn anew, never a silent zero.
+    rng = np.random.default_rng(8)
+    for case in ("zero_first", "spike"):
+        kv = gradpack.kv.create("device")
+        kv.set_compress({"compress": "powersgd", "rank": 1, "seed": 1})
+        kv.init(0, np.zeros((64, 32), np.float32))
+        for step in range(5):
+            grads = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(2)]
+            if case == "zero_first" and step == 0:
+                grads = [np.zeros((64, 32), np.float32)] * 2
+            if case == "spike" and step == 1:
+                grads[1] *= np.float32(1e10)
+            kv.push(0, grads)
+            out = pulled(kv, 0, (64, 32))
+            assert np.isfinite(out).all(), (case, step)
+            if step > 0:
+                assert np.abs(out).max() > 0.5, (case, step, np.abs(out).max())
+
+
+def test_powersgd_refuses_a_sum_past_float32_and_keeps_its_state():
+    kv = gradpack.kv.create("device")
+    kv.set_compress({"compress": "powersgd", "rank": 2, "seed": 3})
+    kv.init(0, np.zeros((16, 12), np.float32))
+    g = np.random.default_rng(9).standard_normal((16, 12)).astype(np.float32)
+    kv.push(0, [g, g])
+    before = [kv.residual(0, d).copy() for d in range(2)], pulled(kv, 0, (16, 12))
+    with pytest.raises(gradpack.Error, match="PowerSGD: the workers. sum of P holds .*non-finite"):
+        kv.push(0, [np.full((16, 12), 3e38, np.float32)] * 2)
+    after = [kv.residual(0, d) for d in range(2)], pulled(kv, 0, (16, 12))
+    for a, b in zip(before[0] + [before[1]], after[0] + [after[1]]):
+        np.testing.assert_array_equal(a, b)
+    kv.push(0, [g, g])  # the key still works
+
+
 def test_scheme_parameters_are_validated_by_name():
     kv = gradpack.kv.create("device")
     for params, message in [

@@ -43,42 +43,44 @@ pub fn m_times_q(m: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &m
     }
 }
 
-/// `m += g`, then `p = m q` (`m_times_q`), in one pass over `m`: each row
-/// is added while it is in cache for its dot products. The same bits as
-/// the two steps.
-pub fn add_then_m_times_q(m: &mut [f32], g: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
-    assert!(m.len() == rows * cols && g.len() == m.len() && p.len() == rows * r, "PowerSGD: {} + {} values for {rows} x {cols}", m.len(), g.len());
-    add_then_m_times_q_on(Isa::detect(), m, g, q, rows, cols, r, p)
+/// `next = m + g`, then `p = next q` (`m_times_q`), in one pass over `m`:
+/// each row is added while it is in cache for its dot products, and `m`
+/// is left as it was (a push that fails later changes no residual). The
+/// same bits as the two steps.
+#[allow(clippy::too_many_arguments)]
+pub fn add_then_m_times_q(m: &[f32], g: &[f32], next: &mut [f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
+    assert!(m.len() == rows * cols && g.len() == m.len() && next.len() == m.len() && p.len() == rows * r && q.len() == cols * r, "PowerSGD: {} + {} values into {} for {rows} x {cols}", m.len(), g.len(), next.len());
+    add_then_m_times_q_on(Isa::detect(), m, g, next, q, rows, cols, r, p)
 }
 
 #[allow(clippy::too_many_arguments)]
-fn add_then_m_times_q_on(isa: Isa, m: &mut [f32], g: &[f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
+fn add_then_m_times_q_on(isa: Isa, m: &[f32], g: &[f32], next: &mut [f32], q: &[f32], rows: usize, cols: usize, r: usize, p: &mut [f32]) {
     let qt = transposed(q, cols, r);
-    let row = |(m_row, g_row): (&mut [f32], &[f32]), p_row: &mut [f32]| {
+    let row = |((m_row, g_row), next_row): ((&[f32], &[f32]), &mut [f32]), p_row: &mut [f32]| {
         if (1..=MAX_FUSED).contains(&r) {
-            add_dots(isa, m_row, g_row, &qt, p_row);
+            add_dots(isa, m_row, g_row, next_row, &qt, p_row);
             return;
         }
-        add_kernel(isa, m_row, g_row);
+        add_kernel(isa, m_row, g_row, next_row);
         for (j, pj) in p_row.iter_mut().enumerate() {
-            *pj = dot(isa, m_row, &qt[j * cols..(j + 1) * cols]);
+            *pj = dot(isa, next_row, &qt[j * cols..(j + 1) * cols]);
         }
     };
     if rows * cols > PARALLEL {
-        m.par_chunks_mut(cols).zip(g.par_chunks(cols)).zip(p.par_chunks_mut(r)).for_each(|(mg, p_row)| row(mg, p_row));
+        m.par_chunks(cols).zip(g.par_chunks(cols)).zip(next.par_chunks_mut(cols)).zip(p.par_chunks_mut(r)).for_each(|(mg, p_row)| row(mg, p_row));
     } else {
-        m.chunks_mut(cols).zip(g.chunks(cols)).zip(p.chunks_mut(r)).for_each(|(mg, p_row)| row(mg, p_row));
+        m.chunks(cols).zip(g.chunks(cols)).zip(next.chunks_mut(cols)).zip(p.chunks_mut(r)).for_each(|(mg, p_row)| row(mg, p_row));
     }
 }
 
 #[inline(always)]
-fn add_body(a: &mut [f32], b: &[f32]) {
-    a.iter_mut().zip(b).for_each(|(a, &b)| *a += b);
+fn add_body(a: &[f32], b: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(a.iter().zip(b)).for_each(|(o, (&a, &b))| *o = a + b);
 }
 
 crate::isa::multiversion! {
-    /// `a += b`, element by element.
-    fn add_kernel[][](a: &mut [f32], b: &[f32]) -> () = add_body;
+    /// `out = a + b`, element by element.
+    fn add_kernel[][](a: &[f32], b: &[f32], out: &mut [f32]) -> () = add_body;
 }
 
 /// `q` (cols x r) transposed (r x cols): each dot product reads two contiguous rows.
@@ -139,23 +141,25 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 /// (`add_dots`, `mt_block`, `pqt_row`); larger ranks take the general loops.
 const MAX_FUSED: usize = 4;
 
-/// `m_row += g_row`, then `p_row[j] = dot(m_row, qt_j)` for each of the
-/// `R` rows of `qt` (R x cols), in one pass over the row: each piece of
-/// `LANES` columns is added, stored and multiplied into `R` sets of running
-/// sums at once. The sums and their order are `dot_body`'s, so the bits are.
+/// `next_row = m_row + g_row`, then `p_row[j] = dot(next_row, qt_j)` for
+/// each of the `R` rows of `qt` (R x cols), in one pass over the row: each
+/// piece of `LANES` columns is added, stored and multiplied into `R` sets
+/// of running sums at once. The sums and their order are `dot_body`'s, so
+/// the bits are.
 #[inline(always)]
-fn add_dots_body<const R: usize>(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p_row: &mut [f32]) {
+fn add_dots_body<const R: usize>(m_row: &[f32], g_row: &[f32], next_row: &mut [f32], qt: &[f32], p_row: &mut [f32]) {
     let cols = m_row.len();
     let q: [&[f32]; R] = std::array::from_fn(|j| &qt[j * cols..(j + 1) * cols]);
     let mut acc = [[0f32; LANES]; R];
     let full = cols / LANES * LANES;
-    let (m_full, m_rest) = m_row.split_at_mut(full);
+    let (m_full, m_rest) = m_row.split_at(full);
     let (g_full, g_rest) = g_row.split_at(full);
-    for (c, (m, g)) in m_full.chunks_exact_mut(LANES).zip(g_full.chunks_exact(LANES)).enumerate() {
+    let (n_full, n_rest) = next_row.split_at_mut(full);
+    for (c, ((m, g), nx)) in m_full.chunks_exact(LANES).zip(g_full.chunks_exact(LANES)).zip(n_full.chunks_exact_mut(LANES)).enumerate() {
         let mut x = [0f32; LANES];
         for k in 0..LANES {
             x[k] = m[k] + g[k];
-            m[k] = x[k];
+            nx[k] = x[k];
         }
         for (a, q) in acc.iter_mut().zip(&q) {
             let y: &[f32; LANES] = q[c * LANES..(c + 1) * LANES].try_into().unwrap();
@@ -164,10 +168,10 @@ fn add_dots_body<const R: usize>(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p
             }
         }
     }
-    for (k, (m, &g)) in m_rest.iter_mut().zip(g_rest).enumerate() {
-        *m += g;
+    for (k, ((&m, &g), nx)) in m_rest.iter().zip(g_rest).zip(n_rest.iter_mut()).enumerate() {
+        *nx = m + g;
         for (a, q) in acc.iter_mut().zip(&q) {
-            a[k] += *m * q[full + k];
+            a[k] += *nx * q[full + k];
         }
     }
     for (pj, a) in p_row.iter_mut().zip(acc.iter_mut()) {
@@ -176,19 +180,19 @@ fn add_dots_body<const R: usize>(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p
 }
 
 #[inline(always)]
-fn add_dots_any(m_row: &mut [f32], g_row: &[f32], qt: &[f32], p_row: &mut [f32]) {
+fn add_dots_any(m_row: &[f32], g_row: &[f32], next_row: &mut [f32], qt: &[f32], p_row: &mut [f32]) {
     match p_row.len() {
-        1 => add_dots_body::<1>(m_row, g_row, qt, p_row),
-        2 => add_dots_body::<2>(m_row, g_row, qt, p_row),
-        3 => add_dots_body::<3>(m_row, g_row, qt, p_row),
-        4 => add_dots_body::<4>(m_row, g_row, qt, p_row),
+        1 => add_dots_body::<1>(m_row, g_row, next_row, qt, p_row),
+        2 => add_dots_body::<2>(m_row, g_row, next_row, qt, p_row),
+        3 => add_dots_body::<3>(m_row, g_row, next_row, qt, p_row),
+        4 => add_dots_body::<4>(m_row, g_row, next_row, qt, p_row),
         r => unreachable!("rank {r} above MAX_FUSED"),
     }
 }
 
 crate::isa::multiversion! {
     /// `add_dots_body` for `p_row.len()` in `1..=MAX_FUSED`.
-    fn add_dots[][](m_row: &mut [f32], g_row: &[f32], qt: &[f32], p_row: &mut [f32]) -> () = add_dots_any;
+    fn add_dots[][](m_row: &[f32], g_row: &[f32], next_row: &mut [f32], qt: &[f32], p_row: &mut [f32]) -> () = add_dots_any;
 }
 
 /// `q = m^T p`: (cols x rows) times (rows x r); blocks of columns in
@@ -512,9 +516,17 @@ mod reference {
 }
 
 /// Gram-Schmidt on the `r` columns of `p` (rows x r), in place; a column
-/// with (numerically) nothing left becomes zero.
+/// with nothing left becomes zero (a collapsed column: `warm_start` draws
+/// that column of the next `Q` anew). A column whose squares overflow or
+/// underflow float32 (a gradient spike of 1e10 squared, or values near
+/// 1e-23) is done again in float64, which holds the square of every
+/// float32: it is normalised, never zeroed for its scale. `p` must be
+/// finite (the caller's check); the same `p` gives the same bits anywhere.
 pub fn orthogonalize(p: &mut [f32], rows: usize, r: usize) {
+    assert_eq!(p.len(), rows * r, "PowerSGD: P of {} values for {rows} x {r}", p.len());
+    let mut column = vec![0f32; rows];
     for j in 0..r {
+        (0..rows).for_each(|i| column[i] = p[i * r + j]);
         for k in 0..j {
             let dot: f32 = (0..rows).map(|i| p[i * r + j] * p[i * r + k]).sum();
             for i in 0..rows {
@@ -522,16 +534,57 @@ pub fn orthogonalize(p: &mut [f32], rows: usize, r: usize) {
             }
         }
         let norm = (0..rows).map(|i| p[i * r + j] * p[i * r + j]).sum::<f32>().sqrt();
-        let inv = if norm > 1e-20 { 1.0 / norm } else { 0.0 };
-        for i in 0..rows {
-            p[i * r + j] *= inv;
+        if norm.is_finite() && norm > 1e-20 {
+            let inv = 1.0 / norm;
+            for i in 0..rows {
+                p[i * r + j] *= inv;
+            }
+            continue;
         }
+        // Out of float32's range for squares (or nothing left): again in float64.
+        let mut wide: Vec<f64> = column.iter().map(|&v| v as f64).collect();
+        for k in 0..j {
+            let dot: f64 = (0..rows).map(|i| wide[i] * p[i * r + k] as f64).sum();
+            (0..rows).for_each(|i| wide[i] -= dot * p[i * r + k] as f64);
+        }
+        let norm = wide.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let inv = if norm.is_finite() && norm > 0.0 { 1.0 / norm } else { 0.0 };
+        (0..rows).for_each(|i| p[i * r + j] = (wide[i] * inv) as f32);
     }
 }
 
 /// The first `q` of a key: the same on every worker (from `seed` and the key).
 pub fn initial_q(cols: usize, r: usize, seed: u64) -> Vec<f32> {
     (0..cols * r).map(|i| super::noise::uniform(seed, i as u64) - 0.5).collect()
+}
+
+/// Whether column `j` of `q` (cols x r) can start a power step: finite,
+/// and not all zero (a collapsed column would stay zero for ever, as
+/// `M^T 0 = 0`).
+pub fn column_alive(q: &[f32], cols: usize, r: usize, j: usize) -> bool {
+    let column = || (0..cols).map(|c| q[c * r + j]);
+    column().all(f32::is_finite) && column().any(|v| v != 0.0)
+}
+
+/// The `Q` a push starts from: the warm start `q` when it is whole (cols x
+/// r) and every column is alive; else `q` with each dead column (every
+/// column, when `q` is missing) taken from `initial_q(cols, r, seed)`. The
+/// caller derives `seed` from the scheme's seed, the push's step and the
+/// key, so every worker, whose `q` is the same sum, draws the same.
+pub fn warm_start(q: &[f32], cols: usize, r: usize, seed: impl FnOnce() -> u64) -> std::borrow::Cow<'_, [f32]> {
+    if q.len() == cols * r && (0..r).all(|j| column_alive(q, cols, r, j)) {
+        return std::borrow::Cow::Borrowed(q);
+    }
+    let drawn = initial_q(cols, r, seed());
+    if q.len() != cols * r {
+        return std::borrow::Cow::Owned(drawn);
+    }
+    let mut q = q.to_vec();
+    let dead: Vec<usize> = (0..r).filter(|&j| !column_alive(&q, cols, r, j)).collect();
+    for j in dead {
+        (0..cols).for_each(|c| q[c * r + j] = drawn[c * r + j]);
+    }
+    std::borrow::Cow::Owned(q)
 }
 
 #[cfg(test)]
@@ -582,9 +635,9 @@ mod tests {
             let mut p1 = vec![0f32; rows * r];
             m_times_q(&m1, &q, rows, cols, r, &mut p1);
             for isa in Isa::available() {
-                let (mut m2, mut p2) = (m.clone(), vec![1f32; rows * r]);
-                add_then_m_times_q_on(isa, &mut m2, &g, &q, rows, cols, r, &mut p2);
-                assert_eq!((bits(&m2), bits(&p2)), (bits(&m1), bits(&p1)), "{isa:?} m + g, (m + g) q {rows}x{cols} r={r}");
+                let (mut next, mut p2) = (vec![7f32; rows * cols], vec![1f32; rows * r]);
+                add_then_m_times_q_on(isa, &m, &g, &mut next, &q, rows, cols, r, &mut p2);
+                assert_eq!((bits(&next), bits(&p2)), (bits(&m1), bits(&p1)), "{isa:?} m + g, (m + g) q {rows}x{cols} r={r}");
             }
             let mut slow = vec![0f32; cols * r];
             reference::mt_times_p(&m, &p, rows, cols, r, &mut slow);
@@ -636,6 +689,64 @@ mod tests {
         p_times_qt(&p, &q2, rows, cols, 1, &mut approx, false);
         for (a, b) in approx.iter().zip(&m) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn columns_out_of_float32_squares_are_normalised_and_empty_ones_zeroed() {
+        // A spike: squares overflow float32 (1e25^2); tiny: they underflow (1e-30^2).
+        for scale in [1e25f32, 1e-30, 1e-44] {
+            let (rows, r) = (4, 2);
+            let mut p: Vec<f32> = [3.0f32, 1.0, 4.0, 0.0, 0.0, 2.0, 0.0, 0.0].iter().map(|v| v * scale).collect();
+            orthogonalize(&mut p, rows, r);
+            assert!(p.iter().all(|v| v.is_finite()), "{scale}: {p:?}");
+            for a in 0..r {
+                let dot: f32 = (0..rows).map(|i| p[i * r + a] * p[i * r + a]).sum();
+                assert!((dot - 1.0).abs() < 1e-5, "{scale}: column {a} has norm^2 {dot}: {p:?}");
+            }
+            let cross: f32 = (0..rows).map(|i| p[i * r] * p[i * r + 1]).sum();
+            assert!(cross.abs() < 1e-5, "{scale}: {cross}");
+        }
+        // A zero column stays zero (collapsed; the other is normalised).
+        let mut p = vec![0.0f32, 1.0, 0.0, 2.0, 0.0, 2.0];
+        orthogonalize(&mut p, 3, 2);
+        assert_eq!(p, [0.0, 1.0 / 3.0, 0.0, 2.0 / 3.0, 0.0, 2.0 / 3.0]);
+        // Columns in float32's range keep the float32 steps' bits.
+        let mut p: Vec<f32> = (0..12).map(|i| ((i * 7 % 5) as f32) - 2.0 + i as f32 * 0.1).collect();
+        let mut plain = p.clone();
+        orthogonalize(&mut p, 4, 3);
+        for j in 0..3 {
+            for k in 0..j {
+                let dot: f32 = (0..4).map(|i| plain[i * 3 + j] * plain[i * 3 + k]).sum();
+                (0..4).for_each(|i| plain[i * 3 + j] -= dot * plain[i * 3 + k]);
+            }
+            let inv = 1.0 / (0..4).map(|i| plain[i * 3 + j] * plain[i * 3 + j]).sum::<f32>().sqrt();
+            (0..4).for_each(|i| plain[i * 3 + j] *= inv);
+        }
+        assert_eq!(p.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_dead_column_of_the_warm_start_is_drawn_anew_from_the_seed() {
+        let (cols, r) = (5, 2);
+        let drawn = initial_q(cols, r, 9);
+        // whole and alive: the warm start itself
+        let q: Vec<f32> = (0..cols * r).map(|i| i as f32 + 1.0).collect();
+        assert!(matches!(warm_start(&q, cols, r, || unreachable!()), std::borrow::Cow::Borrowed(_)));
+        // missing: the draw
+        assert_eq!(&*warm_start(&[], cols, r, || 9), &drawn[..]);
+        // column 1 all zero, then column 0 with a NaN: only that column is drawn
+        let mut dead = q.clone();
+        (0..cols).for_each(|c| dead[c * r + 1] = 0.0);
+        let got = warm_start(&dead, cols, r, || 9);
+        for c in 0..cols {
+            assert_eq!((got[c * r], got[c * r + 1]), (q[c * r], drawn[c * r + 1]));
+        }
+        let mut nan = q.clone();
+        nan[2 * r] = f32::NAN;
+        let got = warm_start(&nan, cols, r, || 9);
+        for c in 0..cols {
+            assert_eq!((got[c * r], got[c * r + 1]), (drawn[c * r], q[c * r + 1]));
         }
     }
 

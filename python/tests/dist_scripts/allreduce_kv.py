@@ -62,6 +62,30 @@ for i, params in enumerate(SCHEMES):
         "raw": after["raw_bytes"] - before["raw_bytes"],
         "wire": after["wire_bytes"] - before["wire_bytes"],
     }
+# PowerSGD after a zero first push, and after a 1e10 spike on rank 1: the
+# same aggregates as the device store (a collapsed Q drawn anew from the
+# seed, step and key), alive after the first step.
+for case in ("zero_first", "spike"):
+    params = {"compress": "powersgd", "rank": 1, "seed": 1}
+    store = kv.create("dist_sync_allreduce")
+    store.set_compress(params)
+    device = kv.create("device")
+    device.set_compress(params)
+    store.init(case, np.zeros((64, 32), np.float32))
+    device.init(case, np.zeros((64, 32), np.float32))
+    worst, sizes = 0.0, []
+    for step in range(4):
+        grads = [grad(w, step, (64, 32)) * np.float32(0 if case == "zero_first" and step == 0 else 1) for w in range(workers)]
+        if case == "spike" and workers > 1:
+            grads[1] *= np.float32(1e10 if step == 1 else 1)
+        store.push(case, grads[rank])
+        device.push(case, grads)
+        got, want = np.zeros((64, 32), np.float32), np.zeros((64, 32), np.float32)
+        store.pull(case, out=got)
+        device.pull(case, out=want)
+        worst = max(worst, float(np.abs(got - want).max() / max(1.0, np.abs(want).max())))
+        sizes.append(float(np.abs(got).max()))
+    report["powersgd " + case] = {"max_diff": worst, "max_abs": sizes}
 try:
     store.set_compress({"compress": "qsgd_mn_ts", "bits": 4})
 except gradpack.Error as e:

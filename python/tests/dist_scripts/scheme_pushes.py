@@ -4,7 +4,9 @@ one device per worker; writes the largest difference it saw, the bytes it
 sent over the rounds, the pulls answered without asking the servers and
 the kernels it ran. $GRADPACK_TEST_SHAPE (rows,cols) sets the key's shape
 (8 x 12 by default); with $GRADPACK_TEST_SGD both stores run SGD at
-learning rate 1, the servers on the sums they decode."""
+learning rate 1, the servers on the sums they decode. $GRADPACK_TEST_GRADS
+'zero_first' makes every worker's first gradient zero, 'spike' multiplies
+worker 1's second by 1e10 (PowerSGD's collapsed factors); then four steps."""
 import json
 import os
 
@@ -28,20 +30,30 @@ kv.barrier()  # rank 0's init is sent before the count starts
 sent_before = kv.stats()["bytes_sent"]
 
 
+GRADS = os.environ.get("GRADPACK_TEST_GRADS", "")
+
+
 def grad(r, step):
-    return np.random.default_rng(1000 * r + step).standard_normal(shape).astype(np.float32)
+    g = np.random.default_rng(1000 * r + step).standard_normal(shape).astype(np.float32)
+    if GRADS == "zero_first" and step == 0:
+        g[:] = 0
+    if GRADS == "spike" and step == 1 and r == 1:
+        g *= np.float32(1e10)
+    return g
 
 
-worst = 0.0
-for step in range(3):
+worst, sizes = 0.0, []
+for step in range(4 if GRADS else 3):
     kv.push("w", grad(rank, step))
     device.push("w", [grad(r, step) for r in range(workers)])
     got, want = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
     kv.pull("w", out=got)
     device.pull("w", out=want)
-    worst = max(worst, float(np.abs(got - want).max()))
+    # (relative to the step's largest value under $GRADPACK_TEST_GRADS: a spike's are 1e10)
+    worst = max(worst, float(np.abs(got - want).max() / (max(1.0, np.abs(want).max()) if GRADS else 1.0)))
+    sizes.append(float(np.abs(got).max()))
     kv.barrier()
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
     stats = kv.stats()
-    json.dump({"max_diff": worst, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"],
+    json.dump({"max_diff": worst, "max_abs": sizes, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"],
                "scheme_kernel": gradpack.scheme_kernel_name(), "codec_kernel": gradpack.kernel_name()}, f)

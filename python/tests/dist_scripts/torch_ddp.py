@@ -247,6 +247,59 @@ def scenario_resume():
     return out
 
 
+class Lora(torch.nn.Module):
+    """A frozen-shape linear layer with a LoRA adapter: B starts at zero, so
+    A's first gradient is exactly zero (PowerSGD's Q for A collapses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(32, 16, bias=False)
+        self.a = torch.nn.Parameter(torch.randn(4, 32) * 0.1)
+        self.b = torch.nn.Parameter(torch.zeros(16, 4))
+
+    def forward(self, x):
+        return self.w(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def scenario_powersgd_recovery():
+    """LoRA's zero-initialised B (training with SGD), then a 1e10 spike of
+    the loss on the last rank (B nonzero, no optimizer steps: error feedback
+    pays the spike out over the next steps): A's gradient through the hook
+    against plain DDP's, step by step."""
+    out = {}
+    for case in ("lora", "spike"):
+        torch.manual_seed(0)
+        model = Lora()
+        if case == "spike":
+            with torch.no_grad():
+                model.b.normal_(0, 0.1)
+        plain = copy.deepcopy(model)
+        ddp, ref = DDP(model), DDP(plain)
+        state = gpt.State({"compress": "powersgd", "rank": 1, "seed": 1}, min_compression_rate=0)
+        ddp.register_comm_hook(state, gpt.hook)
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+        a_grads, plain_grads, finite, identical = [], [], True, True
+        for step in range(6):
+            g = torch.Generator().manual_seed(1000 * RANK + step)
+            x, y = torch.randn(64, 32, generator=g), torch.randn(64, 16, generator=g)
+            for m, o in ((ddp, opt), (ref, ref_opt)):
+                o.zero_grad()
+                loss = ((m(x) - y) ** 2).mean()
+                if case == "spike" and step == 2 and RANK == WORLD - 1 and m is ddp:
+                    loss = loss * 1e10
+                loss.backward()
+            a_grads.append(float(model.a.grad.abs().max()))
+            plain_grads.append(float(plain.a.grad.abs().max()))
+            finite = finite and all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+            identical = identical and identical_everywhere(flat_grads(model))
+            if case == "lora":
+                opt.step()
+                ref_opt.step()
+        out[case] = {"a_grad": a_grads, "plain_a_grad": plain_grads, "finite": finite, "replicas_identical": identical}
+        del ddp, ref
+    return out
+
+
 def error_of(fn):
     try:
         fn()

@@ -185,6 +185,12 @@ pub struct State {
     pub residual: Vec<f32>,
     pub q: Vec<f32>,
     pub step: u64,
+    /// PowerSGD's next residual, written by `encode` beside the residual
+    /// and swapped in by `finish` (`pending`): a push that fails after
+    /// `encode` leaves the residual as it was.
+    spare_residual: Vec<f32>,
+    /// `encode` left a PowerSGD residual in `spare_residual` for `finish`.
+    pending: bool,
     /// The last push's packed codes, reused by the next (never cloned).
     spare_words: Vec<u64>,
     /// The last push's scale indices (`recycle`).
@@ -204,6 +210,7 @@ impl Clone for State {
         self.residual.clone_from(&source.residual);
         self.q.clone_from(&source.q);
         self.step = source.step;
+        self.pending = false;
     }
 }
 
@@ -279,29 +286,44 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             let Some((rows, cols, r)) = powersgd::factors(ctx.shape, *rank as usize) else {
                 return Ok((Vec::new(), Part::F32(sum_of(grads)?)));
             };
-            for s in states.iter_mut() {
-                if s.q.len() != cols * r {
-                    s.q = powersgd::initial_q(cols, r, noise::stream_seed(*seed, 0, ctx.key_hash, u64::MAX));
-                }
-            }
-            // Error feedback: compress g + e; e keeps what the approximation missed.
+            // Each member's warm start, with a missing or collapsed column
+            // drawn from (seed, step, key): the same on every worker, whose
+            // Qs are the same sum. (Q is not written here: `finish` does.)
+            let draw = || noise::stream_seed(*seed, ctx.step, ctx.key_hash, u64::MAX);
+            // Error feedback: compress g + e into the spare residual, which
+            // keeps what the approximation missed; `finish` swaps it in.
             let mut p = vec![0f32; rows * r];
             let mut mine = Vec::new();
+            let mut zeros = Vec::new();
             for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
-                s.residual.resize(n, 0.0);
+                s.pending = false;
+                let mut next = std::mem::take(&mut s.spare_residual);
+                next.resize(n, 0.0);
+                let residual = if s.residual.len() == n {
+                    &s.residual[..]
+                } else {
+                    zeros.resize(n, 0.0); // a first push starts from a zero residual
+                    &zeros[..]
+                };
+                let q = powersgd::warm_start(&s.q, cols, r, draw);
                 let dst = if i == 0 { &mut p } else { mine.resize(rows * r, 0.0); &mut mine };
-                powersgd::add_then_m_times_q(&mut s.residual, g, &s.q, rows, cols, r, dst);
+                powersgd::add_then_m_times_q(residual, g, &mut next, &q, rows, cols, r, dst);
+                drop(q);
+                s.spare_residual = next;
                 if i > 0 {
                     collective::sum_into(&mut p, &mine)?;
                 }
             }
             coll.sum_f32(&mut p)?;
+            // The same P on every worker: the same error on every worker.
+            non_finite_factor("P", &p)?;
             let mut p_hat = p.clone();
             powersgd::orthogonalize(&mut p_hat, rows, r);
             let (mut q_sum, mut q_local) = (vec![0f32; cols * r], vec![0f32; cols * r]);
             for (i, s) in states.iter_mut().enumerate() {
-                powersgd::mt_times_p(&s.residual, &p_hat, rows, cols, r, &mut q_local);
-                powersgd::p_times_qt(&p_hat, &q_local, rows, cols, r, &mut s.residual, true);
+                powersgd::mt_times_p(&s.spare_residual, &p_hat, rows, cols, r, &mut q_local);
+                powersgd::p_times_qt(&p_hat, &q_local, rows, cols, r, &mut s.spare_residual, true);
+                s.pending = true;
                 if i == 0 {
                     q_sum.copy_from_slice(&q_local);
                 } else {
@@ -348,6 +370,17 @@ fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
         collective::sum_into(&mut sum, g)?;
     }
     Ok(sum)
+}
+
+/// PowerSGD's summed `P` or `Q` must be finite: an error naming the first
+/// non-finite value otherwise (a sum past float32's range, or a faulty
+/// worker's part). Every worker holds the same sum, so every worker fails
+/// alike, before any state changes.
+fn non_finite_factor(name: &str, x: &[f32]) -> Result<()> {
+    match x.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::Store(format!("PowerSGD: the workers' sum of {name} holds {} at element {i}, a non-finite value (a gradient past float32's range, or a faulty worker); nothing was applied", x[i]))),
+    }
 }
 
 /// The members' codes summed into packed lanes (`Part::Packed`, codes in
@@ -502,6 +535,8 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
                     Some(Part::F32(p)) if p.len() == rows * r => p.clone(),
                     _ => return Err(malformed("P missing or of the wrong length")),
                 };
+                non_finite_factor("P", &p_hat)?;
+                non_finite_factor("Q", q_sum)?;
                 powersgd::orthogonalize(&mut p_hat, rows, r);
                 powersgd::p_times_qt_range(&p_hat, q_sum, rows, cols, r, offset, out);
                 Ok(())
@@ -528,14 +563,17 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
     }
 }
 
-/// After a push: PowerSGD warm-starts every member from the summed `Q`
-/// (the same on every worker); the code buffer is kept for the next push;
-/// every member counts the step.
+/// After a push: PowerSGD commits each member's new residual and
+/// warm-starts it from the summed `Q` (the same on every worker); the code
+/// buffer is kept for the next push; every member counts the step.
 pub fn finish(c: &Compression, states: &mut [State], sum: Part) {
     match (c, sum) {
         (Compression::PowerSgd { .. }, Part::F32(q)) => {
-            for s in states.iter_mut().filter(|s| s.q.len() == q.len()) {
-                s.q.copy_from_slice(&q);
+            for s in states.iter_mut().filter(|s| s.pending) {
+                std::mem::swap(&mut s.residual, &mut s.spare_residual);
+                s.q.clear();
+                s.q.extend_from_slice(&q);
+                s.pending = false;
             }
         }
         (_, Part::Packed { words, .. }) => {

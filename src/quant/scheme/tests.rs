@@ -185,13 +185,15 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
             powersgd::orthogonalize(&mut p_hat, rows, 1);
             let mut local_approx = vec![0f32; rows * cols];
             powersgd::p_times_qt(&p_hat, q_local, rows, cols, 1, &mut local_approx, false);
+            // nothing committed before `finish`
+            assert_eq!(state[0].residual, before);
+            sum_final(&mut part, coll)?;
+            decode(&c, &ex, &part, &ctx, &mut out)?;
+            finish(&c, &mut state, part);
             for i in 0..rows * cols {
                 let input = grads[m][i] + before.get(i).copied().unwrap_or(0.0);
                 assert!((input - local_approx[i] - state[0].residual[i]).abs() < 1e-5);
             }
-            sum_final(&mut part, coll)?;
-            decode(&c, &ex, &part, &ctx, &mut out)?;
-            finish(&c, &mut state, part);
             sent.iter_mut().zip(&out).for_each(|(s, o)| *s += *o as f64);
         }
         Ok(())
@@ -208,6 +210,103 @@ fn powersgd_keeps_what_it_missed_and_recovers_low_rank_sums() {
     let v: Vec<Vec<f32>> = (0..2).map(|w| grad(7, w, 1.0)).collect();
     let out = run(&c, &[7], &v, 1);
     assert_eq!(out[1][0], (0..7).map(|i| v[0][i] + v[1][i]).collect::<Vec<_>>());
+}
+
+/// PowerSGD's pushes of `grads[step][member]` on two members (threads),
+/// each step's aggregate or error, and every member's state after each step.
+fn powersgd_steps(c: &Compression, shape: &[usize], grads: &[Vec<Vec<f32>>]) -> Vec<Vec<(std::result::Result<Vec<f32>, String>, State)>> {
+    let n: usize = shape.iter().product();
+    run_group(2, |m, coll| {
+        let mut state = [State::default()];
+        Ok((0..grads.len())
+            .map(|step| {
+                let ctx = Ctx { shape, step: state[0].step, key_hash: 42, member: m as u64, workers: 2 };
+                let mut out = vec![0f32; n];
+                let g = &grads[step][m];
+                let result = check_input(c, 1, &[g], 2).and_then(|()| push_round(c, &mut state, &[g], &ctx, coll, &mut out)).map(|()| out).map_err(|e| e.to_string());
+                (result, state[0].clone())
+            })
+            .collect())
+    })
+    .unwrap()
+}
+
+/// Both members saw the same aggregates or errors, and hold the same Q.
+fn same_on_both(got: &[Vec<(std::result::Result<Vec<f32>, String>, State)>]) {
+    for (a, b) in got[0].iter().zip(&got[1]) {
+        assert_eq!((&a.0, &a.1.q, a.1.step), (&b.0, &b.1.q, b.1.step), "members differ");
+    }
+}
+
+#[test]
+fn powersgd_draws_a_collapsed_q_anew_after_a_zero_push_and_a_spike() {
+    let c = params(&[("compress", "powersgd"), ("rank", "1"), ("seed", "1")]);
+    let (rows, cols) = (64, 32);
+    let n = rows * cols;
+    let random = |step: u64| (0..2).map(|m| grad(n, 100 * step + m, 1.0)).collect::<Vec<_>>();
+    // A zero first push (LoRA's zero-initialised B gives A a zero gradient), then random ones.
+    let grads: Vec<Vec<Vec<f32>>> = std::iter::once(vec![vec![0f32; n]; 2]).chain((1..4).map(random)).collect();
+    let got = powersgd_steps(&c, &[rows, cols], &grads);
+    same_on_both(&got);
+    assert_eq!(got[0][0].0.as_ref().unwrap(), &vec![0f32; n]);
+    // Step 1 starts from Q drawn from (seed, step 1, key): its aggregate, by hand.
+    let q = powersgd::initial_q(cols, 1, noise::stream_seed(1, 1, 42, u64::MAX));
+    let mut p = vec![0f32; rows];
+    let mut mine = vec![0f32; rows];
+    for g in &grads[1] {
+        powersgd::m_times_q(g, &q, rows, cols, 1, &mut mine);
+        p.iter_mut().zip(&mine).for_each(|(a, b)| *a += b);
+    }
+    powersgd::orthogonalize(&mut p, rows, 1);
+    let (mut q_sum, mut q_one) = (vec![0f32; cols], vec![0f32; cols]);
+    for g in &grads[1] {
+        powersgd::mt_times_p(g, &p, rows, cols, 1, &mut q_one);
+        q_sum.iter_mut().zip(&q_one).for_each(|(a, b)| *a += b);
+    }
+    let mut want = vec![0f32; n];
+    powersgd::p_times_qt(&p, &q_sum, rows, cols, 1, &mut want, false);
+    assert_eq!(got[0][1].0.as_ref().unwrap(), &want);
+    assert!(want.iter().any(|v| v.abs() > 0.1));
+    for step in 2..4 {
+        let out = got[0][step].0.as_ref().unwrap();
+        assert!(out.iter().all(|v| v.is_finite()) && out.iter().any(|v| v.abs() > 0.1), "step {step}");
+    }
+    // A 1e10 spike on one member: every later aggregate finite and alive.
+    let mut grads: Vec<Vec<Vec<f32>>> = (0..6).map(random).collect();
+    grads[1][1].iter_mut().for_each(|v| *v *= 1e10);
+    let got = powersgd_steps(&c, &[rows, cols], &grads);
+    same_on_both(&got);
+    for (step, (out, state)) in got[0].iter().enumerate() {
+        let out = out.as_ref().unwrap();
+        assert!(out.iter().all(|v| v.is_finite()) && out.iter().any(|v| v.abs() > 0.01), "step {step}: {:?}", &out[..4]);
+        assert!(powersgd::column_alive(&state.q, cols, 1, 0), "step {step}");
+    }
+}
+
+#[test]
+fn powersgd_refuses_a_non_finite_factor_sum_on_every_member_and_changes_no_state() {
+    let c = params(&[("compress", "powersgd"), ("rank", "2"), ("seed", "3")]);
+    let (rows, cols) = (16, 12);
+    let n = rows * cols;
+    // Finite gradients whose P = M Q passes float32's range.
+    let grads = vec![vec![grad(n, 1, 1.0), grad(n, 2, 1.0)], vec![vec![3e38f32; n], vec![3e38f32; n]], vec![grad(n, 3, 1.0), grad(n, 4, 1.0)]];
+    let got = powersgd_steps(&c, &[rows, cols], &grads);
+    same_on_both(&got);
+    for m in 0..2 {
+        let err = got[m][1].0.as_ref().unwrap_err();
+        assert!(err.contains("PowerSGD: the workers' sum of P holds") && err.contains("non-finite"), "{err}");
+        let (before, after) = (&got[m][0].1, &got[m][1].1);
+        assert_eq!((&after.residual, &after.q, after.step), (&before.residual, &before.q, before.step), "member {m}'s state changed");
+        assert!(got[m][2].0.is_ok());
+    }
+    // A Q sum that is not finite (a faulty worker's part): the same error at decode, for everyone.
+    let ctx = Ctx { shape: &[rows, cols], step: 0, key_hash: 42, member: 0, workers: 2 };
+    let mut q = vec![0.5f32; cols * 2];
+    q[5] = f32::NAN;
+    let err = decode(&c, &[Part::F32(vec![1.0; rows * 2])], &Part::F32(q), &ctx, &mut vec![0f32; n]).unwrap_err().to_string();
+    assert!(err.contains("sum of Q holds NaN at element 5"), "{err}");
+    let err = decode(&c, &[Part::F32(vec![f32::INFINITY; rows * 2])], &Part::F32(vec![0.5; cols * 2]), &ctx, &mut vec![0f32; n]).unwrap_err().to_string();
+    assert!(err.contains("sum of P holds inf at element 0"), "{err}");
 }
 
 #[test]
