@@ -86,6 +86,16 @@ fn pull(w: &DistWorker, key: &Key, shape: &[usize]) -> Vec<f32> {
     out
 }
 
+/// A sync push and its round's outcome: the push's own error (its checks),
+/// or, as the push returns before the other workers join its round, the
+/// round's, which the key's next pull raises.
+fn pushed(w: &DistWorker, key: &Key, v: &[f32], shape: &[usize]) -> Result<(), String> {
+    w.push(key, &[Array { shape, data: Grad::F32(v) }]).map_err(|e| e.to_string())?;
+    let shape = w.shape(key).unwrap();
+    let mut out = vec![0f32; shape.iter().product()];
+    w.pull(key, &mut [ArrayMut { shape: &shape, data: &mut out }]).map_err(|e| e.to_string())
+}
+
 fn compressed_rounds(rank: usize, w: &DistWorker) -> Vec<Vec<f32>> {
     let (c, params) = two_bit();
     w.set_compress(c, &params).unwrap();
@@ -184,7 +194,7 @@ fn bad_input_is_refused_before_anything_changes() {
             if rank == 1 {
                 poisoned[at] = bad;
             }
-            let err = w.push(&k, &[Array { shape: &shape, data: Grad::F32(&poisoned) }]).unwrap_err().to_string();
+            let err = pushed(w, &k, &poisoned, &shape).unwrap_err();
             assert!(err.contains("key 7") && err.contains(&format!("at element {at}")) && err.contains("nothing was changed"), "{err}");
             if rank == 0 {
                 assert!(err.contains("worker node 11 failed its push of key 7"), "{err}");
@@ -459,7 +469,7 @@ fn a_failed_scheme_round_fails_every_worker_and_the_next_one_works() {
         let k = Key::Int(3);
         w.init(&k, Array { shape: &shape, data: Grad::F32(&[1.0; 8]) }).unwrap();
         let g = if rank == 0 { [f32::INFINITY; 8] } else { [0.5; 8] };
-        let err = w.push(&k, &[Array { shape: &shape, data: Grad::F32(&g) }]).unwrap_err().to_string();
+        let err = pushed(w, &k, &g, &shape).unwrap_err();
         assert!(err.contains("non-finite"), "{err}");
         w.barrier().unwrap();
         assert_eq!(pull(w, &k, &shape), vec![1.0; 8]);
@@ -692,7 +702,7 @@ fn unequal_push_counts_give_an_error_not_a_hang() {
         if rank == 1 {
             return Ok(pull(w, &k, &[4])); // closes after one push
         }
-        let err = w.push(&k, &[Array { shape: &[4], data: Grad::F32(&[5.0; 4]) }]).unwrap_err().to_string();
+        let err = pushed(w, &k, &[5.0; 4], &[4]).unwrap_err();
         Err((err, pull(w, &k, &[4])))
     });
     assert!(results.contains(&Ok(vec![2.0; 4])), "{results:?}");
@@ -716,11 +726,11 @@ fn a_push_that_fails_on_one_worker_fails_the_round_for_all() {
         let g = [0.3f32; 2000];
         let push = |v: &[f32], shape: &[usize]| w.push(&k, &[Array { shape, data: Grad::F32(v) }]);
         // Round 1: rank 1's push has the wrong shape; rank 0's 0.3 must not stay in its residual.
-        let err = if rank == 1 { push(&g[..4], &[4]) } else { push(&g, &[2000]) }.unwrap_err().to_string();
+        let err = if rank == 1 { pushed(w, &k, &g[..4], &[4]) } else { pushed(w, &k, &g, &[2000]) }.unwrap_err();
         // Round 2: rank 0 has a NaN; rank 1's 0.3 must not stay in its residual.
         let mut nan = g.to_vec();
         nan[1500] = f32::NAN;
-        let err2 = push(if rank == 0 { &nan } else { &g }, &[2000]).unwrap_err().to_string();
+        let err2 = pushed(w, &k, if rank == 0 { &nan } else { &g }, &[2000]).unwrap_err();
         let untouched = pull(w, &k, &[2000]);
         // Residuals 0 + 0.3 on both: below the threshold, nothing is sent.
         push(&g, &[2000]).unwrap();
@@ -762,10 +772,10 @@ fn a_scheme_push_that_fails_on_one_worker_fails_the_round_for_all() {
             w.init(&k, Array { shape: &[n], data: Grad::F32(&vec![0.0; n]) }).unwrap();
             let g = vec![0.5f32; n];
             let push = |v: &[f32], shape: &[usize]| w.push(&k, &[Array { shape, data: Grad::F32(v) }]);
-            let err = if rank == 1 { push(&g[..4], &[4]) } else { push(&g, &[n]) }.unwrap_err().to_string();
+            let err = if rank == 1 { pushed(w, &k, &g[..4], &[4]) } else { pushed(w, &k, &g, &[n]) }.unwrap_err();
             let mut nan = g.to_vec();
             nan[n - 7] = f32::NAN;
-            let err2 = push(if rank == 0 { &nan } else { &g }, &[n]).unwrap_err().to_string();
+            let err2 = pushed(w, &k, if rank == 0 { &nan } else { &g }, &[n]).unwrap_err();
             let untouched = pull(w, &k, &[n]);
             push(&g, &[n]).unwrap();
             (rank, err, err2, untouched, pull(w, &k, &[n]))
@@ -1106,8 +1116,9 @@ fn two_workers<T: Send>(work: impl Fn(usize, &DistWorker) -> T + Sync) -> Vec<T>
 
 /// Worker 0 pushes a key twice, worker 1 once, then both call barrier(): it
 /// used to deadlock (worker 0 in its push, worker 1 in the barrier). Now
-/// worker 1's barrier tells the server, which fails worker 0's push naming
-/// the barrier; the barrier then fails on both, naming the push counts.
+/// worker 1's barrier tells the server, which fails worker 0's second round
+/// naming the barrier (raised by worker 0's next pull); the barrier fails
+/// on both, naming the push counts.
 #[test]
 fn a_barrier_after_unequal_pushes_is_an_error_on_every_worker() {
     let errors = two_workers(|rank, w| {
@@ -1121,11 +1132,14 @@ fn a_barrier_after_unequal_pushes_is_an_error_on_every_worker() {
             }
         }
         errs.push(w.barrier().unwrap_err().to_string());
+        if rank == 0 {
+            errs.push(w.pull(&k, &mut [ArrayMut { shape: &[4], data: &mut [0.0; 4] }]).unwrap_err().to_string());
+        }
         errs
     });
     assert_eq!(errors[0].len(), 2, "{errors:?}");
-    assert!(errors[0][0].contains("waiting in barrier") && errors[0][0].contains("unequal numbers of times"), "{}", errors[0][0]);
-    for e in [&errors[0][1], &errors[1][0]] {
+    assert!(errors[0][1].contains("waiting in barrier") && errors[0][1].contains("unequal numbers of times"), "{}", errors[0][1]);
+    for e in [&errors[0][0], &errors[1][0]] {
         assert!(e.contains("different sync pushes") && e.contains("worker 0") && e.contains("): 2;") && e.contains("): 1)"), "{e}");
     }
 }
@@ -1379,4 +1393,50 @@ fn a_node_caps_the_connections_one_address_holds() {
     w.close();
     sched.join().unwrap().unwrap();
     server.join().unwrap().unwrap();
+}
+
+/// Worker 0 pushes key 0 then key 1, worker 1 key 1 then key 0, for every
+/// kind of push (float32, 2-bit, a scheme of several exchanges): each used to
+/// wait in its first push for the other's, for ever. A push returns once
+/// its data is on its way, as MXNet's does; the pulls wait for the rounds,
+/// whose values are exact.
+#[test]
+fn workers_that_push_keys_in_opposite_orders_complete() {
+    let qsgd: Vec<(String, String)> = [("compress", "qsgd_mn"), ("bits", "2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    for params in [Vec::new(), two_bit().1, qsgd] {
+        // A deadlock fails the test instead of hanging it.
+        let (done, finished) = std::sync::mpsc::channel();
+        let label = format!("{params:?}");
+        thread::spawn(move || done.send(job_with(2, 2, "dist_sync", move |rank, w: &DistWorker| {
+            if !params.is_empty() {
+                let c = Compression::from_params(params.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap();
+                w.set_compress(c, &params).unwrap();
+            }
+            let keys = [Key::Int(0), Key::Int(1)];
+            // key 1 is split over both servers
+            let shapes = [[64usize], [2048]];
+            for (k, shape) in keys.iter().zip(&shapes) {
+                w.init(k, Array { shape, data: Grad::F32(&vec![0.0; shape[0]]) }).unwrap();
+            }
+            let order = if rank == 0 { [0, 1] } else { [1, 0] };
+            for step in 0..3 {
+                for i in order {
+                    let g = vec![0.5f32 * (i + 1) as f32; shapes[i][0]];
+                    w.push(&keys[i], &[Array { shape: &shapes[i], data: Grad::F32(&g) }]).unwrap();
+                }
+                // pulled in this worker's own order too
+                for i in order.iter().rev() {
+                    let got = pull(w, &keys[*i], &shapes[*i]);
+                    // 2-bit at 0.5 sends 0.5 from each worker (key 1's 1.0 keeps the rest);
+                    // float32 and QSGD of a constant gradient: the exact sum
+                    let two_bit = params.iter().any(|p| p.1 == "2bit");
+                    let want = if two_bit { 1.0 } else { 2.0 * 0.5 * (*i + 1) as f32 };
+                    assert_eq!(got, vec![want; shapes[*i][0]], "step {step} key {i} {params:?}");
+                }
+            }
+            w.barrier().unwrap();
+        })));
+        let results = finished.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{label}: the workers did not finish within 60 s"));
+        assert_eq!(results.len(), 2);
+    }
 }

@@ -13,7 +13,9 @@ pub mod customer;
 pub mod gate;
 pub mod message;
 pub mod postoffice;
+pub mod scheme_client;
 pub mod server;
+pub mod slices;
 pub mod van;
 pub mod worker;
 

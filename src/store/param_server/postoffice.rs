@@ -395,6 +395,12 @@ impl Postoffice {
         self.wait(id)
     }
 
+    /// As `request_checked`, without waiting: the request's id, for `wait`
+    /// (a push whose round ends when the other workers join it).
+    pub fn request_later(&self, parts: Vec<(i32, Meta, Vec<u8>)>, check: Check) -> Result<u64> {
+        self.send_request(parts, Some(check))
+    }
+
     /// Waits for the responses of request `id` (started with `customer.start`),
     /// probing the nodes that have not answered after each heartbeat timeout.
     pub fn wait(&self, id: u64) -> Result<Vec<Message>> {
@@ -421,10 +427,9 @@ impl Postoffice {
         self.customer.wait(probe_id, timeout, &silent).map(|_| ())
     }
 
-    /// As `request`, but error responses come back with the others: the
+    /// As `wait`, but error responses come back with the others: the
     /// caller learns which nodes refused (a scheme round over several servers).
-    pub fn request_all(&self, parts: Vec<(i32, Meta, Vec<u8>)>, check: Check) -> Result<Vec<Message>> {
-        let id = self.send_request(parts, Some(check))?;
+    pub fn wait_all(&self, id: u64) -> Result<Vec<Message>> {
         self.customer.wait_all(id, self.config.heartbeat_timeout, &|id, nodes| self.probe(id, nodes))
     }
 

@@ -1,24 +1,26 @@
-//! The worker side of the distributed store: merges its devices, quantizes the
-//! merged gradient with one residual per key and server slice, and sends only
-//! packed bytes; pulls float32 slices back. Keys of at least
-//! `bigarray_bound` elements are split over every server in slices whose
-//! boundaries are multiples of 16 (and, under a scheme, of its lane groups);
-//! smaller keys live on one server chosen by a hash of the key that every
-//! worker computes alike. A scheme's round runs on every server of the key
-//! at once (`ServerExchange`), each decoding its own slice. A split scheme
-//! key (but PowerSGD's) is cut into slices of at most `partition_bytes`,
-//! dealt round the servers, and each server answers a slice's round with
-//! its new value: one slice's value comes back while the next is pushed,
-//! and the pull that follows asks no server.
+//! The worker side of the distributed store (MXNet's KVStoreDist over
+//! ps-lite's KVWorker): merges its devices, quantizes the merged gradient
+//! with one residual per key and server slice, and sends only packed bytes;
+//! pulls float32 slices back. Where a key lives is `slices`'; a scheme's
+//! round is `scheme_client`'s.
+//!
+//! A `dist_sync` push returns once its local checks passed and its data is
+//! on its way, as MXNet's push does: it never waits for the other workers'
+//! pushes of the key, so workers may push keys in different orders. The
+//! push stays in flight (`InFlight`) until the key's next push, pull or
+//! checkpoint, or the next barrier, which wait for its round; a round that
+//! failed after its push returned is raised by the key's next pull (or the
+//! barrier), every worker alike.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::{Config, Role};
-use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Exchange, Flag, Message, Meta};
+use super::message::{encode_pairs, f32_view, f32s_to_bytes, Command, Flag, Message, Meta};
 use super::postoffice::Postoffice;
+use super::scheme_client::{abort_round, RoundEnd, SchemeRound};
+use super::slices::{reply_check, slices_for, slices_per_server, Slice};
 use super::counts;
 use crate::codec::{self, Grad};
 use crate::compression::Compression;
@@ -27,99 +29,8 @@ use crate::store::checkpoint;
 use crate::store::checks::{check_compress_before_init, check_outputs, check_push, check_shape, key_error, lock};
 use crate::store::sum::{round_to_f16, sum_into};
 use crate::store::{store_type, Array, ArrayMut, Key, Kind, Store};
-use crate::quant::collective::Collective;
+use crate::quant::qsgd;
 use crate::quant::scheme::{self, Part};
-
-/// The check of a reply about `slices` as it arrives (`customer::Check`):
-/// from a slice's server about that slice, with a payload in the form its
-/// flags say (a pull's float32, code counts or scheme value; an exchange's
-/// part). One that fails is dropped and counted; the real one still comes.
-fn reply_check(slices: &[Slice]) -> super::customer::Check {
-    let slices: Vec<(i32, u64, u64)> = slices.iter().map(|s| (s.server, s.offset as u64, s.len as u64)).collect();
-    Arc::new(move |r: &Message| {
-        let (m, data) = (&r.meta, &r.data[..]);
-        if !slices.contains(&(m.sender, m.offset, m.len)) {
-            return Err(Error::Transport(format!("malformed message: a reply about elements {}..+{}, which node {} holds no slice of", m.offset, m.len, m.sender)));
-        }
-        if m.has(Flag::SchemeValue) {
-            scheme::value_from_wire(data).map(drop)
-        } else if m.has(Flag::CodeCounts) {
-            counts::validate(data, m.len as usize).map(drop)
-        } else if data.is_empty() || data.len() as u64 == m.len.saturating_mul(4) {
-            Ok(())
-        } else {
-            scheme::from_wire(data).map(drop)
-        }
-    })
-}
-
-/// One server's part of a key.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Slice {
-    pub server: i32,
-    pub offset: usize,
-    pub len: usize,
-}
-
-impl Slice {
-    /// The header of a request about this slice of `key`.
-    fn meta(&self, command: Command, key: &Key) -> Meta {
-        let mut m = Meta::new(command, 0);
-        m.key = Some(key.clone());
-        m.offset = self.offset as u64;
-        m.len = self.len as u64;
-        m
-    }
-
-    /// The header of a scheme round's push about this slice of `key`:
-    /// `flags` (the kind of push) and `body` (the round's step and phase).
-    fn round_meta(&self, key: &Key, flags: &[Flag], body: &str) -> Meta {
-        let mut m = self.meta(Command::Push, key);
-        flags.iter().for_each(|&f| m.set(f));
-        m.body = body.to_string();
-        m
-    }
-}
-
-/// Where each part of a key of `n` elements lives: a key of at least
-/// `bigarray_bound` elements in `per_server` slices per server (dealt round
-/// the servers in order), each starting at a multiple of 16 and of `align`.
-pub fn slices_for(key: &Key, n: usize, servers: &[i32], bigarray_bound: usize, align: usize, per_server: usize) -> Vec<Slice> {
-    if n >= bigarray_bound && servers.len() > 1 {
-        let step = lcm(16, align.max(1));
-        let parts = servers.len() * per_server.max(1);
-        let per = n.div_ceil(parts).div_ceil(step) * step;
-        (0..parts)
-            .map(|i| (servers[i % servers.len()], (i * per).min(n), ((i + 1) * per).min(n)))
-            .filter(|(_, lo, hi)| hi > lo)
-            .map(|(server, lo, hi)| Slice { server, offset: lo, len: hi - lo })
-            .collect()
-    } else {
-        vec![Slice { server: servers[(key.stable_hash() % servers.len() as u64) as usize], offset: 0, len: n }]
-    }
-}
-
-/// Slices per server of a split key of `n` elements: several for a scheme
-/// whose final codes dominate its traffic (every one but PowerSGD), so that
-/// the servers answer one slice's round while the next slice is pushed;
-/// slices of at most `partition_bytes` of float32. One otherwise.
-pub fn slices_per_server(compression: &Compression, n: usize, servers: usize, partition_bytes: usize) -> usize {
-    if !compression.is_scheme() || matches!(compression, Compression::PowerSgd { .. }) || servers == 0 {
-        return 1;
-    }
-    let parts = (n as u128 * 4).div_ceil(partition_bytes.max(4) as u128);
-    (parts.div_ceil(servers as u128) as usize).clamp(1, 1 << 10)
-}
-
-fn lcm(a: usize, b: usize) -> usize {
-    let gcd = |mut a: usize, mut b: usize| {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a
-    };
-    a / gcd(a, b) * b
-}
 
 struct WorkerKey {
     shape: Vec<usize>,
@@ -141,6 +52,23 @@ struct WorkerKey {
     /// last scheme round (slice order): what a pull would fetch, until this
     /// worker pushes again (no round can end without it). None: pull asks.
     pulled: Option<Vec<Message>>,
+    /// This key's push whose round has not ended yet.
+    in_flight: Option<InFlight>,
+    /// The error of a round that failed after its push returned: raised by
+    /// the key's next pull, or by the next barrier.
+    failed: Option<Error>,
+}
+
+/// A push still in flight (`DistWorker::settle` waits for it).
+enum InFlight {
+    /// A float32 or 2-bit push: its request, answered when the round ends;
+    /// `undo`: 2-bit residuals to put back (`saved`) if the round fails.
+    Push { id: u64, undo: bool },
+    /// An abort this worker sent for its failed push (nothing to raise:
+    /// the push already returned its error).
+    Abort { id: u64 },
+    /// A scheme round on its thread, which hands the key's state back.
+    Scheme(std::thread::JoinHandle<RoundEnd>),
 }
 
 /// One server's answer to a pull, checked before any output is written.
@@ -151,129 +79,6 @@ enum PullReply<'a> {
     /// A scheme's decoded sum, as what it was decoded from.
     Scheme { step: u64, exchanged: Vec<Part>, sum: Part },
 }
-
-/// A scheme's exchanges for one key, reduced by the servers of its slices:
-/// each gets its piece of the scale indices and codes (`scheme::pieces`)
-/// and the whole of every float32 exchange (the scale, PowerSGD's P), which
-/// every server reduces to the same bits (rank order).
-struct ServerExchange<'a> {
-    post: &'a Postoffice,
-    key: &'a Key,
-    slices: &'a [Slice],
-    /// The range of the codes and scale indices each slice's server gets.
-    pieces: Vec<Range<usize>>,
-    step: u64,
-    phase: usize,
-    workers: usize,
-    /// Per slice: its server answered with an error, so the round already
-    /// failed there (no abort is sent to it).
-    refused: Vec<bool>,
-}
-
-impl ServerExchange<'_> {
-    /// Sends `parts[i]` to slice `i`'s server under `meta`'s header and
-    /// returns the replies' payloads in slice order; any server's error is
-    /// the error (and marks that server refused).
-    fn send(&mut self, meta: impl Fn(&Slice) -> Meta, parts: Vec<Vec<u8>>) -> Result<Vec<Message>> {
-        let requests = self.slices.iter().zip(parts).map(|(s, p)| (s.server, meta(s), p)).collect();
-        let replies = self.post.request_all(requests, reply_check(self.slices)).inspect_err(|_| self.refused.iter_mut().for_each(|r| *r = true))?;
-        let mut ordered: Vec<Option<Message>> = self.slices.iter().map(|_| None).collect();
-        for r in replies {
-            // A server may hold several slices: the reply names its slice's offset.
-            match self.slices.iter().position(|s| s.server == r.meta.sender && s.offset as u64 == r.meta.offset && s.len as u64 == r.meta.len) {
-                Some(i) if ordered[i].is_none() => ordered[i] = Some(r),
-                _ => return Err(Error::Transport(format!("malformed message: a reply for key {} from node {} about elements {}..+{}, which it does not hold, or a second answer", self.key, r.meta.sender, r.meta.offset, r.meta.len))),
-            }
-        }
-        let mut first_error = None;
-        for (i, r) in ordered.iter().enumerate() {
-            match r {
-                Some(r) if r.meta.status != 0 => {
-                    self.refused[i] = true;
-                    first_error.get_or_insert_with(|| Error::Store(r.meta.body.clone()));
-                }
-                Some(_) => {}
-                None => return Err(Error::Transport(format!("no reply for key {} from server node {}", self.key, self.slices[i].server))),
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(ordered.into_iter().map(|r| r.expect("checked above")).collect()),
-        }
-    }
-
-    /// One exchange of the round: `parts[i]` to slice `i`'s server.
-    fn exchange(&mut self, op: Exchange, parts: Vec<Part>) -> Result<Vec<Part>> {
-        let body = encode_pairs([("op", op.name()), ("step", self.step.to_string().as_str()), ("phase", self.phase.to_string().as_str())]);
-        self.phase += 1;
-        let key = self.key;
-        let replies = self.send(|s| s.round_meta(key, &[Flag::Exchange], &body), parts.iter().map(scheme::to_wire).collect())?;
-        replies.iter().map(|r| scheme::from_wire(&r.data)).collect()
-    }
-
-    /// `x = op over workers (x)` for float32 exchanges, sent whole to every
-    /// server; every server must answer the same.
-    fn exchange_f32(&mut self, op: Exchange, x: &mut [f32]) -> Result<()> {
-        let replies = self.exchange(op, vec![Part::F32(x.to_vec()); self.slices.len()])?;
-        match &replies[0] {
-            Part::F32(v) if v.len() == x.len() && replies.iter().all(|r| r == &replies[0]) => Ok(x.copy_from_slice(v)),
-            _ => Err(self.malformed(op)),
-        }
-    }
-
-    /// The reply of each piece, checked, copied into `x`'s pieces.
-    fn gather<T: Copy>(&self, op: Exchange, replies: &[Part], x: &mut [T], of: impl Fn(&Part) -> Option<std::borrow::Cow<'_, [T]>>) -> Result<()> {
-        for (r, piece) in replies.iter().zip(&self.pieces) {
-            match of(r) {
-                Some(v) if v.len() == piece.len() => x[piece.clone()].copy_from_slice(&v),
-                _ => return Err(self.malformed(op)),
-            }
-        }
-        Ok(())
-    }
-
-    fn malformed(&self, op: Exchange) -> Error {
-        Error::Transport(format!("malformed message: the server's '{}' result for key {} has the wrong kind or length", op.name(), self.key))
-    }
-}
-
-impl Collective for ServerExchange<'_> {
-    fn workers(&self) -> usize {
-        self.workers
-    }
-
-    fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        self.exchange_f32(Exchange::Max, x)
-    }
-
-    fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-        self.exchange_f32(Exchange::Sum, x)
-    }
-
-    fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
-        let parts = Part::Levels { levels: x.to_vec(), count }.split(&self.pieces)?;
-        let replies = self.exchange(Exchange::Min, parts)?;
-        self.gather(Exchange::Min, &replies, x, |r| match r {
-            Part::Levels { levels, .. } => Some(std::borrow::Cow::Borrowed(&levels[..])),
-            _ => None,
-        })
-    }
-
-    /// The server widens each worker's lanes as it sums them (`LaneSum`).
-    fn lanes_for(&self) -> usize {
-        1
-    }
-
-    fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
-        let parts = Part::Codes { codes: x.to_vec(), lo, hi }.split(&self.pieces)?;
-        let replies = self.exchange(Exchange::Sum, parts)?;
-        self.gather(Exchange::Sum, &replies, x, |r| match r.unpacked().ok()?.into_owned() {
-            Part::Codes { codes, .. } => Some(std::borrow::Cow::Owned(codes)),
-            _ => None,
-        })
-    }
-}
-
 pub struct DistWorker {
     type_name: String,
     asynchronous: bool,
@@ -331,9 +136,14 @@ impl DistWorker {
     /// The barrier, saying what every worker must agree on: the store type,
     /// the compression, the sync pushes so far (a worker that pushed more is
     /// stuck in a round the others will not join) and the key just
-    /// initialized with its shape and dtype. Servers first fail the rounds
-    /// that wait for this worker, which is now in the barrier.
+    /// initialized with its shape and dtype. This worker first waits for
+    /// its pushes in flight (a scheme round sends its later exchanges only
+    /// as the earlier ones end: the servers must not take this worker for
+    /// absent meanwhile); then servers fail the rounds that wait for this
+    /// worker, which is now in the barrier. Once every worker passed, the
+    /// first kept failure of a round (by key) is this barrier's error.
     fn barrier_with(&self, init: Option<String>) -> Result<()> {
+        self.settle_all()?;
         let mut state = format!("store type={}\ncompression={:?}\n", self.type_name, *self.compression.read().unwrap());
         if !self.asynchronous {
             state += &format!("sync pushes={}\n", self.pushes.load(Ordering::SeqCst));
@@ -342,7 +152,15 @@ impl DistWorker {
         if let Some(init) = init {
             state += &format!("init={init}\n");
         }
-        self.post.barrier(&state)
+        self.post.barrier(&state)?;
+        let mut entries: Vec<(Key, Arc<Mutex<WorkerKey>>)> = self.keys.read().unwrap().iter().map(|(k, e)| (k.clone(), e.clone())).collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        for (key, entry) in entries {
+            if let Some(err) = lock(&key, &entry)?.failed.take() {
+                return Err(err);
+            }
+        }
+        Ok(())
     }
 
     /// (bytes sent, bytes received) by this node's transport.
@@ -492,13 +310,16 @@ impl DistWorker {
                 .collect();
             self.post.request_checked(parts, reply_check(&slices))?;
         }
-        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default(), pulled: None };
+        let entry = WorkerKey { shape: value.shape.to_vec(), half, residuals: vec![Vec::new(); slices.len()], saved: Vec::new(), slices, merge: Vec::new(), state: scheme::State::default(), next: scheme::State::default(), pulled: None, in_flight: None, failed: None };
         self.keys.write().unwrap().insert(key.clone(), Arc::new(Mutex::new(entry)));
         self.barrier_with(Some(format!("key {key} of shape {:?} and dtype {}", value.shape, if half { "float16" } else { "float32" })))
     }
 
     /// Merges `values` (one per local device), then one push per server slice:
-    /// packed 2-bit blocks when compression is set, else float32.
+    /// packed 2-bit blocks when compression is set, else float32; under a
+    /// scheme, its round on a thread of its own. Returns once the checks
+    /// passed and the data is on its way (the module doc): the key's
+    /// previous push is waited for first.
     pub fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
         let entry = self.entry(key)?;
         if !self.asynchronous {
@@ -507,38 +328,89 @@ impl DistWorker {
         let compression = *self.compression.read().unwrap();
         let mut guard = lock(key, &entry)?;
         let e = &mut *guard;
+        self.settle(e); // its failure, if any, stays for the next pull
         e.pulled = None; // the value this push's round makes is not the last one's
         let mut checked = false;
         let pushed = self.push_checked(key, e, values, compression, &mut checked);
         if let Err(err) = &pushed {
-            if !checked && compression.is_scheme() && !self.asynchronous {
-                self.abort_scheme_round(key, &e.slices, &[], e.state.step, 0, err);
-            } else if !checked && !self.asynchronous {
+            if !checked && !self.asynchronous {
                 // The others wait for this worker in the round: its turn
                 // fails the round for all of them, with this error's cause.
-                let parts = e
-                    .slices
-                    .iter()
-                    .map(|s| {
-                        let mut m = s.meta(Command::Push, key);
-                        m.set(Flag::Abort);
-                        m.body = err.to_string();
-                        (s.server, m, Vec::new())
-                    })
-                    .collect();
-                let _ = self.post.request_checked(parts, reply_check(&e.slices));
+                let abort = if compression.is_scheme() {
+                    abort_round(&self.post, key, &e.slices, &[], e.state.step, 0, err)
+                } else {
+                    let parts = e
+                        .slices
+                        .iter()
+                        .map(|s| {
+                            let mut m = s.meta(Command::Push, key);
+                            m.set(Flag::Abort);
+                            m.body = err.to_string();
+                            (s.server, m, Vec::new())
+                        })
+                        .collect();
+                    Some(self.post.request_later(parts, reply_check(&e.slices)))
+                };
+                if let Some(Ok(id)) = abort {
+                    e.in_flight = Some(InFlight::Abort { id });
+                }
             }
         }
         pushed
+    }
+
+    /// Waits for the key's push in flight, if any: a float32 or 2-bit round
+    /// that failed puts the 2-bit residuals back; a scheme round hands the
+    /// key's state back. A failure is kept for the next pull (`failed`; the
+    /// first one, if several). Bounded as every wait of the postoffice is:
+    /// a dead node or a lost request ends it within the heartbeat timeout.
+    fn settle(&self, e: &mut WorkerKey) {
+        let failure = match e.in_flight.take() {
+            None => None,
+            Some(InFlight::Abort { id }) => {
+                let _ = self.post.wait(id);
+                None
+            }
+            Some(InFlight::Push { id, undo }) => match self.post.wait(id) {
+                Ok(_) => None,
+                Err(err) => {
+                    if undo {
+                        std::mem::swap(&mut e.residuals, &mut e.saved);
+                    }
+                    Some(err)
+                }
+            },
+            Some(InFlight::Scheme(round)) => match round.join() {
+                Ok(end) => {
+                    (e.state, e.next, e.merge, e.pulled) = (end.state, end.next, end.merged, end.pulled);
+                    end.result.err()
+                }
+                // (the key's state went with the thread: the key starts afresh)
+                Err(_) => Some(Error::Internal("a scheme round's thread panicked".into())),
+            },
+        };
+        if let Some(err) = failure {
+            e.failed.get_or_insert(err);
+        }
+    }
+
+    /// `settle` on every key (a barrier, a checkpoint, the end).
+    fn settle_all(&self) -> Result<()> {
+        let entries: Vec<(Key, Arc<Mutex<WorkerKey>>)> = self.keys.read().unwrap().iter().map(|(k, e)| (k.clone(), e.clone())).collect();
+        for (key, entry) in entries {
+            self.settle(&mut *lock(&key, &entry)?);
+        }
+        Ok(())
     }
 
     /// The push once the key is known: every check, then (`checked` set) the round.
     fn push_checked(&self, key: &Key, e: &mut WorkerKey, values: &[Array], compression: Compression, checked: &mut bool) -> Result<()> {
         check_push(key, values, &e.shape, compression, e.half)?;
         let n: usize = e.shape.iter().product();
-        // One float32 device: push straight from its array, no merge copy.
+        // One float32 device: push straight from its array, no merge copy
+        // (a scheme's round, on its thread, takes a copy).
         let single = match values {
-            [Array { data: Grad::F32(g), .. }] => Some(*g),
+            [Array { data: Grad::F32(g), .. }] if !compression.is_scheme() => Some(*g),
             _ => None,
         };
         if single.is_none() {
@@ -547,15 +419,44 @@ impl DistWorker {
             sum_into(&mut e.merge, &grads, e.half);
         }
         if compression.is_scheme() {
+            let workers = self.num_workers();
+            scheme::check_input(&compression, 1, &[&e.merge], workers)?;
+            // (QSGD's shared scale would fail every worker together, but only
+            // inside the round: this worker says which element, now.)
+            if matches!(compression, Compression::Qsgd(_)) && qsgd::max_abs(&e.merge).is_none() {
+                let i = e.merge.iter().position(|v| !v.is_finite()).unwrap_or(0);
+                return Err(key_error(key, format!("pushed value 0 holds {} at element {i}, a non-finite value; nothing was applied", e.merge[i])));
+            }
             *checked = true;
-            let merged = single.unwrap_or(&e.merge);
-            return self.push_scheme(key, &e.shape, &e.slices, &mut e.state, &mut e.next, &mut e.pulled, merged, compression);
+            let (started, is_started) = std::sync::mpsc::channel();
+            let round = SchemeRound {
+                post: self.post.clone(),
+                key: key.clone(),
+                shape: e.shape.clone(),
+                slices: e.slices.clone(),
+                compression,
+                rank: self.rank(),
+                workers,
+                state: std::mem::take(&mut e.state),
+                next: std::mem::take(&mut e.next),
+                merged: std::mem::take(&mut e.merge),
+                started: Some(started),
+            };
+            match std::thread::Builder::new().name("gradpack-round".into()).spawn(move || round.run()) {
+                Ok(handle) => e.in_flight = Some(InFlight::Scheme(handle)),
+                Err(err) => return Err(Error::Store(format!("key {key}: cannot start its scheme round's thread: {err}"))),
+            }
+            // Until the round's first message is sent (or the round ended):
+            // whatever this worker sends next reaches the servers after it.
+            let _ = is_started.recv();
+            return Ok(());
         }
         let part_of = |s: &Slice| match single {
             Some(g) => &g[s.offset..s.offset + s.len],
             None => &e.merge[s.offset..s.offset + s.len],
         };
         let mut payloads = Vec::with_capacity(e.slices.len());
+        let two_bit = matches!(compression, Compression::TwoBit(_));
         if let Compression::TwoBit(th) = compression {
             // Out of place, every slice before any residual changes: the next
             // residuals land in `saved`, which is swapped in once all are finite
@@ -590,84 +491,29 @@ impl DistWorker {
             parts.push((s.server, m, payload));
         }
         *checked = true;
-        let sent = self.post.request_checked(parts, reply_check(&e.slices)).map(|_| ());
-        if sent.is_err() && matches!(compression, Compression::TwoBit(_)) {
-            std::mem::swap(&mut e.residuals, &mut e.saved);
-        }
-        sent
-    }
-
-    /// Tells the key's servers (but those in `refused`, where the round
-    /// already failed) that this worker's part of a scheme round failed here
-    /// (before exchange `phase`): the round fails for every worker, with
-    /// `err` as the cause. Waits for the round to end.
-    fn abort_scheme_round(&self, key: &Key, slices: &[Slice], refused: &[bool], step: u64, phase: usize, err: &Error) {
-        let cause = err.to_string().replace('\n', " ");
-        let body = encode_pairs([("op", "abort"), ("step", step.to_string().as_str()), ("phase", phase.to_string().as_str()), ("cause", cause.as_str())]);
-        let parts: Vec<_> = slices
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !refused.get(*i).copied().unwrap_or(false))
-            .map(|(_, s)| (s.server, s.round_meta(key, &[Flag::Exchange, Flag::Abort], &body), Vec::new()))
-            .collect();
-        if !parts.is_empty() {
-            let _ = self.post.request_checked(parts, reply_check(slices));
-        }
-    }
-
-    /// A scheme's push: its exchanges through the key's servers, then the
-    /// final contribution, which each server sums, decodes and applies for
-    /// its slice. The worker's state changes only when every server
-    /// accepted the round.
-    #[allow(clippy::too_many_arguments)]
-    fn push_scheme(&self, key: &Key, shape: &[usize], slices: &[Slice], state: &mut scheme::State, next: &mut scheme::State, pulled: &mut Option<Vec<Message>>, merged: &[f32], compression: Compression) -> Result<()> {
-        next.clone_from(state);
-        let (rank, workers) = (self.rank(), self.num_workers());
-        let ctx = scheme::Ctx { shape, step: state.step, key_hash: key.stable_hash(), member: rank as u64, workers };
-        let ranges: Vec<Range<usize>> = slices.iter().map(|s| s.offset..s.offset + s.len).collect();
-        let pieces = scheme::pieces(&compression, state.step, ctx.key_hash, &ranges);
-        let mut exchange = ServerExchange { post: &self.post, key, slices, pieces, step: state.step, phase: 0, workers, refused: vec![false; slices.len()] };
-        let encoded = scheme::check_input(&compression, 1, &[merged], workers).and_then(|()| scheme::encode(&compression, std::slice::from_mut(next), &[merged], &ctx, &mut exchange));
-        let finals = encoded.and_then(|(exchanged, part)| {
-            let wires: Vec<Vec<u8>> = match slices.len() {
-                1 => vec![scheme::to_wire(&part)],
-                _ => scheme::split_final(&part, &ranges, &exchange.pieces)?.iter().map(scheme::to_wire).collect(),
-            };
-            Ok((exchanged, part, wires))
-        });
-        let (exchanged, part, wires) = match finals {
-            Ok(finals) => finals,
-            Err(err) => {
-                self.abort_scheme_round(key, slices, &exchange.refused, state.step, exchange.phase, &err);
-                return Err(err);
+        match self.post.request_later(parts, reply_check(&e.slices)) {
+            Ok(id) => {
+                e.in_flight = Some(InFlight::Push { id, undo: two_bit });
+                Ok(())
             }
-        };
-        let body = encode_pairs([("step", state.step.to_string().as_str())]);
-        let replies = exchange.send(|s| s.round_meta(key, &[Flag::Scheme], &body), wires)?;
-        // Each server may answer with its slice's new value (kept for the
-        // pull, which checks it as it checks a pull's reply); PowerSGD's
-        // answer with the summed Q, the same from each.
-        let values = replies.iter().filter(|r| r.meta.has(Flag::SchemeValue)).count();
-        if values > 0 && matches!(compression, Compression::PowerSgd { .. }) {
-            return Err(Error::Transport(format!("malformed message: a server of key {key} answered a PowerSGD round with a value instead of the summed Q")));
+            Err(err) => {
+                if two_bit {
+                    std::mem::swap(&mut e.residuals, &mut e.saved);
+                }
+                Err(err)
+            }
         }
-        let summed = match replies.iter().filter(|r| !r.meta.has(Flag::SchemeValue)).map(|r| &r.data[..]).find(|d| !d.is_empty()) {
-            None => part,
-            Some(data) if replies.iter().all(|r| r.data[..] == *data) => scheme::from_wire(data)?,
-            Some(_) => return Err(Error::Transport(format!("malformed message: the servers of key {key} answered its round with different sums"))),
-        };
-        scheme::finish(&compression, std::slice::from_mut(next), summed);
-        scheme::recycle(std::slice::from_mut(next), exchanged);
-        std::mem::swap(state, next);
-        *pulled = (values == replies.len()).then_some(replies);
-        Ok(())
     }
 
     /// Copies the servers' float32 value of `key` into every output.
     pub fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
         let entry = self.entry(key)?;
-        let e = lock(key, &entry)?;
+        let mut e = lock(key, &entry)?;
         check_outputs(key, "pull", outs, &e.shape)?;
+        self.settle(&mut e);
+        if let Some(err) = e.failed.take() {
+            return Err(err); // the round of an earlier push of this key
+        }
         // The values this worker's last round brought back, else ask.
         let fetched;
         let replies = match &e.pulled {
@@ -739,6 +585,7 @@ impl DistWorker {
     /// key's residual per server slice and scheme state. The optimizer's
     /// states live on the servers and are not part of it (as in MXNet).
     pub fn save_compression_states(&self) -> Result<Vec<u8>> {
+        self.settle_all()?;
         let compression = *self.compression.read().unwrap();
         let keys = self.keys.read().unwrap();
         let mut sorted: Vec<(&Key, &Arc<Mutex<WorkerKey>>)> = if compression.is_none() { Vec::new() } else { keys.iter().collect() };
@@ -759,6 +606,7 @@ impl DistWorker {
     /// key changes. Keys it does not list start afresh.
     pub fn load_compression_states(&self, blob: &[u8]) -> Result<()> {
         let saved = checkpoint::decode(blob)?;
+        self.settle_all()?; // a round in flight would hand its state back over the loaded one
         let compression = *self.compression.read().unwrap();
         let keys = self.keys.read().unwrap();
         // Every key's lock first: a poisoned one fails before anything changed.
@@ -798,7 +646,8 @@ impl DistWorker {
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::SeqCst) {
             self.post.worker_done(); // delivered even as the sockets close (linger)
-            self.post.stop();
+            self.post.stop(); // ends every wait, so the rounds in flight end too
+            let _ = self.settle_all();
         }
     }
 }
@@ -859,52 +708,5 @@ impl Store for DistWorker {
 impl Drop for DistWorker {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn big_keys_split_on_multiples_of_16() {
-        let servers = [8, 10, 12];
-        let s = slices_for(&Key::Int(0), 1_000_003, &servers, 1_000_000, 1, 1);
-        assert_eq!(s.len(), 3);
-        assert_eq!(s.iter().map(|x| x.len).sum::<usize>(), 1_000_003);
-        for w in s.windows(2) {
-            assert_eq!(w[0].offset + w[0].len, w[1].offset);
-            assert_eq!(w[1].offset % 16, 0);
-        }
-        let small = slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1, 1);
-        assert_eq!(small.len(), 1);
-        assert_eq!(small, slices_for(&Key::Str("w".into()), 10, &servers, 1_000_000, 1, 1));
-        // tiny arrays over many servers: no empty slices
-        let t = slices_for(&Key::Int(1), 20, &servers, 1, 1, 1);
-        assert!(t.iter().all(|x| x.len > 0) && t.iter().map(|x| x.len).sum::<usize>() == 20);
-        // A scheme's slices start on its lane groups (168 values at width 3) and on 16.
-        let a = slices_for(&Key::Int(2), 100_000, &servers, 1000, 168, 1);
-        assert_eq!(a.iter().map(|x| x.len).sum::<usize>(), 100_000);
-        assert!(a.len() == 3 && a.iter().all(|x| x.offset % 336 == 0), "{a:?}");
-        // Several slices per server, dealt round them in order, still whole and aligned.
-        let p = slices_for(&Key::Int(3), 1_000_003, &servers, 1000, 168, 4);
-        assert_eq!(p.len(), 12);
-        assert_eq!(p.iter().map(|x| x.server).collect::<Vec<_>>(), [8, 10, 12].repeat(4));
-        assert_eq!((p[0].offset, p.last().map(|x| x.offset + x.len)), (0, Some(1_000_003)));
-        assert!(p.windows(2).all(|w| w[0].offset + w[0].len == w[1].offset && w[1].offset % 336 == 0), "{p:?}");
-    }
-
-    #[test]
-    fn only_split_scheme_keys_but_powersgd_take_several_slices_per_server() {
-        let qsgd = Compression::from_params([("compress", "qsgd_mn"), ("bits", "2")]).unwrap();
-        let n = 16 << 20;
-        // 64 MiB of float32 in 4 MiB slices over 2 servers; a partial slice counts
-        assert_eq!(slices_per_server(&qsgd, n, 2, 4 << 20), 8);
-        assert_eq!(slices_per_server(&qsgd, n + 1, 2, 4 << 20), 9);
-        assert_eq!(slices_per_server(&qsgd, n, 2, usize::MAX), 1);
-        assert_eq!(slices_per_server(&qsgd, n, 2, 0), 1 << 10);
-        for other in [Compression::None, Compression::from_params([("compress", "powersgd"), ("rank", "4")]).unwrap(), Compression::from_params([("compress", "2bit"), ("threshold", "0.5")]).unwrap()] {
-            assert_eq!(slices_per_server(&other, n, 2, 4 << 20), 1, "{other:?}");
-        }
     }
 }
