@@ -20,8 +20,7 @@ SCRIPTS = os.path.join(HERE, "dist_scripts")
 
 
 def launch(workers, servers, script, tmp_path, timeout=180, **env):
-    full_env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), PS_HEARTBEAT_TIMEOUT="10",
-                    **{k: str(v) for k, v in env.items()})
+    full_env = dict(os.environ, GRADPACK_TEST_OUT=str(tmp_path), **dict({"PS_HEARTBEAT_TIMEOUT": "10"}, **{k: str(v) for k, v in env.items()}))
     return subprocess.run([sys.executable, "-m", "gradpack.launch", "-n", str(workers), "-s", str(servers),
                            "--timeout", str(timeout), sys.executable, os.path.join(SCRIPTS, script)],
                           env=full_env, capture_output=True, text=True, timeout=timeout + 60)
@@ -306,6 +305,22 @@ def test_powersgd_on_parameter_servers_recovers_after_a_zero_push_and_a_spike(tm
         assert res["max_diff"] <= 1e-5, res  # relative to the step's largest value
         assert all(np.isfinite(res["max_abs"])), res
         assert all(m > 0.1 for m in res["max_abs"][1:]), res  # alive after the first step
+
+
+@pytest.mark.parametrize("params", [{}, {"compress": "2bit", "threshold": 0.5}, {"compress": "qsgd_mn", "bits": 2}],
+                         ids=["none", "2bit", "qsgd_mn"])
+def test_workers_pushing_keys_in_opposite_orders_complete(tmp_path, params):
+    # Worker 0 pushes key 0 then 1, worker 1 key 1 then 0: both used to wait
+    # in their first push for ever. A push returns as MXNet's does; the
+    # pulls wait for the rounds.
+    out = launch(2, 2, "opposite_orders.py", tmp_path, timeout=60, GRADPACK_TEST_PARAMS=json.dumps(params), PS_HEARTBEAT_TIMEOUT=5)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for rank in range(2):
+        with open(str(tmp_path / ("rank%d.json" % rank))) as f:
+            res = json.load(f)
+        # 2-bit at 0.5 sends 0.5 from each worker; float32 and QSGD of a constant: the sum
+        want = {"0": 1.0, "1": 1.0} if params.get("compress") == "2bit" else {"0": 1.0, "1": 2.0}
+        assert {k: set(v) for k, v in res.items()} == {k: {w} for k, w in want.items()}, res
 
 
 # Every scheme, at sizes whose whole vectors and groups of lanes the kernels
