@@ -48,9 +48,12 @@ def test_every_scheme_matches_the_device_store(tmp_path, workers):
         assert res["schemes"]["none"]["wire"] == res["schemes"]["none"]["raw"]
         assert "'bits': 'qsgd_mn_ts' takes two values" in res["bad_params"]
         # PowerSGD after a zero first push and a spike: the device store's rule, alive after step 0
-        for case in ("zero_first", "spike"):
+        for case in ("zero_first", "spike", "overflow"):
             s = res["powersgd " + case]
             assert s["max_diff"] <= 1e-5 and all(m > 0.1 for m in s["max_abs"][1:]), (case, s)
+        # a P sum past float32: the same error on every rank and on the device store
+        errors = res["powersgd overflow errors"]
+        assert len(errors) == 2 and all(e and "sum of P holds" in e for e in errors), errors
 
 
 def test_ranks_on_different_kernels_and_threads_give_the_device_stores_bits(tmp_path):

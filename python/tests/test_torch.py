@@ -172,7 +172,11 @@ def test_powersgd_draws_a_collapsed_q_anew_for_a_lora_adapter_and_after_a_spike(
     # there. gradpack draws Q anew from (seed, step, key) on every rank: A's
     # gradient through the hook follows plain DDP's.
     for report in ranks(2, ["powersgd_recovery"], tmp_path):
-        for case, r in report["powersgd_recovery"].items():
+        r = report["powersgd_recovery"]
+        assert "gradpack.Error" in r["overflow"] and "sum of P holds" in r["overflow"], r["overflow"]
+        assert r["overflow unchanged"] and r["overflow then"] is None, r
+        for case in ("lora", "spike"):
+            r = report["powersgd_recovery"][case]
             assert r["finite"] and r["replicas_identical"], (case, r)
             if case == "lora":
                 assert r["a_grad"][0] == 0.0 and r["plain_a_grad"][0] == 0.0, (case, r)

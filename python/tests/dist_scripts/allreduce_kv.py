@@ -65,7 +65,7 @@ for i, params in enumerate(SCHEMES):
 # PowerSGD after a zero first push, and after a 1e10 spike on rank 1: the
 # same aggregates as the device store (a collapsed Q drawn anew from the
 # seed, step and key), alive after the first step.
-for case in ("zero_first", "spike"):
+for case in ("zero_first", "spike", "overflow"):
     params = {"compress": "powersgd", "rank": 1, "seed": 1}
     store = kv.create("dist_sync_allreduce")
     store.set_compress(params)
@@ -78,6 +78,17 @@ for case in ("zero_first", "spike"):
         grads = [grad(w, step, (64, 32)) * np.float32(0 if case == "zero_first" and step == 0 else 1) for w in range(workers)]
         if case == "spike" and workers > 1:
             grads[1] *= np.float32(1e10 if step == 1 else 1)
+        if case == "overflow" and step == 1:
+            # P's sum passes float32: the same error on every rank, states unchanged
+            errors = []
+            for push in (lambda: store.push(case, np.full((64, 32), 3e38, np.float32)), lambda: device.push(case, [np.full((64, 32), 3e38, np.float32)] * workers)):
+                try:
+                    push()
+                    errors.append(None)
+                except gradpack.Error as e:
+                    errors.append(str(e))
+            report["powersgd overflow errors"] = errors
+            continue
         store.push(case, grads[rank])
         device.push(case, grads)
         got, want = np.zeros((64, 32), np.float32), np.zeros((64, 32), np.float32)

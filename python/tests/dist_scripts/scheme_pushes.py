@@ -6,7 +6,9 @@ the kernels it ran. $GRADPACK_TEST_SHAPE (rows,cols) sets the key's shape
 (8 x 12 by default); with $GRADPACK_TEST_SGD both stores run SGD at
 learning rate 1, the servers on the sums they decode. $GRADPACK_TEST_GRADS
 'zero_first' makes every worker's first gradient zero, 'spike' multiplies
-worker 1's second by 1e10 (PowerSGD's collapsed factors); then four steps."""
+worker 1's second by 1e10 (PowerSGD's collapsed factors), 'overflow' makes
+every worker's second 3e38 (PowerSGD's P sum passes float32: an error on
+every worker, reported with the key's states unchanged); then four steps."""
 import json
 import os
 
@@ -39,14 +41,28 @@ def grad(r, step):
         g[:] = 0
     if GRADS == "spike" and step == 1 and r == 1:
         g *= np.float32(1e10)
+    if GRADS == "overflow" and step == 1:
+        g[:] = np.float32(3e38)
     return g
 
 
 worst, sizes = 0.0, []
+errors = []
 for step in range(4 if GRADS else 3):
+    got, want = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    if GRADS == "overflow" and step == 1:
+        # The push returns; its round's error comes with the pull, on every worker.
+        kv.push("w", grad(rank, step))
+        for push_or_pull in (lambda: device.push("w", [grad(r, step) for r in range(workers)]), lambda: kv.pull("w", out=got)):
+            try:
+                push_or_pull()
+                errors.append(None)
+            except gradpack.Error as e:
+                errors.append(str(e))
+        kv.barrier()
+        continue
     kv.push("w", grad(rank, step))
     device.push("w", [grad(r, step) for r in range(workers)])
-    got, want = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
     kv.pull("w", out=got)
     device.pull("w", out=want)
     # (relative to the step's largest value under $GRADPACK_TEST_GRADS: a spike's are 1e10)
@@ -55,5 +71,5 @@ for step in range(4 if GRADS else 3):
     kv.barrier()
 with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % rank), "w") as f:
     stats = kv.stats()
-    json.dump({"max_diff": worst, "max_abs": sizes, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"],
+    json.dump({"max_diff": worst, "max_abs": sizes, "errors": errors, "bytes_sent": stats["bytes_sent"] - sent_before, "local_pulls": stats["local_pulls"],
                "scheme_kernel": gradpack.scheme_kernel_name(), "codec_kernel": gradpack.kernel_name()}, f)

@@ -297,6 +297,14 @@ def scenario_powersgd_recovery():
                 ref_opt.step()
         out[case] = {"a_grad": a_grads, "plain_a_grad": plain_grads, "finite": finite, "replicas_identical": identical}
         del ddp, ref
+    # A P sum past float32 (finite gradients of 3e38): the same error on every
+    # rank, the state as it was, and the next call works.
+    state = gpt.State({"compress": "powersgd", "rank": 1, "seed": 1}, min_compression_rate=0)
+    gpt.allreduce_(torch.ones(64, 32), state, key="w")
+    before = state.state_dict()["states"]
+    out["overflow"] = error_of(lambda: gpt.allreduce_(torch.full((64, 32), 3e38), state, key="w"))
+    out["overflow unchanged"] = state.state_dict()["states"] == before
+    out["overflow then"] = error_of(lambda: gpt.allreduce_(torch.ones(64, 32), state, key="w"))
     return out
 
 

@@ -86,10 +86,16 @@ impl ServerExchange<'_> {
 
     /// `x = op over workers (x)` for float32 exchanges, sent whole to every
     /// server; every server must answer the same.
+    /// (The same bits from every server: a sum that is NaN is still the
+    /// same sum, for the scheme to refuse by name.)
     fn exchange_f32(&mut self, op: Exchange, x: &mut [f32]) -> Result<()> {
         let replies = self.exchange(op, vec![Part::F32(x.to_vec()); self.slices.len()])?;
+        let bits = |r: &Part| match r {
+            Part::F32(v) => Some(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+            _ => None,
+        };
         match &replies[0] {
-            Part::F32(v) if v.len() == x.len() && replies.iter().all(|r| r == &replies[0]) => Ok(x.copy_from_slice(v)),
+            Part::F32(v) if v.len() == x.len() && replies.iter().all(|r| bits(r) == bits(&replies[0])) => Ok(x.copy_from_slice(v)),
             _ => Err(self.malformed(op)),
         }
     }
