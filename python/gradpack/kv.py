@@ -115,7 +115,7 @@ def create(name="local"):
     As in MXNet, a process launched with DMLC_ROLE=server or scheduler serves
     as soon as it creates a distributed store, and exits when the job ends."""
     if isinstance(name, str) and name in DIST_TYPES:
-        role = os.environ.get("DMLC_ROLE", "worker")
+        role = os.environ.get("DMLC_ROLE", "worker").strip()
         if role in ("server", "scheduler"):
             serve_and_exit()
     return KVStore(name)
@@ -126,7 +126,7 @@ def serve_and_exit():
     then exit: status 0 when it ended normally, 1 when it failed."""
     status = LIB.gp_dist_serve()
     if status != 0:
-        sys.stderr.write("gradpack %s: %s\n" % (os.environ.get("DMLC_ROLE"),
+        sys.stderr.write("gradpack %s: %s\n" % (os.environ.get("DMLC_ROLE", "").strip(),
                                                   LIB.gp_error_last().decode("utf-8", "replace")))
     sys.stdout.flush()
     sys.stderr.flush()

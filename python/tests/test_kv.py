@@ -581,3 +581,18 @@ def test_an_updater_that_raises_leaves_value_and_residuals():
     kv.push(3, [g, g])  # 0.6 on both devices: 0.5 each sent
     kv.pull(3, out=out)
     assert out.tolist() == [1.0] * 8
+
+
+def test_a_padded_role_serves_from_create_and_from_gradpack_node():
+    """DMLC_ROLE='server ' is a server (as gradpack-node reads it): with no
+    scheduler listening, it fails as a server does, before the script goes on."""
+    import subprocess
+    import sys
+    from gradpack.launch import free_port
+    env = dict(os.environ, DMLC_ROLE=" server ", DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
+               DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", PS_HEARTBEAT_TIMEOUT="2")
+    for args in (["-c", "import gradpack; gradpack.kv.create('dist_sync'); print('ran as a worker')"],
+                 ["-m", "gradpack.node"]):
+        r = subprocess.run([sys.executable] + args, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "ran as a worker" not in r.stdout, (args, r.stdout, r.stderr)
+        assert "gradpack server: " in r.stderr and "scheduler" in r.stderr, (args, r.stderr)
