@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .base import DTYPES, LIB, Error, check_call
+from .base import DTYPES, LIB, Error, NativeHandle, check_call
 
 __all__ = ["create", "KVStore"]
 
@@ -218,8 +218,14 @@ def _grouped(key, value, what):
     return [(key, _as_list(value))]
 
 
-class KVStore(object):
-    """A local or device store (see the module doc)."""
+class KVStore(NativeHandle):
+    """A local or device store (see the module doc). Not copyable or
+    picklable (it owns the native store): create another and carry state
+    over with pull/init and compression_states()/set_compression_states()."""
+
+    _instead = ("create another store with gradpack.kv.create() and carry its values over with pull()/init(), "
+                "its states with optimizer_states()/set_optimizer_states() and "
+                "compression_states()/set_compression_states()")
 
     def __init__(self, name="local"):
         if not isinstance(name, str):

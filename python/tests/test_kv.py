@@ -583,6 +583,37 @@ def test_an_updater_that_raises_leaves_value_and_residuals():
     assert out.tolist() == [1.0] * 8
 
 
+def test_a_store_refuses_copies_and_pickling_and_works_on():
+    """copy.copy used to share the native store, freed twice when both were
+    dropped: run apart, so that a crash fails the test."""
+    import subprocess
+    import sys
+    code = """
+import copy, gc, pickle
+import numpy as np
+import gradpack
+kv = gradpack.kv.create("device")
+kv.set_compress({"compress": "2bit", "threshold": 0.5})
+kv.init(1, np.zeros(4, np.float32))
+for f in (copy.copy, copy.deepcopy, pickle.dumps):
+    try:
+        f(kv)
+    except gradpack.Error as e:
+        assert str(e).startswith("a gradpack.kv.KVStore cannot be ") and "set_compression_states()" in str(e), e
+    else:
+        raise AssertionError("%s was not refused" % f.__name__)
+kv.push(1, np.full(4, 0.7, np.float32))
+out = np.zeros(4, np.float32)
+kv.pull(1, out=out)
+assert out.tolist() == [0.5] * 4, out
+del kv
+gc.collect()
+print("done")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "done\n", (r.returncode, r.stdout, r.stderr[-3000:])
+
+
 def test_a_padded_role_serves_from_create_and_from_gradpack_node():
     """DMLC_ROLE='server ' is a server (as gradpack-node reads it): with no
     scheduler listening, it fails as a server does, before the script goes on."""
