@@ -194,8 +194,14 @@ def _finish_outputs(made):
 
 
 def _c_strings(items):
-    """A ctypes array of byte strings (at least one slot, as C wants a valid pointer)."""
+    """A ctypes array of byte strings (at least one slot, as C wants a valid
+    pointer). ctypes would cut a string at a NUL, onto another name or
+    setting: one holding a NUL is refused."""
     items = list(items)
+    for item in items:
+        if b"\0" in item:
+            raise Error("%r holds a NUL character (at index %d): gradpack's names and settings cannot"
+                        % (item.decode("utf-8", "replace"), item.index(b"\0")))
     return (ctypes.c_char_p * max(len(items), 1))(*items)
 
 

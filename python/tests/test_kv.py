@@ -627,3 +627,15 @@ def test_a_padded_role_serves_from_create_and_from_gradpack_node():
         r = subprocess.run([sys.executable] + args, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "ran as a worker" not in r.stdout, (args, r.stdout, r.stderr)
         assert "gradpack server: " in r.stderr and "scheduler" in r.stderr, (args, r.stderr)
+
+
+def test_settings_holding_nul_are_refused_not_cut():
+    kv = gradpack.kv.create("device")
+    for params in ({"compress": "2bit\0x"}, {"compress": "2bit", "threshold\0": 0.5}):
+        with pytest.raises(gradpack.Error, match="holds a NUL character"):
+            kv.set_compress(params)
+    with pytest.raises(gradpack.Error, match="holds a NUL character"):
+        kv.set_optimizer("sgd", **{"learning_rate\0x": 0.1})
+    kv.init(1, full(0.0))  # compression still unset: a plain sum
+    kv.push(1, [full(0.3), full(0.4)])
+    np.testing.assert_array_equal(pulled(kv, 1), full(np.float32(0.3) + np.float32(0.4)))
