@@ -286,6 +286,14 @@ enum Final {
     F32(Range<usize>),
 }
 
+/// Where `take` found a key's entry.
+#[derive(Clone, Copy)]
+enum Origin {
+    Idle,
+    Loaded,
+    New,
+}
+
 struct PendingKey {
     key: Key,
     entry: Entry,
@@ -343,6 +351,18 @@ impl Group {
                 return Err(Error::InvalidParam { key: "bits".into(), problem: format!("{world} ranks could overflow the code sum at {} bits", q.bits()[0]) });
             }
         }
+        // 2-bit and 1-bit sum every rank's codes in lanes of at most 31 bits.
+        let limit = match compression {
+            Compression::TwoBit(_) => Some(max_ranks(|w| i32::try_from(w + 1).ok().and_then(|hi| collective::sum_width(0, hi, w)).is_some())),
+            Compression::OneBit { .. } => Some(max_ranks(|w| collective::sum_width(0, 1, w).is_some())),
+            _ => None,
+        };
+        if let Some(limit) = limit.filter(|&l| world > l) {
+            return Err(Error::InvalidParam {
+                key: "process_group".into(),
+                problem: format!("a world of {world} ranks: {} sums every rank's codes in 32-bit lanes, which hold the sum of at most {limit} ranks", compression.name()),
+            });
+        }
         let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
         Ok(Group { compression, fingerprint, rank, world, start_iter, min_rate, keys: Arc::default() })
     }
@@ -391,8 +411,8 @@ impl Group {
     }
 
     /// Takes the bucket's keys out of the idle map (new keys start fresh, or
-    /// from a loaded checkpoint), checking shapes.
-    fn take(&self, tensors: &[Tensor]) -> Result<Vec<Entry>> {
+    /// from a loaded checkpoint), checking shapes; with where each came from.
+    fn take(&self, tensors: &[Tensor]) -> Result<(Vec<Entry>, Vec<Origin>)> {
         let mut keys = lock(&self.keys);
         for (i, t) in tensors.iter().enumerate() {
             if tensors[..i].iter().any(|u| u.key == t.key) || keys.in_flight.contains(&t.key) {
@@ -408,10 +428,29 @@ impl Group {
             .iter()
             .map(|t| {
                 keys.in_flight.push(t.key.clone());
-                keys.idle.remove(&t.key).or_else(|| keys.loaded.remove(&t.key)).unwrap_or_else(|| Entry { shape: t.shape.clone(), state: scheme::State::default() })
+                match (keys.idle.remove(&t.key), keys.loaded.remove(&t.key)) {
+                    (Some(e), _) => (e, Origin::Idle),
+                    (None, Some(e)) => (e, Origin::Loaded),
+                    (None, None) => (Entry { shape: t.shape.clone(), state: scheme::State::default() }, Origin::New),
+                }
             })
-            .collect();
+            .unzip();
         Ok(taken)
+    }
+
+    /// Puts entries back where `take` found them, after an encode that
+    /// failed: a key pushed for the first time is not registered, so the
+    /// group is as if the call had never been made.
+    fn untake(&self, tensors: &[Tensor], entries: Vec<Entry>, origins: Vec<Origin>) {
+        let mut keys = lock(&self.keys);
+        for ((t, entry), origin) in tensors.iter().zip(entries).zip(origins) {
+            keys.in_flight.retain(|k| *k != t.key);
+            match origin {
+                Origin::Idle => drop(keys.idle.insert(t.key.clone(), entry)),
+                Origin::Loaded => drop(keys.loaded.insert(t.key.clone(), entry)),
+                Origin::New => {}
+            }
+        }
     }
 
     /// Puts entries back (after a decode, or a failed or dropped bucket).
@@ -464,7 +503,7 @@ impl Group {
             let shapes: Vec<_> = tensors.iter().map(|t| (t.key.to_string(), t.shape.clone(), t.grad.len())).collect();
             return Err(Error::Internal(format!("a bucket of {bucket_len} elements holds tensors (key, shape, elements) {shapes:?}")));
         }
-        let mut entries = self.take(tensors)?;
+        let (mut entries, origins) = self.take(tensors)?;
         let mut coll = Through { engine, workers: self.world, sent: 0 };
         match self.agree_and_exchange(tensors, &mut entries, &mut coll) {
             Ok((routes, words, floats, plain)) => {
@@ -483,7 +522,7 @@ impl Group {
             }
             Err(err) => {
                 lock(&self.keys).stats.bytes_sent += coll.sent;
-                Group::give_back(&self.keys, tensors.iter().map(|t| t.key.clone()).zip(entries));
+                self.untake(tensors, entries, origins);
                 Err(err)
             }
         }
@@ -711,6 +750,21 @@ impl Group {
     }
 }
 
+/// The largest world size for which `fits` holds (it holds for 1 and, once
+/// false, stays false).
+fn max_ranks(fits: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (1usize, 1usize << 32);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
 /// A key's shape as saved (a fresh group checks its keys at their first push).
 fn saved_shape(saved: &Saved, key: &Key) -> Vec<usize> {
     saved.keys.iter().find(|k| k.key == *key).map_or_else(Vec::new, |k| k.shape.clone())
@@ -928,6 +982,64 @@ mod tests {
         assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (2, 1, 2 * 4 * 67));
         // Each push: a 5-field agreement (40 floats); then 67 floats, or a scale, 64 codes in lanes and 3 floats.
         assert_eq!(s.bytes_sent, 2 * 160 + 4 * 67 + 4 + collective::codes_bytes(64, -3, 3, 2) + 4 * 3);
+    }
+
+    #[test]
+    fn a_refused_first_push_registers_no_key() {
+        let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+        let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+        let fresh: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let mut bad = grads(2, 20, 0);
+        bad[0][3] = f32::NAN;
+        assert!(push_all(&groups, &[("w", vec![20])], &bad).iter().all(|r| r.is_err()));
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), fresh, "no key 'w' after the refused push");
+        // Still fresh: a checkpoint of other keys loads (a registered 'w' would be "pushed here but not in the compression states").
+        let other: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+        push_all(&other, &[("v", vec![8])], &grads(2, 8, 0));
+        for (g, o) in groups.iter().zip(&other) {
+            g.load(&o.save().unwrap()).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_with_a_non_finite_state_or_an_overflowing_shape_is_refused_whole() {
+        for (c, what) in [(params(&[("compress", "powersgd"), ("rank", "1")]), "PowerSGD Q"), (params(&[("compress", "1bit")]), "residual")] {
+            let group = Group::new(c, 0, 1, 0, 0.0).unwrap();
+            push_all(std::slice::from_ref(&group), &[("m", vec![4, 5])], &grads(1, 20, 0));
+            let blob = group.save().unwrap();
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut saved = checkpoint::decode(&blob).unwrap();
+                let state = &mut saved.keys[0].states[0];
+                let values = if what == "PowerSGD Q" { &mut state.q } else { &mut state.residual };
+                values[1] = bad;
+                let err = group.load(&checkpoint::encode(&saved)).unwrap_err().to_string();
+                assert_eq!(err, format!("optimizer states: key 'm': its saved {what} holds {bad} at element 1, a non-finite value"));
+                assert_eq!(group.save().unwrap(), blob, "unchanged");
+                // A fresh group refuses it too.
+                assert!(Group::new(c, 0, 1, 0, 0.0).unwrap().load(&checkpoint::encode(&saved)).is_err());
+            }
+        }
+        // A shape whose product overflows (2^62 x 8 wraps to 0, fitting empty states).
+        let c = params(&[("compress", "1bit")]);
+        let fresh = Group::new(c, 0, 1, 0, 0.0).unwrap();
+        let mut saved = checkpoint::decode(&fresh.save().unwrap()).unwrap();
+        saved.keys.push(KeyState { key: Key::Str("huge".into()), shape: vec![1 << 62, 8], pushes: 3, residuals: Vec::new(), states: vec![scheme::State::default()] });
+        let err = fresh.load(&checkpoint::encode(&saved)).unwrap_err().to_string();
+        assert!(err.contains("key 'huge': saved with shape [4611686018427387904, 8], more elements than any array can hold"), "{err}");
+        assert_eq!(fresh.save().unwrap(), Group::new(c, 0, 1, 0, 0.0).unwrap().save().unwrap());
+    }
+
+    #[test]
+    fn a_world_too_large_for_the_code_sum_is_named() {
+        let two = params(&[("compress", "2bit"), ("threshold", "0.5")]);
+        assert!(Group::new(two, 0, 46340, 0, 0.0).is_ok());
+        for world in [46341, 1 << 31, 1 << 40, usize::MAX] {
+            let err = Group::new(two, 0, world, 0, 0.0).err().unwrap().to_string();
+            assert_eq!(err, format!("invalid parameter 'process_group': a world of {world} ranks: 2bit sums every rank's codes in 32-bit lanes, which hold the sum of at most 46340 ranks"));
+        }
+        let one = params(&[("compress", "1bit")]);
+        assert!(Group::new(one, 0, i32::MAX as usize, 0, 0.0).is_ok());
+        assert!(Group::new(one, 0, 1 << 31, 0, 0.0).err().unwrap().to_string().contains("at most 2147483647 ranks"));
     }
 
     #[test]

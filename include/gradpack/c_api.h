@@ -257,8 +257,12 @@ int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
  * gp_group_decode, which writes the sum over ranks divided by the world
  * size, identical on every rank. A difference between ranks or a
  * non-finite gradient on any rank is the same error on every rank, before
- * any state changed. Handles may be used from several threads; a key's
- * bucket must be decoded (or freed) before the key is encoded again. */
+ * any state changed. Handles may be used from several threads (memory
+ * safe), but every rank must issue its encodes and their SUMs in one order,
+ * which encodes overlapping on one group from two threads cannot keep
+ * (gradpack.torch refuses a second concurrent call); a key's bucket must be
+ * decoded (or freed) before the key is encoded again. A first encode of a
+ * key that fails registers no key. */
 typedef struct gp_group_t gp_group_t;
 typedef struct gp_pending_t gp_pending_t;
 
@@ -272,7 +276,9 @@ typedef int (*gp_reduce_fn)(void* user, int op, int dtype, void* data, uint64_t 
 /* compress_params as gp_kvstore_set_compress takes them; rank `rank` of
  * `world`; tensors are summed plainly for their first `start_iter` pushes
  * and compressed only when that makes them `min_compression_rate` times
- * smaller. `*out` owns the handle: gp_group_free. */
+ * smaller. 2bit and 1bit sum every rank's codes in 32-bit lanes: a world
+ * of more ranks than that holds (2bit: 46340) is an error naming both.
+ * `*out` owns the handle: gp_group_free. */
 int gp_group_new(const char* const* keys, const char* const* vals, int num, uint64_t rank,
                  uint64_t world, uint64_t start_iter, double min_compression_rate,
                  gp_group_t** out);

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-__all__ = ["Error", "check_call", "lib_path", "LIB", "DTYPES"]
+__all__ = ["Error", "check_call", "lib_path", "LIB", "DTYPES", "NativeHandle"]
 
 # numpy dtype name -> gp_dtype_t (c_api.h; python/tests/test_c_api.py checks it)
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -14,6 +14,35 @@ DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 class Error(ValueError):
     """Bad input to gradpack: the message names what is wrong. Outputs are untouched."""
+
+
+class NativeHandle(object):
+    """A base for every class whose instances own a handle from LIB (freed
+    when the instance is dropped): copying such an object would share the
+    handle and free it twice, and a handle cannot travel to another process,
+    so copy.copy, copy.deepcopy and pickling are refused with an Error that
+    names the class and, in ``_instead``, what to use instead."""
+
+    _instead = "create a new one"
+
+    def _describe(self):
+        return "%s.%s" % (type(self).__module__, type(self).__name__)
+
+    def _refuse(self, what):
+        raise Error("a %s cannot be %s: it owns native state that copies would share and free twice; %s"
+                    % (self._describe(), what, self._instead))
+
+    def __copy__(self):
+        self._refuse("copied (copy.copy)")
+
+    def __deepcopy__(self, memo):
+        self._refuse("copied (copy.deepcopy)")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse("pickled")
+
+    def __reduce__(self):
+        self._refuse("pickled")
 
 
 def _find_library():

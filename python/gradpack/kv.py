@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .base import DTYPES, LIB, Error, check_call
+from .base import DTYPES, LIB, Error, NativeHandle, check_call
 
 __all__ = ["create", "KVStore"]
 
@@ -115,7 +115,7 @@ def create(name="local"):
     As in MXNet, a process launched with DMLC_ROLE=server or scheduler serves
     as soon as it creates a distributed store, and exits when the job ends."""
     if isinstance(name, str) and name in DIST_TYPES:
-        role = os.environ.get("DMLC_ROLE", "worker")
+        role = os.environ.get("DMLC_ROLE", "worker").strip()
         if role in ("server", "scheduler"):
             serve_and_exit()
     return KVStore(name)
@@ -126,7 +126,7 @@ def serve_and_exit():
     then exit: status 0 when it ended normally, 1 when it failed."""
     status = LIB.gp_dist_serve()
     if status != 0:
-        sys.stderr.write("gradpack %s: %s\n" % (os.environ.get("DMLC_ROLE"),
+        sys.stderr.write("gradpack %s: %s\n" % (os.environ.get("DMLC_ROLE", "").strip(),
                                                   LIB.gp_error_last().decode("utf-8", "replace")))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -194,8 +194,14 @@ def _finish_outputs(made):
 
 
 def _c_strings(items):
-    """A ctypes array of byte strings (at least one slot, as C wants a valid pointer)."""
+    """A ctypes array of byte strings (at least one slot, as C wants a valid
+    pointer). ctypes would cut a string at a NUL, onto another name or
+    setting: one holding a NUL is refused."""
     items = list(items)
+    for item in items:
+        if b"\0" in item:
+            raise Error("%r holds a NUL character (at index %d): gradpack's names and settings cannot"
+                        % (item.decode("utf-8", "replace"), item.index(b"\0")))
     return (ctypes.c_char_p * max(len(items), 1))(*items)
 
 
@@ -218,8 +224,14 @@ def _grouped(key, value, what):
     return [(key, _as_list(value))]
 
 
-class KVStore(object):
-    """A local or device store (see the module doc)."""
+class KVStore(NativeHandle):
+    """A local or device store (see the module doc). Not copyable or
+    picklable (it owns the native store): create another and carry state
+    over with pull/init and compression_states()/set_compression_states()."""
+
+    _instead = ("create another store with gradpack.kv.create() and carry its values over with pull()/init(), "
+                "its states with optimizer_states()/set_optimizer_states() and "
+                "compression_states()/set_compression_states()")
 
     def __init__(self, name="local"):
         if not isinstance(name, str):

@@ -12,7 +12,7 @@ from .kv import serve_and_exit
 
 
 def main():
-    role = os.environ.get("DMLC_ROLE")
+    role = os.environ.get("DMLC_ROLE", "").strip()
     if role not in ("server", "scheduler"):
         sys.exit("gradpack.node: DMLC_ROLE must be 'server' or 'scheduler', got %r" % (role,))
     serve_and_exit()

@@ -19,11 +19,12 @@ rank that dies ends the job with torch's own timeout error (the
 ``timeout=`` of ``init_process_group``).
 """
 import ctypes
+import threading
 
 import torch
 import torch.distributed as dist
 
-from .base import LIB, Error, check_call
+from .base import LIB, Error, NativeHandle, check_call
 
 __all__ = ["State", "hook", "allreduce_"]
 
@@ -63,6 +64,19 @@ def _view(ptr, n, code):
     return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype)
 
 
+_U64_MAX = (1 << 64) - 1
+
+
+def _c_text(value, what):
+    """``str(value)`` for the C ABI, which would cut it at a NUL (onto
+    another name or setting): a NUL is refused."""
+    text = str(value)
+    if "\0" in text:
+        raise Error("%s %r holds a NUL character (at index %d): gradpack's names and settings cannot"
+                    % (what, text, text.index("\0")))
+    return text.encode()
+
+
 def _check_tensor(t, what):
     if not isinstance(t, torch.Tensor):
         raise Error("%s must be a torch.Tensor, got %s" % (what, type(t).__name__))
@@ -74,9 +88,11 @@ def _check_tensor(t, what):
                     "gradients" % (what, t.dtype))
 
 
-class _Pending:
+class _Pending(NativeHandle):
     """A bucket between encode and decode: its float32 view and the
-    all-reduces in flight. Freed by decode, or when dropped."""
+    all-reduces in flight. Freed by decode, or when dropped; never copied."""
+
+    _instead = "a pending bucket is decoded once, by the hook call that made it"
 
     def __init__(self, state, handle, flat):
         self.state, self.handle, self.flat, self.futures = state, handle, flat, []
@@ -108,7 +124,7 @@ class _Pending:
             LIB.gp_pending_free(self.handle)
 
 
-class State:
+class State(NativeHandle):
     """One rank's compression state for a process group.
 
     ``compress_params`` is the dict the stores take (every scheme:
@@ -117,7 +133,13 @@ class State:
     for its first ``start_iter`` pushes, and compressed only when its bytes
     shrink at least ``min_compression_rate`` times (smaller tensors, and
     vectors under PowerSGD, go as float32).
+
+    A State owns native state: it cannot be copied or pickled; save it with
+    ``state_dict()`` and resume a new State with ``load_state_dict()``.
     """
+
+    _instead = ("save it with state_dict() and load that into a new gradpack.torch.State with "
+                "load_state_dict()")
 
     def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0):
         if not isinstance(compress_params, dict):
@@ -125,18 +147,18 @@ class State:
         if not dist.is_available() or not dist.is_initialized():
             raise Error("gradpack.torch.State needs torch.distributed initialised "
                         "(torch.distributed.init_process_group) first")
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise Error("start_iter must be a whole number >= 0, got %r" % (start_iter,))
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or not 0 <= start_iter <= _U64_MAX:
+            raise Error("start_iter must be a whole number from 0 to 2**64 - 1, got %r" % (start_iter,))
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        keys = [str(k).encode() for k in compress_params]
-        vals = [str(v).encode() for v in compress_params.values()]
+        keys = [_c_text(k, "compress_params key") for k in compress_params]
+        vals = [_c_text(v, "compress_params value") for v in compress_params.values()]
         handle = _p()
         try:
             rate = float(min_compression_rate)
-        except (TypeError, ValueError):
-            raise Error("min_compression_rate must be a number, got %r" % (min_compression_rate,))
+        except (TypeError, ValueError, OverflowError):
+            raise Error("min_compression_rate must be a finite number >= 0, got %r" % (min_compression_rate,))
         check_call(LIB.gp_group_new((ctypes.c_char_p * len(keys))(*keys),
                                     (ctypes.c_char_p * len(vals))(*vals), len(keys), self.rank,
                                     self.world_size, start_iter, rate, ctypes.byref(handle)))
@@ -146,6 +168,10 @@ class State:
         self._params = []  # the parameters, so that their ids stay theirs
         self._failure = None
         self._reduce_fn = _REDUCE(self._reduce)
+        # Held while a bucket is agreed and its all-reduces are issued: every
+        # rank must issue them in one order, which two threads sharing a
+        # State cannot keep, so a second concurrent call is refused.
+        self._issuing = threading.Lock()
 
     def __del__(self):
         if getattr(self, "_handle", None):
@@ -170,9 +196,21 @@ class State:
         return key
 
     def _encode(self, flat, keys, shapes, last):
-        """Agrees and exchanges a bucket; returns it with its final sums in flight."""
+        """Agrees and exchanges a bucket; returns it with its final sums in
+        flight. Refuses a call while another thread is inside one."""
+        if not self._issuing.acquire(blocking=False):
+            raise Error("gradpack.torch.State used by two threads at once: every rank must issue a State's "
+                        "all-reduces in the same order, which concurrent calls cannot keep; use a State from one "
+                        "thread at a time (DDP calls its hook from one thread), or one State per thread, each "
+                        "with its own process group")
+        try:
+            return self._encode_locked(flat, keys, shapes, last)
+        finally:
+            self._issuing.release()
+
+    def _encode_locked(self, flat, keys, shapes, last):
         n = len(keys)
-        ckeys = (ctypes.c_char_p * n)(*[k.encode() for k in keys])
+        ckeys = (ctypes.c_char_p * n)(*[_c_text(k, "key") for k in keys])
         ndims = (_u64 * n)(*[len(s) for s in shapes])
         dims = [d for s in shapes for d in s]
         cdims = (_u64 * max(1, len(dims)))(*dims)
@@ -254,6 +292,9 @@ def allreduce_(tensor, state, key):
     _check_tensor(tensor, "tensor")
     if not isinstance(key, str) or not key:
         raise Error("key must be a non-empty str, got %r" % (key,))
+    if "\0" in key:
+        raise Error("key %r holds a NUL character (at index %d): it would name the state of %r"
+                    % (key, key.index("\0"), key[:key.index("\0")]))
     data = tensor.detach()
     flat = data.reshape(-1) if data.is_contiguous() and data.dtype == torch.float32 else \
         _as_float32(data).contiguous().reshape(-1)

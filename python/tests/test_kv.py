@@ -618,3 +618,61 @@ def test_an_updater_that_raises_leaves_value_and_residuals():
     kv.push(3, [g, g])  # 0.6 on both devices: 0.5 each sent
     kv.pull(3, out=out)
     assert out.tolist() == [1.0] * 8
+
+
+def test_a_store_refuses_copies_and_pickling_and_works_on():
+    """copy.copy used to share the native store, freed twice when both were
+    dropped: run apart, so that a crash fails the test."""
+    import subprocess
+    import sys
+    code = """
+import copy, gc, pickle
+import numpy as np
+import gradpack
+kv = gradpack.kv.create("device")
+kv.set_compress({"compress": "2bit", "threshold": 0.5})
+kv.init(1, np.zeros(4, np.float32))
+for f in (copy.copy, copy.deepcopy, pickle.dumps):
+    try:
+        f(kv)
+    except gradpack.Error as e:
+        assert str(e).startswith("a gradpack.kv.KVStore cannot be ") and "set_compression_states()" in str(e), e
+    else:
+        raise AssertionError("%s was not refused" % f.__name__)
+kv.push(1, np.full(4, 0.7, np.float32))
+out = np.zeros(4, np.float32)
+kv.pull(1, out=out)
+assert out.tolist() == [0.5] * 4, out
+del kv
+gc.collect()
+print("done")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "done\n", (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+def test_a_padded_role_serves_from_create_and_from_gradpack_node():
+    """DMLC_ROLE='server ' is a server (as gradpack-node reads it): with no
+    scheduler listening, it fails as a server does, before the script goes on."""
+    import subprocess
+    import sys
+    from gradpack.launch import free_port
+    env = dict(os.environ, DMLC_ROLE=" server ", DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
+               DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", PS_HEARTBEAT_TIMEOUT="2")
+    for args in (["-c", "import gradpack; gradpack.kv.create('dist_sync'); print('ran as a worker')"],
+                 ["-m", "gradpack.node"]):
+        r = subprocess.run([sys.executable] + args, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "ran as a worker" not in r.stdout, (args, r.stdout, r.stderr)
+        assert "gradpack server: " in r.stderr and "scheduler" in r.stderr, (args, r.stderr)
+
+
+def test_settings_holding_nul_are_refused_not_cut():
+    kv = gradpack.kv.create("device")
+    for params in ({"compress": "2bit\0x"}, {"compress": "2bit", "threshold\0": 0.5}):
+        with pytest.raises(gradpack.Error, match="holds a NUL character"):
+            kv.set_compress(params)
+    with pytest.raises(gradpack.Error, match="holds a NUL character"):
+        kv.set_optimizer("sgd", **{"learning_rate\0x": 0.1})
+    kv.init(1, full(0.0))  # compression still unset: a plain sum
+    kv.push(1, [full(0.3), full(0.4)])
+    np.testing.assert_array_equal(pulled(kv, 1), full(np.float32(0.3) + np.float32(0.4)))

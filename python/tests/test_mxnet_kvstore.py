@@ -249,3 +249,33 @@ def test_bad_use_is_refused_clearly():
         kv.push(0, mx.nd.zeros(3))
     with pytest.raises(gradpack.Error, match="unknown capability"):
         kv.is_capable("teleport")
+
+
+def test_a_store_refuses_copies_and_pickling_and_works_on():
+    """Run apart: a copy sharing the native store would free it twice."""
+    import subprocess
+    import sys
+    code = """
+import copy, gc, pickle
+import mxnet as mx
+import gradpack, gradpack.mxnet as gpmx
+kv = mx.kv.create("gradpack_device")
+kv.init(3, mx.nd.zeros((2, 3)))
+for f in (copy.copy, copy.deepcopy, pickle.dumps):
+    try:
+        f(kv)
+    except gradpack.Error as e:
+        assert str(e).startswith("a gradpack.mxnet.GradpackStore ('device') cannot be "), e
+        assert "load_compression_states()" in str(e), e
+    else:
+        raise AssertionError("%s was not refused" % f.__name__)
+kv.push(3, mx.nd.ones((2, 3)))
+out = mx.nd.zeros((2, 3))
+kv.pull(3, out=out)
+assert out.asnumpy().tolist() == [[1.0] * 3] * 2, out
+del kv
+gc.collect()
+print("done")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.endswith("done\n"), (r.returncode, r.stdout[-2000:], r.stderr[-3000:])

@@ -39,11 +39,58 @@ def test_every_other_process_starts_without_gradpack(env):
     assert r.returncode == 0 and r.stdout.strip() == "[]", (env, r.stdout, r.stderr)
 
 
-def test_a_bad_setting_is_named_and_the_process_exits():
-    r = run("print('the script ran')", GRADPACK_SERVE_ROLES="yes", DMLC_ROLE="server")
-    assert r.returncode == 2
+REPO_PYTHON = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hooked(code, **env):
+    """Runs `code` after the repository's gradpack-startup.pth line, read as
+    site.py reads it at start-up (site.addsitedir), so that the line under
+    test is this checkout's whether or not gradpack is installed."""
+    return run("import site; site.addsitedir(%r)\n%s" % (REPO_PYTHON, code), **env)
+
+
+def dead_job(**env):
+    """A server's launch variables with no scheduler listening."""
+    from gradpack.launch import free_port
+    return dict(DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()), DMLC_NUM_WORKER="1",
+                DMLC_NUM_SERVER="1", PS_HEARTBEAT_TIMEOUT="2", **env)
+
+
+@pytest.mark.parametrize("value", ["", " ", " 0 ", "false", "No", "OFF"])
+def test_a_false_or_empty_setting_leaves_the_process_alone(value):
+    r = hooked(PROBE, GRADPACK_SERVE_ROLES=value, DMLC_ROLE="server")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (value, r.stdout, r.stderr)
+    assert r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "y"])
+def test_an_unknown_setting_is_a_warning_and_the_program_runs(value):
+    r = hooked("print('the script ran')", GRADPACK_SERVE_ROLES=value, DMLC_ROLE="server")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout == "the script ran\n"
+    assert "gradpack: warning: GRADPACK_SERVE_ROLES=%r is not one of 1/0, true/false, yes/no, on/off" % value \
+        in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value,role", [("yes", "server"), (" 1", "server"), ("True", "server"), ("on", " server "),
+                                        ("1", "server\t")])
+def test_every_true_spelling_and_a_padded_role_serve(value, role):
+    """No scheduler listens: the hook's server fails (exit 1) with gradpack's
+    error before the script runs."""
+    r = hooked("print('the script ran')", **dead_job(GRADPACK_SERVE_ROLES=value, DMLC_ROLE=role))
+    assert r.returncode == 1, (value, role, r.stdout, r.stderr)
     assert "the script ran" not in r.stdout
-    assert "GRADPACK_SERVE_ROLES must be 1" in r.stderr and "'yes'" in r.stderr
+    assert "gradpack server:" in r.stderr and "scheduler" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("var", ["PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_TIMEOUT"])
+def test_a_duration_out_of_range_is_named(var):
+    env = dead_job(GRADPACK_SERVE_ROLES="1", DMLC_ROLE="server")
+    env[var] = "1e300"
+    r = hooked("print('the script ran')", **env)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert ("gradpack server: invalid parameter '%s': must be a number of seconds from 0.001 to 1000000, "
+            "got '1e300'" % var) in r.stderr, r.stderr
 
 
 def test_a_server_serves_before_the_script_runs_and_reports_a_dead_job():

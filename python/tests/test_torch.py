@@ -183,3 +183,105 @@ def test_powersgd_draws_a_collapsed_q_anew_for_a_lora_adapter_and_after_a_spike(
             for step in range(1, 6):
                 # rank 1 of a 4 x 32 gradient: a good share of plain DDP's size
                 assert r["a_grad"][step] > 0.2 * r["plain_a_grad"][step] > 0, (case, step, r)
+
+SOLO = """
+import copy, os, pickle, sys, tempfile, threading
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import gradpack, gradpack.torch as gpt
+
+def refused(f, *args):
+    try:
+        f(*args)
+    except gradpack.Error as e:
+        return str(e)
+    raise AssertionError("%s%r was not refused" % (f.__name__, args))
+"""
+
+
+def solo(code, timeout=120):
+    """Runs `code` in a process of its own holding a one-rank gloo group
+    (a crash there, such as a double free, fails the test instead of pytest);
+    asserts that it exits 0 and prints 'done' last."""
+    r = subprocess.run([sys.executable, "-c", SOLO + code + "\nprint('done')\n"], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0 and r.stdout.endswith("done\n"), (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    return r.stdout
+
+
+def test_a_state_and_a_pending_bucket_refuse_copies_and_pickling():
+    solo("""
+state = gpt.State({"compress": "1bit"})
+t = torch.arange(12, dtype=torch.float32)
+gpt.allreduce_(t, state, "w")
+for f in (copy.copy, copy.deepcopy, pickle.dumps):
+    err = refused(f, state)
+    assert err.startswith("a gradpack.torch.State cannot be ") and "state_dict()" in err and "load_state_dict()" in err, err
+pending = state._encode(torch.ones(12), ["w"], [(12,)], True)
+for f in (copy.copy, copy.deepcopy, pickle.dumps):
+    err = refused(f, pending)
+    assert err.startswith("a gradpack.torch._Pending cannot be ") and "decoded once" in err, err
+for fut in pending.futures:
+    fut.wait()
+pending.decode()
+del pending
+# The original works on, resumes from its state_dict, and is freed once.
+saved = state.state_dict()
+again = torch.arange(12, dtype=torch.float32)
+gpt.allreduce_(again, state, "w")
+resumed = gpt.State({"compress": "1bit"})
+resumed.load_state_dict(saved)
+other = torch.arange(12, dtype=torch.float32)
+gpt.allreduce_(other, resumed, "w")
+assert torch.equal(again, other), (again, other)
+del state, resumed
+import gc; gc.collect()
+""")
+
+
+def test_names_and_settings_that_ctypes_would_cut_or_wrap_are_refused():
+    solo("""
+state = gpt.State({"compress": "1bit"})
+err = refused(gpt.allreduce_, torch.ones(4), state, "a\\0b")
+assert "key 'a\\\\x00b' holds a NUL character (at index 1): it would name the state of 'a'" in err, err
+assert state.state_dict()["states"] == gpt.State({"compress": "1bit"}).state_dict()["states"]  # nothing registered
+for start in (2**64, 2**64 + 3, -1):
+    err = refused(gpt.State, {"compress": "1bit"}, None, start)
+    assert err == "start_iter must be a whole number from 0 to 2**64 - 1, got %r" % start, err
+gpt.State({"compress": "1bit"}, start_iter=2**64 - 1)
+for rate in (10**400, "x", float("nan"), float("inf"), -1.0):
+    err = refused(gpt.State, {"compress": "1bit"}, None, 0, rate)
+    assert "min_compression_rate" in err and "must be a finite number >= 0" in err, (rate, err)
+err = refused(gpt.State, {"compress": "qsgd_mn\\0", "bits": 2})
+assert "compress_params value 'qsgd_mn\\\\x00' holds a NUL character" in err, err
+err = refused(gpt.State, {"compress": "qsgd_mn", "bits\\0x": 2})
+assert "compress_params key 'bits\\\\x00x' holds a NUL character" in err, err
+""")
+
+
+def test_a_state_used_by_two_threads_at_once_is_refused():
+    """One thread is inside the State's agreement (its all-reduce held back);
+    a second call from another thread is refused, and the first completes."""
+    solo("""
+class Held(gpt.State):
+    def _reduce(self, *args):
+        entered.set()
+        assert release.wait(60)
+        return gpt.State._reduce(self, *args)
+
+entered, release = threading.Event(), threading.Event()
+state = Held({"compress": "1bit"})
+t = torch.arange(8, dtype=torch.float32)
+first = threading.Thread(target=gpt.allreduce_, args=(t, state, "a"))
+first.start()
+assert entered.wait(60)
+err = refused(gpt.allreduce_, torch.ones(8), state, "b")
+assert err.startswith("gradpack.torch.State used by two threads at once"), err
+release.set()
+first.join(60)
+assert not first.is_alive()
+# As if only the first call had been made: its result, and no key 'b'.
+ref, want = gpt.State({"compress": "1bit"}), torch.arange(8, dtype=torch.float32)
+gpt.allreduce_(want, ref, "a")
+assert torch.equal(t, want) and state.state_dict()["states"] == ref.state_dict()["states"], (t, want)
+""")

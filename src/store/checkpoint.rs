@@ -155,7 +155,7 @@ pub(crate) fn check(
         if shape != k.shape {
             return Err(Error::OptimizerStates(format!("key {}: saved with shape {:?}, initialized here with {shape:?}", k.key, k.shape)));
         }
-        let n: usize = shape.iter().product();
+        let n = elements(&k.shape).ok_or_else(|| Error::OptimizerStates(format!("key {}: saved with shape {:?}, more elements than any array can hold", k.key, k.shape)))?;
         // 2-bit residuals: one per device of the whole value, or (dist) one per server slice.
         let fits = match &slices_of(&k.key) {
             None => k.residuals.iter().all(|r| r.is_empty() || r.len() == n),
@@ -169,8 +169,21 @@ pub(crate) fn check(
         for s in &k.states {
             scheme::check_state(compression, &shape, s).map_err(|why| Error::OptimizerStates(format!("key {}: {why}", k.key)))?;
         }
+        // A non-finite residual or Q would enter every later push (and, summed, every rank's result).
+        let held = k.residuals.iter().map(|r| ("2-bit residual", r)).chain(k.states.iter().flat_map(|s| [("residual", &s.residual), ("PowerSGD Q", &s.q)]));
+        for (what, values) in held {
+            if let Some(at) = values.iter().position(|x| !x.is_finite()) {
+                return Err(Error::OptimizerStates(format!("key {}: its saved {what} holds {} at element {at}, a non-finite value", k.key, values[at])));
+            }
+        }
     }
     Ok(())
+}
+
+/// The elements of an array of `shape`, when some float32 array could
+/// hold them (their bytes fit an `isize`), with checked arithmetic.
+fn elements(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= isize::MAX as usize / 4)
 }
 
 /// The state container: optimizer states (when the store runs gradpack's

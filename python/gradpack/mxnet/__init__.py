@@ -21,7 +21,7 @@ then fail within seconds with an error that says what to change.
 import os as _os
 import sys as _sys
 
-if _os.environ.get("DMLC_ROLE") in ("scheduler", "server") and "mxnet" not in _sys.modules:
+if _os.environ.get("DMLC_ROLE", "").strip() in ("scheduler", "server") and "mxnet" not in _sys.modules:
     from ..kv import serve_and_exit as _serve_and_exit
     _serve_and_exit()  # never returns
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import kv as _kv
 from ..kv import _as_list
-from ..base import Error
+from ..base import Error, NativeHandle
 
 __all__ = ["GradpackStore", "KVStoreError", "create"]
 
@@ -108,8 +108,16 @@ def _pairs(key, value):
     return [(key, value)]
 
 
-class GradpackStore(mx.kv.KVStoreBase):
-    """A gradpack 'local' or 'device' store with MXNet's KVStore interface."""
+class GradpackStore(NativeHandle, mx.kv.KVStoreBase):
+    """A gradpack 'local' or 'device' store with MXNet's KVStore interface.
+    Not copyable or picklable (its gradpack store owns native state)."""
+
+    _instead = ("create another with mx.kv.create() and carry its states over with "
+                "save_optimizer_states()/load_optimizer_states() and "
+                "save_compression_states()/load_compression_states()")
+
+    def _describe(self):  # each registered store type is a subclass of its own
+        return "gradpack.mxnet.GradpackStore ('%s')" % self._name
 
     def __init__(self, name="device"):
         if name not in _STORE_TYPES:

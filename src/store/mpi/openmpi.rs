@@ -5,7 +5,10 @@
 //! Which library, first found:
 //! 1. `$GRADPACK_MPI_LIBRARY` (a path), when set;
 //! 2. `libmpi.so.40` in `lib/` or `lib64/` beside the `bin/` of the `mpirun`
-//!    on `PATH` (links resolved): an Open MPI installed under its own prefix;
+//!    the shell would run (links resolved): the first executable regular
+//!    file named `mpirun` in `PATH`'s entries, an empty entry meaning the
+//!    current directory (a non-executable `mpirun` is passed over, as the
+//!    shell passes it over): an Open MPI installed under its own prefix;
 //! 3. `libmpi.so.40` from the loader's search path (Debian's
 //!    `/usr/lib/<arch>/libmpi.so.40`, whose `mpirun` is `/usr/bin/orterun`).
 //!
@@ -14,7 +17,8 @@
 //! never unloaded. Only Open MPI's ABI is spoken (libmpi.so.40, versions 3 to
 //! 5): a handle is the address of one of its predefined objects
 //! (`ompi_mpi_comm_world`, ...). A library that is not Open MPI, or lacks one
-//! symbol, is refused naming it, before any call.
+//! symbol, is refused naming it, before any call; every later error of
+//! starting MPI names the library loaded too (`Mpi::library`).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -73,12 +77,40 @@ pub fn check(call: &str, rc: c_int) -> Result<()> {
 }
 
 fn candidates() -> Vec<PathBuf> {
-    if let Some(path) = std::env::var_os("GRADPACK_MPI_LIBRARY") {
-        return vec![PathBuf::from(path)];
+    let cwd = std::env::current_dir().unwrap_or_default();
+    candidates_from(std::env::var_os("GRADPACK_MPI_LIBRARY").as_deref(), std::env::var_os("PATH").as_deref(), &cwd)
+}
+
+extern "C" {
+    fn access(path: *const c_char, mode: c_int) -> c_int;
+}
+
+/// `access`'s `X_OK`.
+const X_OK: c_int = 1;
+
+/// Whether the shell would run `path` as a command: a regular file (links
+/// followed) that this process may execute.
+fn executable(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    path.is_file() && unsafe { access(c.as_ptr(), X_OK) } == 0
+}
+
+/// The libraries to try, in the module doc's order, for these values of
+/// `GRADPACK_MPI_LIBRARY` and `PATH`. The `mpirun` is the one the shell
+/// would run: the first executable regular file named `mpirun` in PATH's
+/// entries, an empty entry (or a relative one) taken from `cwd`, as the
+/// shell takes it from the current directory.
+fn candidates_from(explicit: Option<&std::ffi::OsStr>, path: Option<&std::ffi::OsStr>, cwd: &Path) -> Vec<PathBuf> {
+    if let Some(library) = explicit {
+        return vec![PathBuf::from(library)];
     }
     let mut found = Vec::new();
-    if let Some(path) = std::env::var_os("PATH") {
-        if let Some(mpirun) = std::env::split_paths(&path).map(|d| d.join("mpirun")).find(|p| p.is_file()) {
+    if let Some(path) = path {
+        if let Some(mpirun) = std::env::split_paths(path).map(|d| cwd.join(d).join("mpirun")).find(|p| executable(p)) {
             if let Some(prefix) = mpirun.canonicalize().ok().as_deref().and_then(Path::parent).and_then(Path::parent) {
                 found.extend(["lib", "lib64"].map(|d| prefix.join(d).join(SONAME)).into_iter().filter(|p| p.is_file()));
             }
@@ -179,5 +211,65 @@ impl Mpi {
             library,
             version,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A fresh directory under the system's temporary one.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("gradpack-openmpi-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// `prefix/bin/mpirun` with `mode`, beside `prefix/lib/libmpi.so.40`
+    /// (a text file: it is never loaded here, only chosen or not).
+    fn install(prefix: &Path, mode: u32) -> PathBuf {
+        for d in ["bin", "lib"] {
+            std::fs::create_dir_all(prefix.join(d)).unwrap();
+        }
+        let mpirun = prefix.join("bin/mpirun");
+        std::fs::write(&mpirun, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&mpirun, std::fs::Permissions::from_mode(mode)).unwrap();
+        std::fs::write(prefix.join("lib").join(SONAME), "not a library").unwrap();
+        prefix.join("lib").join(SONAME).canonicalize().unwrap()
+    }
+
+    #[test]
+    fn the_mpirun_is_the_one_the_shell_would_run() {
+        let dir = scratch("path");
+        let decoy = install(&dir.join("decoy"), 0o644);
+        let real = install(&dir.join("real"), 0o755);
+        let path = std::env::join_paths([dir.join("decoy/bin"), dir.join("real/bin")]).unwrap();
+        let got = candidates_from(None, Some(&path), Path::new("/"));
+        assert_eq!(got, vec![real.clone(), PathBuf::from(SONAME)], "the non-executable {decoy:?} is passed over");
+        // A directory named mpirun is no command either.
+        std::fs::create_dir_all(dir.join("dirs/bin/mpirun")).unwrap();
+        let path = std::env::join_paths([dir.join("dirs/bin"), dir.join("real/bin")]).unwrap();
+        assert_eq!(candidates_from(None, Some(&path), Path::new("/")), vec![real.clone(), PathBuf::from(SONAME)]);
+        // GRADPACK_MPI_LIBRARY wins over PATH.
+        assert_eq!(candidates_from(Some("/x/libmpi.so.40".as_ref()), Some(&path), Path::new("/")), vec![PathBuf::from("/x/libmpi.so.40")]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_empty_path_entry_is_the_current_directory_and_counts_only_when_executable() {
+        let dir = scratch("cwd");
+        let here = install(&dir.join("here"), 0o644);
+        let real = install(&dir.join("real"), 0o755);
+        let cwd = dir.join("here/bin");
+        // ":real/bin": the empty entry first, as a PATH of "::/usr/bin" has it.
+        let path = std::ffi::OsString::from(format!(":{}", dir.join("real/bin").display()));
+        assert_eq!(candidates_from(None, Some(&path), &cwd), vec![real.clone(), PathBuf::from(SONAME)], "{here:?} is not executable");
+        std::fs::set_permissions(cwd.join("mpirun"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(candidates_from(None, Some(&path), &cwd), vec![here, PathBuf::from(SONAME)]);
+        // No mpirun anywhere: only the loader's search path.
+        assert_eq!(candidates_from(None, Some(dir.as_os_str()), &cwd), vec![PathBuf::from(SONAME)]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -92,11 +92,12 @@ mod imp {
             check("MPI_Finalized", (mpi.finalized)(&mut finalized))?;
         }
         if initialized != 0 || finalized != 0 {
-            return Err(Error::Store("MPI was already initialised (or finalised) by someone else in this process".into()));
+            return Err(Error::Store(format!("MPI ({}) was already initialised (or finalised) by someone else in this process", mpi.library)));
         }
         let mut level: c_int = 0;
         // SAFETY: MPI-2 allows null argc and argv; `level` is one int.
-        check("MPI_Init_thread", unsafe { (mpi.init_thread)(null_mut(), null_mut(), THREAD_MULTIPLE, &mut level) })?;
+        check("MPI_Init_thread", unsafe { (mpi.init_thread)(null_mut(), null_mut(), THREAD_MULTIPLE, &mut level) })
+            .map_err(|e| Error::Store(format!("{e} ({}, {})", mpi.library, mpi.version)))?;
         // SAFETY: registering a plain extern "C" function with libc's atexit.
         unsafe { atexit(finalize_at_exit) };
         let lane_min = if level < THREAD_MULTIPLE {

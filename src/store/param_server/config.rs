@@ -99,13 +99,26 @@ fn number<T: std::str::FromStr>(name: &str, text: &str) -> Result<T> {
     text.parse::<T>().map_err(|_| config_error(name, &format!("must be a number, got '{text}'")))
 }
 
+/// The durations a setting may hold, in seconds: at least a millisecond (a
+/// shorter heartbeat would spin) and at most a million seconds (about 11.6
+/// days), so that every deadline computed from one stays far from overflow
+/// (`Duration::from_secs_f64` panics past u64 seconds).
+pub const SECONDS_RANGE: (f64, f64) = (0.001, 1e6);
+
 fn seconds(name: &str, default: f64) -> Result<Duration> {
-    let s = match var(name) {
-        Some(t) => number::<f64>(name, &t)?,
+    seconds_of(name, var(name).as_deref(), default)
+}
+
+/// A duration setting's value (`text`: the trimmed variable, None when unset).
+fn seconds_of(name: &str, text: Option<&str>, default: f64) -> Result<Duration> {
+    let s = match text {
+        Some(t) => number::<f64>(name, t)?,
         None => default,
     };
-    if !(s > 0.0) || !s.is_finite() {
-        return Err(config_error(name, &format!("must be a positive number of seconds, got {s}")));
+    let (least, most) = SECONDS_RANGE;
+    if !(least..=most).contains(&s) {
+        let got = text.map_or_else(|| s.to_string(), |t| format!("'{t}'"));
+        return Err(config_error(name, &format!("must be a number of seconds from {least} to {most}, got {got}")));
     }
     Ok(Duration::from_secs_f64(s))
 }
@@ -169,5 +182,22 @@ impl Config {
             "workers={} servers={} bigarray_bound={} partition_bytes={} max_message_bytes={}",
             self.num_workers, self.num_servers, self.bigarray_bound, self.partition_bytes, self.max_message_bytes
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_duration_out_of_range_is_an_error_naming_the_variable_and_range() {
+        for bad in ["1e300", "-1", "0", "nan", "inf", "1e-300", "1000000.5"] {
+            let err = seconds_of("PS_HEARTBEAT_INTERVAL", Some(bad), 1.0).unwrap_err().to_string();
+            assert_eq!(err, format!("invalid parameter 'PS_HEARTBEAT_INTERVAL': must be a number of seconds from 0.001 to 1000000, got '{bad}'"));
+        }
+        assert!(seconds_of("PS_HEARTBEAT_TIMEOUT", Some("ten"), 10.0).unwrap_err().to_string().contains("must be a number, got 'ten'"));
+        assert_eq!(seconds_of("PS_HEARTBEAT_TIMEOUT", Some("1e6"), 10.0).unwrap(), Duration::from_secs(1_000_000));
+        assert_eq!(seconds_of("PS_HEARTBEAT_TIMEOUT", Some("0.001"), 10.0).unwrap(), Duration::from_millis(1));
+        assert_eq!(seconds_of("PS_HEARTBEAT_TIMEOUT", None, 10.0).unwrap(), Duration::from_secs(10));
     }
 }
