@@ -15,9 +15,10 @@ pub fn factors(shape: &[usize], rank: usize) -> Option<(usize, usize, usize)> {
         return None;
     }
     let rows = shape[0];
-    let cols: usize = shape[1..].iter().product();
+    let cols = shape[1..].iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
     let r = rank.min(rows).min(cols);
-    (r * (rows + cols) < rows * cols).then_some((rows, cols, r))
+    let sent = rows.checked_add(cols).and_then(|s| s.checked_mul(r))?;
+    (sent < rows.checked_mul(cols)?).then_some((rows, cols, r))
 }
 
 /// Work below this many matrix elements stays on one thread.
@@ -670,6 +671,7 @@ mod tests {
         assert_eq!(factors(&[3, 3], 1), Some((3, 3, 1)));
         assert_eq!(factors(&[64, 3, 3], 2), Some((64, 9, 2)));
         assert_eq!(factors(&[4, 100], 8), None); // rank capped at 4: 4 * 104 > 400
+        assert_eq!(factors(&[usize::MAX / 2, 4, 2], 1), None); // sizes past usize: never factored, no overflow
     }
 
     #[test]

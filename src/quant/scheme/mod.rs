@@ -222,7 +222,9 @@ fn bad(key: &str, problem: String) -> Error {
 /// residual empty or of `n` elements, PowerSGD's Q empty or `cols x rank`
 /// (any other Q would be silently re-drawn, restarting error feedback).
 pub fn check_state(c: &Compression, shape: &[usize], state: &State) -> std::result::Result<(), String> {
-    let n: usize = shape.iter().product();
+    let Some(n) = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) else {
+        return Err(format!("a shape {shape:?} whose size overflows"));
+    };
     if !state.residual.is_empty() && state.residual.len() != n {
         return Err(format!("a residual of {} elements for a value of {n}", state.residual.len()));
     }
