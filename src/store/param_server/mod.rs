@@ -13,6 +13,7 @@ pub mod customer;
 pub mod gate;
 pub mod message;
 pub mod postoffice;
+pub mod round;
 pub mod scheme_client;
 pub mod server;
 pub mod slices;
