@@ -24,6 +24,8 @@ fn config(role: Role, port: u16, workers: usize, servers: usize) -> Config {
         node_host: Some("127.0.0.1".into()),
         heartbeat_interval: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_secs(3),
+        register_timeout: gradpack::store::param_server::config::DEFAULT_REGISTER_TIMEOUT,
+        connection_grace: gradpack::store::param_server::config::DEFAULT_CONNECTION_GRACE,
         verbose: 0,
         bigarray_bound: 1000,
         // Scheme keys of 1500 elements and more take several slices per server.
@@ -339,6 +341,31 @@ fn a_node_with_another_job_configuration_is_refused() {
     let text = err.to_string();
     assert!(text.contains("refused") && text.contains("servers=2") && text.contains("servers=1"), "{text}");
     the_job_still_runs_and_ends(config(Role::Worker, port, 1, 1), sched, server);
+}
+
+/// A job of one worker and two servers where only server 0 ever comes: the
+/// scheduler once waited for the others forever. Now it exits at its
+/// registration deadline (GRADPACK_REGISTER_TIMEOUT, 2 s here) with an error
+/// naming the nodes that never registered, and tells server 0, which stops
+/// waiting for the node table with the same reason.
+#[test]
+fn a_scheduler_whose_nodes_never_come_exits_at_the_registration_deadline() {
+    let port = free_port();
+    let node = move |role, deadline| Config { register_timeout: deadline, ..config(role, port, 1, 2) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    for role in [Role::Scheduler, Role::Server] {
+        let (tx, c) = (tx.clone(), node(role, if role == Role::Scheduler { Duration::from_secs(2) } else { Duration::from_secs(120) }));
+        thread::spawn(move || tx.send((role, serve(c))).unwrap());
+    }
+    let mut ended = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let (role, result) = rx.recv_timeout(Duration::from_secs(60)).expect("the scheduler and the server end within 60 s");
+        ended.insert(role.name(), result.expect_err("the job never formed").to_string());
+    }
+    let said = &ended["scheduler"];
+    eprintln!("scheduler: {said}\nserver: {}", ended["server"]);
+    assert!(said.contains("GRADPACK_REGISTER_TIMEOUT=2 s") && said.contains("server 1, worker 0") && said.contains("registered: server 0"), "{said}");
+    assert!(ended["server"].contains("server 1, worker 0"), "{}", ended["server"]);
 }
 
 #[test]

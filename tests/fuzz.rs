@@ -267,6 +267,8 @@ fn live_config(role: Role, port: u16, secret: Option<gradpack::store::param_serv
         node_host: Some("127.0.0.1".into()),
         heartbeat_interval: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_secs(10),
+        register_timeout: gradpack::store::param_server::config::DEFAULT_REGISTER_TIMEOUT,
+        connection_grace: gradpack::store::param_server::config::DEFAULT_CONNECTION_GRACE,
         verbose: 0,
         bigarray_bound: 1000,
         partition_bytes: 4 << 20,

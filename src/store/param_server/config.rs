@@ -12,6 +12,8 @@
 //! | `DMLC_INTERFACE` | accepted for compatibility; `DMLC_NODE_HOST` decides | — |
 //! | `PS_HEARTBEAT_INTERVAL` | seconds between heartbeats to the scheduler | 1 |
 //! | `PS_HEARTBEAT_TIMEOUT` | seconds of silence after which a node is dead | 10 |
+//! | `GRADPACK_REGISTER_TIMEOUT` | seconds the job has to form: the scheduler waits this long for every node to register, then exits naming those that never did; a node waits this long for the node table, retrying when the scheduler's gate refuses its connection | 300 |
+//! | `GRADPACK_CONNECTION_GRACE` | seconds a connection that finished ZeroMQ's handshake has to deliver its first valid message (with a secret: authenticated) before the node closes it | 5 |
 //! | `PS_VERBOSE` | 1: log membership events, 2: every message | 0 |
 //! | `MXNET_KVSTORE_BIGARRAY_BOUND` | keys of at least this many elements are split over all servers | 1000000 |
 //! | `GRADPACK_PARTITION_BYTES` | a split scheme key (not PowerSGD) is cut into slices of at most this many float32 bytes, dealt round the servers, so one slice's reply overlaps the next slice's push (BytePS's `BYTEPS_PARTITION_BYTES`) | 4194304 |
@@ -33,6 +35,13 @@ pub const MIN_MESSAGE_BYTES: usize = 64 << 10;
 
 /// The largest frame the scheduler takes: it gets only control messages.
 pub const CONTROL_MESSAGE_BYTES: usize = 64 << 10;
+
+/// `GRADPACK_REGISTER_TIMEOUT`'s default: generous enough for a slow cluster's start.
+pub const DEFAULT_REGISTER_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `GRADPACK_CONNECTION_GRACE`'s default: a node of the job sends its first
+/// message at once on every connection it opens.
+pub const DEFAULT_CONNECTION_GRACE: Duration = Duration::from_secs(5);
 
 /// Header room a data frame needs beside its payload (the key, the body).
 pub const HEADER_BYTES: usize = 16 << 10;
@@ -73,6 +82,10 @@ pub struct Config {
     pub node_host: Option<String>,
     pub heartbeat_interval: Duration,
     pub heartbeat_timeout: Duration,
+    /// How long the job may take to form (every node registered).
+    pub register_timeout: Duration,
+    /// How long a handshaked connection may stay without a valid message.
+    pub connection_grace: Duration,
     pub verbose: u32,
     pub bigarray_bound: usize,
     /// The most float32 bytes in one slice of a split scheme key.
@@ -140,6 +153,8 @@ impl Config {
         if heartbeat_timeout <= heartbeat_interval {
             return Err(config_error("PS_HEARTBEAT_TIMEOUT", "must be longer than PS_HEARTBEAT_INTERVAL"));
         }
+        let register_timeout = seconds("GRADPACK_REGISTER_TIMEOUT", DEFAULT_REGISTER_TIMEOUT.as_secs_f64())?;
+        let connection_grace = seconds("GRADPACK_CONNECTION_GRACE", DEFAULT_CONNECTION_GRACE.as_secs_f64())?;
         let bigarray_bound = match var("MXNET_KVSTORE_BIGARRAY_BOUND") {
             Some(t) => number::<usize>("MXNET_KVSTORE_BIGARRAY_BOUND", &t)?.max(1),
             None => 1_000_000,
@@ -167,6 +182,8 @@ impl Config {
             node_host: var("DMLC_NODE_HOST"),
             heartbeat_interval,
             heartbeat_timeout,
+            register_timeout,
+            connection_grace,
             verbose: var("PS_VERBOSE").map(|v| number::<u32>("PS_VERBOSE", &v)).transpose()?.unwrap_or(0),
             bigarray_bound,
             partition_bytes,

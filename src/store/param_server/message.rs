@@ -31,6 +31,10 @@ pub enum Command {
     /// The scheduler's answer to a registration signed outside the job: the
     /// job id (`job=`), under which the node registers again.
     Challenge = 11,
+    /// A node's first message on each connection it opens to a peer of the
+    /// job (worker <-> server), so that the peer's gate counts the
+    /// connection as proven at once, however long it then stays idle.
+    Hello = 12,
     // data (worker <-> server)
     SetCompress = 20,
     SetOptimizer = 21,
@@ -57,6 +61,7 @@ impl Command {
             9 => WorkerDone,
             10 => Terminate,
             11 => Challenge,
+            12 => Hello,
             20 => SetCompress,
             21 => SetOptimizer,
             22 => SetScaling,

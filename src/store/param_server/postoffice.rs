@@ -86,7 +86,7 @@ impl Postoffice {
         let van = Arc::new(Van::new(config.secret.clone()));
         let host = config.node_host.clone().unwrap_or_else(|| local_address_towards(&config.root_uri, config.root_port));
         let caps = super::gate::Caps::for_job(config.num_workers + config.num_servers + 1);
-        let (receiver, port) = van.bind(&host, 0, config.max_message_bytes, caps)?;
+        let (receiver, port) = van.bind(&host, 0, config.max_message_bytes, caps, config.connection_grace)?;
         let mut scheduler_link = van.connect_watched(SCHEDULER_ID, &config.root_uri, config.root_port)?;
         let register = |van: &Van| {
             let mut reg = Meta::new(Command::Register, 0);
@@ -109,25 +109,46 @@ impl Postoffice {
         // running (or died before this node started): see the error below.
         let started = Instant::now();
         let unreachable_after = config.heartbeat_timeout.max(Duration::from_secs(10));
-        // Every node must register before the table comes; allow for slow starts.
-        let patience = config.heartbeat_timeout.max(Duration::from_secs(60)) * 2;
-        let deadline = started + patience;
+        // Every node must register before the table comes: the job's deadline.
+        let deadline = started + config.register_timeout;
+        // Handshakes the scheduler's gate refused (its connections were full,
+        // maybe of idle outsiders that it closes after their grace), and when
+        // this node connects again: ZeroMQ gives a refused connection up.
+        let mut refusals: u32 = 0;
+        let mut reconnect_at: Option<Instant> = None;
+        let mut ever_accepted = false;
         // Peers that got the table first may already send requests: keep them for later.
         let mut early: Vec<(Message, Origin)> = Vec::new();
         let (me, nodes) = loop {
             van.traffic.flush_log(&who);
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
+                let refused = if refusals > 0 { format!("; the scheduler's connection gate refused this node {refusals} time(s) (it holds too many connections)") } else { String::new() };
                 return Err(Error::JobFailed(format!(
-                    "no answer from the scheduler at {}:{} within {:.0} s (is it running, and did all {} workers and {} servers start?)",
+                    "the job did not start: no node table from the scheduler at {}:{} within GRADPACK_REGISTER_TIMEOUT={} s (is it running, and did all {} workers and {} servers start?){refused}",
                     config.root_uri,
                     config.root_port,
-                    patience.as_secs_f64(),
+                    config.register_timeout.as_secs_f64(),
                     config.num_workers,
                     config.num_servers
                 )));
             }
-            if !scheduler_link.ever_up() && started.elapsed() > unreachable_after {
+            if scheduler_link.refused() && reconnect_at.is_none() {
+                // Backoff: 0.2, 0.4, ... up to 3.2 s between attempts.
+                refusals += 1;
+                let backoff = Duration::from_millis(100) * (1 << refusals.min(5));
+                log(&config, &who, 1, &format!("the scheduler's gate refused the connection (attempt {refusals}); connecting again in {backoff:?}"));
+                reconnect_at = Some(Instant::now() + backoff);
+            }
+            if reconnect_at.is_some_and(|at| Instant::now() >= at) {
+                reconnect_at = None;
+                ever_accepted = true;
+                scheduler_link = van.connect_watched(SCHEDULER_ID, &config.root_uri, config.root_port)?;
+                register(&van)?;
+                continue;
+            }
+            ever_accepted |= scheduler_link.ever_up();
+            if !ever_accepted && started.elapsed() > unreachable_after {
                 return Err(Error::JobFailed(format!(
                     "nothing accepted a connection at the scheduler's address {}:{} for {:?}: the scheduler is not \
                      running, or it died. Under MXNet's tools/launch.py, a script that imports mxnet before \
@@ -138,7 +159,7 @@ impl Postoffice {
                     config.root_uri, config.root_port, unreachable_after
                 )));
             }
-            if scheduler_link.down_for().is_some_and(|d| d > Duration::from_secs(3)) {
+            if reconnect_at.is_none() && scheduler_link.down_for().is_some_and(|d| d > Duration::from_secs(3)) {
                 return Err(Error::JobFailed(format!(
                     "the scheduler at {}:{} closed the connection when this {} registered, without answering, and stays \
                      unreachable. A gradpack scheduler answers or refuses with a reason, so either it died, or it is MXNet's own ps-lite, which \
@@ -206,6 +227,9 @@ impl Postoffice {
         for n in &nodes {
             if n.id != me.id && n.role != Role::Scheduler && n.role != me.role {
                 van.connect(n.id, &n.host, n.port)?;
+                // The first message on the connection, so that the peer's gate
+                // counts it as proven however long it then stays idle.
+                van.send(n.id, message(Meta::new(Command::Hello, me.id)))?;
             }
         }
         let who = format!("{} {}", me.role.name(), me.rank);
@@ -281,6 +305,7 @@ impl Postoffice {
         let role = self.nodes.iter().find(|n| n.id == sender).map(|n| n.role);
         let may = match msg.meta.command {
             Command::HeartbeatAck | Command::BarrierDone | Command::NodeFailed | Command::Terminate => role == Some(Role::Scheduler),
+            Command::Hello => matches!(role, Some(Role::Worker | Role::Server)),
             Command::Response => role == Some(Role::Server) && self.me.role == Role::Worker,
             Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier | Command::Heartbeat => {
                 role == Some(Role::Worker) && self.me.role == Role::Server
@@ -325,7 +350,7 @@ impl Postoffice {
                 *last_contact.lock().unwrap() = Instant::now();
             }
             match msg.meta.command {
-                Command::HeartbeatAck => {}
+                Command::HeartbeatAck | Command::Hello => {}
                 Command::BarrierDone => {
                     // `request_id`: the barrier's number; `status`: non-zero when it failed.
                     if !self.customer.release_barrier(msg.meta.request_id, (msg.meta.status != 0).then(|| msg.meta.body.clone())) {
@@ -548,7 +573,8 @@ impl Scheduler {
         let van = Arc::new(Van::new(config.secret.clone()));
         let control = super::config::CONTROL_MESSAGE_BYTES;
         let caps = super::gate::Caps::for_job(config.num_workers + config.num_servers + 1);
-        let (receiver, _) = van.bind(&config.root_uri, config.root_port, control, caps).or_else(|_| van.bind("0.0.0.0", config.root_port, control, caps))?;
+        let grace = config.connection_grace;
+        let (receiver, _) = van.bind(&config.root_uri, config.root_port, control, caps, grace).or_else(|_| van.bind("0.0.0.0", config.root_port, control, caps, grace))?;
         if let Some(auth) = van.auth() {
             auth.start_job();
         }
@@ -577,8 +603,12 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
     let mut released: u64 = 0;
     let mut last_release: Option<String> = None;
     let mut done: Vec<i32> = Vec::new();
+    let forming_since = Instant::now();
     loop {
         van.traffic.flush_log("scheduler");
+        if table.is_none() && forming_since.elapsed() >= config.register_timeout {
+            return Err(never_formed(&config, van, &registered));
+        }
         let polled = receiver.recv(Duration::from_millis(50), van)?;
         if let Some(nodes) = &table {
             // Failure detection: every node must be heard from within the timeout.
@@ -775,6 +805,35 @@ fn schedule(config: Config, van: &Van, receiver: Receiver) -> Result<()> {
             other => van.traffic.drop_message("scheduler", format_args!("an unexpected {other:?} message from node {}", msg.meta.sender)),
         }
     }
+}
+
+/// The job did not form within `GRADPACK_REGISTER_TIMEOUT`: the error that
+/// names the nodes that never registered, also sent to those that did (as
+/// a refusal, which ends their wait for the node table).
+fn never_formed(config: &Config, van: &Van, registered: &[NodeInfo]) -> Error {
+    let mut missing = Vec::new();
+    for (role, count) in [(Role::Server, config.num_servers), (Role::Worker, config.num_workers)] {
+        let came = registered.iter().filter(|n| n.role == role).count();
+        missing.extend((came..count).map(|rank| format!("{} {rank}", role.name())));
+    }
+    let came: Vec<String> = registered.iter().map(NodeInfo::describe).collect();
+    let reason = format!(
+        "the job did not start: {} of its {} workers and servers never registered with the scheduler within GRADPACK_REGISTER_TIMEOUT={} s ({}); registered: {}",
+        missing.len(),
+        config.num_workers + config.num_servers,
+        config.register_timeout.as_secs_f64(),
+        missing.join(", "),
+        if came.is_empty() { "none".to_string() } else { came.join(", ") }
+    );
+    eprintln!("[gradpack scheduler] {reason}; the scheduler exits");
+    for n in registered {
+        let mut m = Meta::new(Command::Refused, SCHEDULER_ID);
+        m.body = reason.clone();
+        if let Err(e) = van.connect(n.id, &n.host, n.port).and_then(|()| van.send(n.id, message(m))) {
+            van.traffic.drop_message("scheduler", format_args!("cannot tell {} that the job did not start: {e}", n.describe()));
+        }
+    }
+    Error::JobFailed(reason)
 }
 
 /// The release of barrier `number`: Ok, or failed for `failure`.

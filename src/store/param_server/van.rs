@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::auth::{Auth, Origin, Secret};
-use super::gate::{self, Caps, Gate};
+use super::gate::{self, Caps, Gate, Proofs};
 use super::message::{Message, Meta};
 use crate::error::{Error, Result};
 
@@ -41,6 +41,9 @@ struct LinkState {
     disconnected: u64,
     /// When every accepted connection had ended, unless one came up since.
     down_since: Option<std::time::Instant>,
+    /// Handshakes the peer refused (its gate): ZeroMQ then ends the
+    /// connection for good, without reconnecting.
+    refused: u64,
 }
 
 impl LinkState {
@@ -76,6 +79,8 @@ impl Watch {
                 self.link.connected();
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.link.disconnected(std::time::Instant::now());
+            } else if event == zmq::SocketEvent::HANDSHAKE_FAILED_AUTH.to_raw() {
+                self.link.refused += 1;
             }
         }
     }
@@ -84,6 +89,13 @@ impl Watch {
     pub fn ever_up(&mut self) -> bool {
         self.update();
         self.link.ever_up()
+    }
+
+    /// True once the peer refused the connection's handshake (its gate was
+    /// full): ZeroMQ gives the connection up, so the caller connects again.
+    pub fn refused(&mut self) -> bool {
+        self.update();
+        self.link.refused > 0
     }
 
     /// How long an accepted connection has been down without coming back
@@ -242,6 +254,10 @@ pub enum Answer {
 /// The receiving end, owned by one thread.
 pub struct Receiver {
     socket: zmq::Socket,
+    /// Where the connections that delivered a valid message are recorded (`gate`).
+    proofs: std::sync::Arc<Proofs>,
+    /// Routing ids (one per connection, never reused) already recorded there.
+    proven: std::cell::RefCell<std::collections::HashSet<Vec<u8>>>,
     /// The connection the last message came from, for `refuse_last`.
     last_peer: std::cell::RefCell<zmq::Message>,
     /// The nonce that signed it, for `reply_last`.
@@ -252,6 +268,10 @@ pub struct Receiver {
 
 /// Refusal notices a node sends per second.
 pub const NOTICES_PER_SECOND: u32 = 10;
+
+/// Routing ids a receiver remembers as proven before it starts over (each
+/// forgotten one costs one more record on its next message).
+const PROVEN_REMEMBERED: usize = 4096;
 
 /// The address of this host as seen from `peer` (the interface that routes there).
 pub fn local_address_towards(peer: &str, port: u16) -> String {
@@ -332,11 +352,13 @@ impl Van {
     /// before buffering it; at most `RECEIVE_QUEUE` messages wait per
     /// connection (then ZeroMQ stops reading it: the sender waits); a
     /// connection that does not finish ZeroMQ's handshake in
-    /// `HANDSHAKE_TIMEOUT` is closed; the gate refuses connections past `caps`.
-    pub fn bind(&self, host: &str, port: u16, max_frame: usize, caps: Caps) -> Result<(Receiver, u16)> {
+    /// `HANDSHAKE_TIMEOUT` is closed; the gate refuses connections past `caps`,
+    /// and shuts down one that delivered no valid message (with a secret:
+    /// authenticated) within `grace`.
+    pub fn bind(&self, host: &str, port: u16, max_frame: usize, caps: Caps, grace: Duration) -> Result<(Receiver, u16)> {
         let mut gates = self.gates.lock().unwrap();
         if gates.is_empty() {
-            gates.push(Gate::start(&self.ctx, caps)?);
+            gates.push(Gate::start(&self.ctx, caps, grace)?);
         }
         let socket = self.ctx.socket(zmq::ROUTER).map_err(|e| zmq_error("creating a socket", e))?;
         socket.set_zap_domain(gate::DOMAIN).map_err(|e| zmq_error("setting the ZAP domain", e))?;
@@ -352,7 +374,8 @@ impl Van {
             .map_err(|_| Error::Transport("bound endpoint is not UTF-8".into()))?;
         let port = bound.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).ok_or_else(|| Error::Transport(format!("cannot read the port of {bound}")))?;
         gates[0].guard(port);
-        Ok((Receiver { socket, last_peer: std::cell::RefCell::new(zmq::Message::new()), last_nonce: Default::default(), notices: std::cell::Cell::new((std::time::Instant::now(), 0)) }, port))
+        let proofs = gates[0].proofs();
+        Ok((Receiver { socket, proofs, proven: Default::default(), last_peer: std::cell::RefCell::new(zmq::Message::new()), last_nonce: Default::default(), notices: std::cell::Cell::new((std::time::Instant::now(), 0)) }, port))
     }
 
     /// Opens (or replaces) the sending socket to node `id` at `host:port`.
@@ -374,12 +397,12 @@ impl Van {
 
     /// `connect`, watching the connection (a ZeroMQ socket monitor set up
     /// before connecting, so no event is missed): `Watch` then says whether
-    /// the peer ever accepted it and whether it closed it.
+    /// the peer ever accepted it, refused its handshake, or closed it.
     pub fn connect_watched(&self, id: i32, host: &str, port: u16) -> Result<Watch> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let endpoint = format!("inproc://gradpack-watch-{id}-{}", NEXT.fetch_add(1, Ordering::Relaxed));
         let socket = self.ctx.socket(zmq::DEALER).map_err(|e| zmq_error("creating a socket", e))?;
-        let events = (zmq::SocketEvent::CONNECTED as i32) | (zmq::SocketEvent::DISCONNECTED as i32);
+        let events = (zmq::SocketEvent::CONNECTED as i32) | (zmq::SocketEvent::DISCONNECTED as i32) | (zmq::SocketEvent::HANDSHAKE_FAILED_AUTH as i32);
         socket.monitor(&endpoint, events).map_err(|e| zmq_error("monitoring a connection", e))?;
         let watch = self.ctx.socket(zmq::PAIR).map_err(|e| zmq_error("creating a socket", e))?;
         watch.connect(&endpoint).map_err(|e| zmq_error("monitoring a connection", e))?;
@@ -474,9 +497,30 @@ impl Receiver {
             Ok(m) => m,
             Err(e) => return Ok(Some(Err(e))),
         };
+        let (identity, header) = frames.split_at_mut(1);
+        self.prove(&identity[0], &mut header[0]);
         self.last_nonce.set(origin.nonce);
         *self.last_peer.borrow_mut() = std::mem::replace(&mut frames[0], zmq::Message::new());
         Ok(Some(Ok((Message { meta, data: data.into() }, origin))))
+    }
+
+    /// Records the connection of a valid message (authenticated, with a
+    /// secret) as proven, once per connection (by its routing id). The
+    /// header frame carries the connection's descriptor (ZeroMQ's `__fd`
+    /// property); the routing id frame does not when a poll prefetched the
+    /// message.
+    fn prove(&self, identity: &[u8], header: &mut zmq::Message) {
+        let mut proven = self.proven.borrow_mut();
+        if proven.contains(identity) {
+            return;
+        }
+        if let Some(fd) = header.gets("__fd").and_then(|fd| fd.parse::<i32>().ok()) {
+            self.proofs.record_fd(fd);
+        }
+        if proven.len() >= PROVEN_REMEMBERED {
+            proven.clear();
+        }
+        proven.insert(identity.to_vec());
     }
 
     /// Answers the last message received with `msg`, on the connection it
