@@ -305,7 +305,7 @@ impl Postoffice {
         let role = self.nodes.iter().find(|n| n.id == sender).map(|n| n.role);
         let may = match msg.meta.command {
             Command::HeartbeatAck | Command::BarrierDone | Command::NodeFailed | Command::Terminate => role == Some(Role::Scheduler),
-            Command::Hello => matches!(role, Some(Role::Worker | Role::Server)),
+            Command::Hello => matches!((role, self.me.role), (Some(Role::Worker), Role::Server) | (Some(Role::Server), Role::Worker)),
             Command::Response => role == Some(Role::Server) && self.me.role == Role::Worker,
             Command::SetCompress | Command::SetOptimizer | Command::SetScaling | Command::Init | Command::Push | Command::Pull | Command::WorkerDone | Command::Barrier | Command::Heartbeat => {
                 role == Some(Role::Worker) && self.me.role == Role::Server
