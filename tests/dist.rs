@@ -911,7 +911,7 @@ struct Secured {
 fn secured_job(secret: &Secret, workers: usize, servers: usize) -> Secured {
     let port = free_port();
     let node = |role| Config { secret: Some(secret.clone()), ..config(role, port, workers, servers) };
-    let scheduler = gradpack::store::param_server::postoffice::Scheduler::bind(node(Role::Scheduler)).unwrap();
+    let scheduler = gradpack::store::param_server::scheduler::Scheduler::bind(node(Role::Scheduler)).unwrap();
     let van = scheduler.van.clone();
     let sched = thread::spawn(move || scheduler.run());
     let server_threads: Vec<_> = (0..servers)
@@ -1092,7 +1092,7 @@ fn frames_of_another_job_with_the_same_secret_are_refused() {
     b.end();
     // A job run again on A's port with the same secret refuses A's frames to A's scheduler.
     let port = a_port;
-    let c_sched = gradpack::store::param_server::postoffice::Scheduler::bind(Config { secret: Some(secret.clone()), ..config(Role::Scheduler, port, 1, 1) }).unwrap();
+    let c_sched = gradpack::store::param_server::scheduler::Scheduler::bind(Config { secret: Some(secret.clone()), ..config(Role::Scheduler, port, 1, 1) }).unwrap();
     let c_van = c_sched.van.clone();
     let c = thread::spawn(move || c_sched.run());
     let more = vec![

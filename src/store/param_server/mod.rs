@@ -1,7 +1,7 @@
 //! MXNet's parameter server (`dist_sync`, `dist_async`; docs/contract.md §3, §4), in ps-lite's layers, one
 //! file each, each knowing only the one below: `van` (ZeroMQ transport, with
 //! `auth` for MACs and `gate` for admitting connections) ->
-//! `postoffice` (membership: scheduler, ranks, barrier, heartbeats) and
+//! `postoffice` (membership: ranks, barrier, heartbeats; `scheduler`, its other side) and
 //! `customer` (request tracking) -> `worker` and `server`, which speak the
 //! vocabulary of `message` (commands, flags, exchanges). `config` reads every setting
 //! from MXNet's `DMLC_*` variables in one place.
@@ -14,6 +14,7 @@ pub mod gate;
 pub mod message;
 pub mod postoffice;
 pub mod round;
+pub mod scheduler;
 pub mod scheme_client;
 pub mod server;
 pub mod slices;
@@ -29,7 +30,7 @@ use crate::error::{Error, Result};
 /// fails (Err). Workers create a `DistWorker` instead.
 pub fn serve(config: Config) -> Result<()> {
     match config.role {
-        Role::Scheduler => postoffice::run_scheduler(config),
+        Role::Scheduler => scheduler::run_scheduler(config),
         Role::Server => server::run_server(config),
         Role::Worker => Err(Error::Store("DMLC_ROLE=worker: a worker creates a dist store instead of serving".into())),
     }
