@@ -573,15 +573,15 @@ pub fn column_alive(q: &[f32], cols: usize, r: usize, j: usize) -> bool {
 /// caller derives `seed` from the scheme's seed, the push's step and the
 /// key, so every worker, whose `q` is the same sum, draws the same.
 pub fn warm_start(q: &[f32], cols: usize, r: usize, seed: impl FnOnce() -> u64) -> std::borrow::Cow<'_, [f32]> {
-    if q.len() == cols * r && (0..r).all(|j| column_alive(q, cols, r, j)) {
+    if q.len() != cols * r {
+        return std::borrow::Cow::Owned(initial_q(cols, r, seed()));
+    }
+    let dead: Vec<usize> = (0..r).filter(|&j| !column_alive(q, cols, r, j)).collect();
+    if dead.is_empty() {
         return std::borrow::Cow::Borrowed(q);
     }
     let drawn = initial_q(cols, r, seed());
-    if q.len() != cols * r {
-        return std::borrow::Cow::Owned(drawn);
-    }
     let mut q = q.to_vec();
-    let dead: Vec<usize> = (0..r).filter(|&j| !column_alive(&q, cols, r, j)).collect();
     for j in dead {
         (0..cols).for_each(|c| q[c * r + j] = drawn[c * r + j]);
     }
