@@ -258,6 +258,11 @@ pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: us
     if matches!(c, Compression::None | Compression::TwoBit(_) | Compression::Qsgd(_)) {
         return Ok(());
     }
+    check_finite(grads)
+}
+
+/// Every member's gradient is finite; the error names the member and element.
+pub fn check_finite(grads: &[&[f32]]) -> Result<()> {
     for (m, g) in grads.iter().enumerate() {
         if qsgd::max_abs(g).is_none() { // vectorized, at memory speed
             let i = g.iter().position(|x| !x.is_finite()).unwrap_or(0);
@@ -310,7 +315,6 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
                 let q = powersgd::warm_start(&s.q, cols, r, draw);
                 let dst = if i == 0 { &mut p } else { mine.resize(rows * r, 0.0); &mut mine };
                 powersgd::add_then_m_times_q(residual, g, &mut next, &q, rows, cols, r, dst);
-                drop(q);
                 s.spare_residual = next;
                 if i > 0 {
                     collective::sum_into(&mut p, &mine)?;

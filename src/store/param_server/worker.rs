@@ -29,7 +29,6 @@ use crate::store::checkpoint;
 use crate::store::checks::{check_compress_before_init, check_outputs, check_push, check_shape, key_error, lock};
 use crate::store::sum::{round_to_f16, sum_into};
 use crate::store::{store_type, Array, ArrayMut, Key, Kind, Store};
-use crate::quant::qsgd;
 use crate::quant::scheme::{self, Part};
 
 struct WorkerKey {
@@ -153,9 +152,7 @@ impl DistWorker {
             state += &format!("init={init}\n");
         }
         self.post.barrier(&state)?;
-        let mut entries: Vec<(Key, Arc<Mutex<WorkerKey>>)> = self.keys.read().unwrap().iter().map(|(k, e)| (k.clone(), e.clone())).collect();
-        entries.sort_by(|a, b| a.0.cmp(&b.0));
-        for (key, entry) in entries {
+        for (key, entry) in self.entries() {
             if let Some(err) = lock(&key, &entry)?.failed.take() {
                 return Err(err);
             }
@@ -394,10 +391,16 @@ impl DistWorker {
         }
     }
 
+    /// Every key's entry, in key order (taken out of the map's lock).
+    fn entries(&self) -> Vec<(Key, Arc<Mutex<WorkerKey>>)> {
+        let mut entries: Vec<_> = self.keys.read().unwrap().iter().map(|(k, e)| (k.clone(), e.clone())).collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries
+    }
+
     /// `settle` on every key (a barrier, a checkpoint, the end).
     fn settle_all(&self) -> Result<()> {
-        let entries: Vec<(Key, Arc<Mutex<WorkerKey>>)> = self.keys.read().unwrap().iter().map(|(k, e)| (k.clone(), e.clone())).collect();
-        for (key, entry) in entries {
+        for (key, entry) in self.entries() {
             self.settle(&mut *lock(&key, &entry)?);
         }
         Ok(())
@@ -423,9 +426,8 @@ impl DistWorker {
             scheme::check_input(&compression, 1, &[&e.merge], workers)?;
             // (QSGD's shared scale would fail every worker together, but only
             // inside the round: this worker says which element, now.)
-            if matches!(compression, Compression::Qsgd(_)) && qsgd::max_abs(&e.merge).is_none() {
-                let i = e.merge.iter().position(|v| !v.is_finite()).unwrap_or(0);
-                return Err(key_error(key, format!("pushed value 0 holds {} at element {i}, a non-finite value; nothing was applied", e.merge[i])));
+            if let Compression::Qsgd(_) = compression {
+                scheme::check_finite(&[&e.merge])?;
             }
             *checked = true;
             let (started, is_started) = std::sync::mpsc::channel();
