@@ -10,6 +10,7 @@
 
 use crate::bytes::{put_f32s, put_str, put_u32, put_u64, Reader};
 use crate::error::{Error, Result};
+use crate::store::checks::elements;
 use crate::store::Key;
 use crate::quant::scheme;
 
@@ -155,7 +156,7 @@ pub(crate) fn check(
         if shape != k.shape {
             return Err(Error::OptimizerStates(format!("key {}: saved with shape {:?}, initialized here with {shape:?}", k.key, k.shape)));
         }
-        let n = elements(&k.shape).ok_or_else(|| Error::OptimizerStates(format!("key {}: saved with shape {:?}, more elements than any array can hold", k.key, k.shape)))?;
+        let n = elements(&k.shape).map_err(|_| Error::OptimizerStates(format!("key {}: saved with shape {:?}, more elements than any array can hold", k.key, k.shape)))?;
         // 2-bit residuals: one per device of the whole value, or (dist) one per server slice.
         let fits = match &slices_of(&k.key) {
             None => k.residuals.iter().all(|r| r.is_empty() || r.len() == n),
@@ -178,12 +179,6 @@ pub(crate) fn check(
         }
     }
     Ok(())
-}
-
-/// The elements of an array of `shape`, when some float32 array could
-/// hold them (their bytes fit an `isize`), with checked arithmetic.
-fn elements(shape: &[usize]) -> Option<usize> {
-    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).filter(|&n| n <= isize::MAX as usize / 4)
 }
 
 /// The state container: optimizer states (when the store runs gradpack's
