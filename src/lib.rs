@@ -81,7 +81,6 @@ pub mod compression {
     pub use crate::quant::compression::*;
 }
 pub mod error;
-pub mod group;
 pub mod hash;
 pub mod isa;
 pub mod key;

@@ -37,9 +37,9 @@ LIB.gp_group_new.argtypes = [_strs, _strs, ctypes.c_int, _u64, _u64, _u64, ctype
 LIB.gp_group_free.argtypes = [_p]
 LIB.gp_group_free.restype = None
 LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _p,
-                                _u64, ctypes.c_int, _REDUCE, _p, ctypes.POINTER(_p)]
-LIB.gp_pending_buffers.argtypes = [_p, ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
-                                   ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
+                                _u64, ctypes.c_int, _REDUCE, _p, ctypes.POINTER(_p),
+                                ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
+                                ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
 LIB.gp_group_decode.argtypes = [_p, _p, _p, _u64]
 LIB.gp_pending_free.argtypes = [_p]
 LIB.gp_pending_free.restype = None
@@ -94,25 +94,14 @@ class _Pending(NativeHandle):
 
     _instead = "a pending bucket is decoded once, by the hook call that made it"
 
-    def __init__(self, state, handle, flat):
-        self.state, self.handle, self.flat, self.futures = state, handle, flat, []
-
-    def reduce(self):
-        words, nwords = _p(), _u64()
-        floats, nfloats = _p(), _u64()
-        plain = ctypes.c_int()
-        check_call(LIB.gp_pending_buffers(self.handle, ctypes.byref(words), ctypes.byref(nwords),
-                                          ctypes.byref(floats), ctypes.byref(nfloats),
-                                          ctypes.byref(plain)))
-        if plain.value:
-            sums = [self.flat]
-        else:
-            sums = [_view(words.value, nwords.value, 1), _view(floats.value, nfloats.value, 0)]
-        self.sums = [t for t in sums if t.numel() > 0]
-        group = self.state.process_group
+    def __init__(self, state, handle, flat, words, nwords, floats, nfloats, plain):
+        self.state, self.handle, self.flat = state, handle, flat
+        # The words (ending with the bucket's check) first, then the floats
+        # or the bucket itself: the order every rank sums them in.
+        sums = [_view(words, nwords, 1), flat if plain else _view(floats, nfloats, 0)]
+        group = state.process_group
         self.futures = [dist.all_reduce(t, group=group, async_op=True).get_future()
-                        for t in self.sums]
-        return self
+                        for t in sums if t.numel() > 0]
 
     def decode(self):
         handle, self.handle = self.handle, None
@@ -168,6 +157,10 @@ class State(NativeHandle):
         self._params = []  # the parameters, so that their ids stay theirs
         self._failure = None
         self._reduce_fn = _REDUCE(self._reduce)
+        self._layouts = {}  # (keys, shapes) -> the C arrays that name them
+        # encode's outputs (the pending bucket and its buffers), kept for every call.
+        self._outs = tuple(t() for t in (_p, _p, _u64, _p, _u64, ctypes.c_int))
+        self._out_refs = tuple(ctypes.byref(o) for o in self._outs)
         # Held while a bucket is agreed and its all-reduces are issued: every
         # rank must issue them in one order, which two threads sharing a
         # State cannot keep, so a second concurrent call is refused.
@@ -208,31 +201,42 @@ class State(NativeHandle):
         finally:
             self._issuing.release()
 
+    def _layout(self, keys, shapes):
+        """The C arrays naming a bucket's tensors, made once per layout."""
+        layout = (tuple(keys), tuple(shapes))
+        arrays = self._layouts.get(layout)
+        if arrays is None:
+            n = len(keys)
+            dims = [d for s in shapes for d in s]
+            arrays = ((ctypes.c_char_p * n)(*[_c_text(k, "key") for k in keys]), (_u64 * n)(*[len(s) for s in shapes]),
+                      (_u64 * max(1, len(dims)))(*dims))
+            if len(self._layouts) > 4096:
+                self._layouts.clear()
+            self._layouts[layout] = arrays
+        return arrays
+
     def _encode_locked(self, flat, keys, shapes, last):
-        n = len(keys)
-        ckeys = (ctypes.c_char_p * n)(*[_c_text(k, "key") for k in keys])
-        ndims = (_u64 * n)(*[len(s) for s in shapes])
-        dims = [d for s in shapes for d in s]
-        cdims = (_u64 * max(1, len(dims)))(*dims)
-        handle = _p()
+        ckeys, ndims, cdims = self._layout(keys, shapes)
         self._failure = None
-        status = LIB.gp_group_encode(self._handle, n, ckeys, ndims, cdims, flat.data_ptr(),
-                                     flat.numel(), int(bool(last)), self._reduce_fn, None,
-                                     ctypes.byref(handle))
+        status = LIB.gp_group_encode(self._handle, len(keys), ckeys, ndims, cdims, flat.data_ptr(),
+                                     flat.numel(), int(bool(last)), self._reduce_fn, None, *self._out_refs)
         if status != 0:
             failure, self._failure = self._failure, None
             if failure is not None:
                 raise failure  # torch's own error (a dead rank: its timeout)
             check_call(status)
-        return _Pending(self, handle.value, flat).reduce()
+        handle, words, nwords, floats, nfloats, plain = (o.value for o in self._outs)
+        return _Pending(self, handle, flat, words, nwords, floats, nfloats, plain)
 
     def stats(self):
         """Bytes this rank handed torch.distributed (and what float32
-        all-reduces of the same tensors would have), steps and compressed steps."""
-        out = (_u64 * 4)()
+        all-reduces of the same tensors would have), steps, compressed steps,
+        and the blocking agreement rounds run (the first bucket, a bucket
+        not seen before after the previous one, a failure)."""
+        out = (_u64 * 5)()
         check_call(LIB.gp_group_stats(self._handle, out))
         return {"bytes_sent": out[0], "bytes_uncompressed": out[1], "steps": out[2],
-                "compressed_steps": out[3]}
+                "compressed_steps": out[3], "agreements": out[4]}
 
     def state_dict(self):
         """Every tensor's compression state (residuals, PowerSGD's Q, push

@@ -7,7 +7,7 @@ use super::{cstr, guard, params};
 use crate::boundary::{slice, slice_mut, Raw};
 use crate::compression::Compression;
 use crate::error::{Error, Result};
-use crate::group::{Buffer, Engine, Group, Pending, ReduceOp, Tensor};
+use crate::store::group::{Buffer, Engine, Group, Pending, ReduceOp, Tensor};
 use crate::key::Key;
 
 /// A process group's compression on one rank (`group::Group`).
@@ -85,14 +85,15 @@ pub unsafe extern "C" fn gp_group_free(g: *mut gp_group_t) {
     }
 }
 
-/// Agrees a bucket with every rank and runs its exchanges through
+/// Checks a bucket with every rank and runs its exchanges through
 /// `reduce` (called on this thread, every rank in the same order). The
 /// bucket holds `num` tensors one after another: tensor `i` has key
 /// `keys[i]` and `ndims[i]` dimensions, taken in turn from `dims`;
 /// `bucket_len` float32 elements in all. `last`: the bucket ends a step
-/// (counted in the stats). On success `*out` owns the pending bucket: SUM
-/// what gp_pending_buffers shows on every rank, then gp_group_decode. On
-/// error no state changed (unless `reduce` failed after the agreement).
+/// (counted in the stats). On success `*out` owns the pending bucket and
+/// `*words`.. `*plain` show its buffers, as gp_pending_buffers does: SUM them
+/// on every rank (words first), then gp_group_decode. On error no state
+/// changed.
 ///
 /// # Safety
 /// Every pointer is valid for its stated length; `reduce` is callable with
@@ -110,12 +111,17 @@ pub unsafe extern "C" fn gp_group_encode(
     reduce: gp_reduce_fn,
     user: *mut c_void,
     out: *mut *mut gp_pending_t,
+    words: *mut *mut u64,
+    num_words: *mut u64,
+    floats: *mut *mut f32,
+    num_floats: *mut u64,
+    plain: *mut c_int,
 ) -> c_int {
     guard(|| {
         let group = group(g)?;
         let f = reduce.ok_or(Error::NullPointer { what: "reduce" })?;
-        if out.is_null() {
-            return Err(Error::NullPointer { what: "out" });
+        if out.is_null() || words.is_null() || num_words.is_null() || floats.is_null() || num_floats.is_null() || plain.is_null() {
+            return Err(Error::NullPointer { what: "an output" });
         }
         Raw::new("keys", keys, num)?;
         Raw::new("ndims", ndims, num)?;
@@ -138,8 +144,12 @@ pub unsafe extern "C" fn gp_group_encode(
             tensors.push(Tensor { key, shape, grad: &bucket[at..at + n] });
             at += n;
         }
-        let pending = group.encode(&tensors, bucket.len(), last != 0, &mut Callback { f, user })?;
-        *out = Box::into_raw(Box::new(gp_pending_t(pending)));
+        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket.len(), last != 0, &mut Callback { f, user })?));
+        let p = &mut pending.0;
+        (*words, *num_words) = (p.words.as_mut_ptr(), p.words.len() as u64);
+        (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);
+        *plain = p.plain as c_int;
+        *out = Box::into_raw(pending);
         Ok(())
     })
 }
@@ -202,17 +212,17 @@ pub unsafe extern "C" fn gp_pending_free(p: *mut gp_pending_t) {
     }
 }
 
-/// `out[0..4]`: bytes sent, bytes a float32 all-reduce would have sent,
-/// steps, compressed steps.
+/// `out[0..5]`: bytes sent, bytes a float32 all-reduce would have sent,
+/// steps, compressed steps, blocking agreement rounds.
 ///
 /// # Safety
-/// `out` is writable for 4 values.
+/// `out` is writable for 5 values.
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_stats(g: *const gp_group_t, out: *mut u64) -> c_int {
     guard(|| {
         let s = group(g)?.stats();
-        Raw::new("out", out, 4)?;
-        slice_mut(out, 4).copy_from_slice(&[s.bytes_sent, s.bytes_uncompressed, s.steps, s.compressed_steps]);
+        Raw::new("out", out, 5)?;
+        slice_mut(out, 5).copy_from_slice(&[s.bytes_sent, s.bytes_uncompressed, s.steps, s.compressed_steps, s.agreements]);
         Ok(())
     })
 }

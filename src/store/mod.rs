@@ -24,6 +24,7 @@
 
 pub(crate) mod checkpoint;
 pub(crate) mod checks;
+pub mod group;
 pub mod local;
 pub mod mpi;
 pub mod param_server;

@@ -1,0 +1,118 @@
+//! The caller's collective engine (`torch.distributed` under
+//! `gradpack.torch`) and the lane collectives over it: every reduction a
+//! scheme asks for becomes one all-reduce of float32 values or of 64-bit
+//! words of packed lanes, counted in bytes.
+
+use crate::error::{Error, Result};
+use crate::quant::collective::{self, Collective};
+use crate::quant::lanes;
+
+/// An all-reduce the caller's engine performs, in place, on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum = 0,
+    Max = 1,
+    /// Bitwise OR of 64-bit words.
+    Or = 2,
+}
+
+/// A buffer handed to the engine: float32 values, or 64-bit words of
+/// packed lanes (summed as integers: lanes never carry into each other, so
+/// a wrapping 64-bit sum is exact).
+pub enum Buffer<'a> {
+    F32(&'a mut [f32]),
+    U64(&'a mut [u64]),
+}
+
+impl Buffer<'_> {
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Buffer::F32(x) => 4 * x.len() as u64,
+            Buffer::U64(x) => 8 * x.len() as u64,
+        }
+    }
+}
+
+/// The caller's collective engine: each call is one blocking all-reduce
+/// issued by every rank in the same order.
+pub trait Engine {
+    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()>;
+}
+
+/// `Collective` over an `Engine`, counting the bytes handed to it.
+pub struct Lanes<'a> {
+    pub engine: &'a mut dyn Engine,
+    pub workers: usize,
+    pub sent: u64,
+}
+
+impl Lanes<'_> {
+    pub fn reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        self.sent += buf.bytes();
+        self.engine.all_reduce(op, buf)
+    }
+}
+
+impl Collective for Lanes<'_> {
+    fn workers(&self) -> usize {
+        self.workers
+    }
+    fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
+        self.reduce(ReduceOp::Max, Buffer::F32(x))
+    }
+    fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
+        self.reduce(ReduceOp::Sum, Buffer::F32(x))
+    }
+    /// Scale indices travel as thermometer codes: `count - 1` bits an
+    /// index, bit `j` set when the index is at most `j`, so that a bitwise
+    /// OR over ranks is the code of their minimum (an engine has no
+    /// lane-wise MIN; a byte an index would cost 8 bits instead of 1 to 7).
+    fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
+        if let Some(i) = x.iter().position(|&l| l >= count) {
+            return Err(Error::Internal(format!("scale index {} at element {i}, of {count} scales", x[i])));
+        }
+        let width = count.saturating_sub(1) as u32;
+        if width == 0 {
+            return Ok(()); // one scale: every index is 0
+        }
+        let mask = (1u64 << width) - 1;
+        let mut words = lanes::pack_slice(x, width, |l| (mask << l) & mask);
+        self.reduce(ReduceOp::Or, Buffer::U64(&mut words))?;
+        lanes::unpack_into(&words, width, x, |t| t.trailing_zeros().min(width) as u8)
+    }
+    fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
+        let width = collective::sum_width(lo, hi, self.workers).ok_or_else(|| Error::InvalidParam { key: "workers".into(), problem: format!("{} ranks overflow a sum of codes in {lo}..={hi}", self.workers) })?;
+        let mut words = lanes::pack_slice(x, width, |v| (v as i64 - lo as i64) as u64);
+        self.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
+        lanes::unpack_codes(&words, width, lo as i64 * self.workers as i64, x)
+    }
+    fn sum_packed(&mut self, words: &mut [u64], n: usize, lo: i32, hi: i32, _: u32, width: u32) -> Result<()> {
+        if collective::sum_width(lo, hi, self.workers) != Some(width) || words.len() != lanes::words_for(n, width) {
+            return Err(Error::Internal(format!("{n} codes in {} words of {width}-bit lanes cannot hold {} ranks' sum of {lo}..={hi}", words.len(), self.workers)));
+        }
+        self.reduce(ReduceOp::Sum, Buffer::U64(words))
+    }
+}
+
+/// The bytes one rank hands the engine for a compressed push of `n` values
+/// shaped `shape`, as `Lanes` counts them (its exchanges and final part).
+pub fn compressed_bytes(c: &crate::quant::compression::Compression, shape: &[usize], world: usize) -> u64 {
+    use crate::quant::compression::Compression;
+    use crate::quant::powersgd;
+    let n: usize = shape.iter().product();
+    match c {
+        Compression::None => collective::f32_bytes(n),
+        Compression::TwoBit(_) => collective::codes_bytes(n, 0, world as i32 + 1, world),
+        Compression::OneBit { .. } => collective::codes_bytes(n, 0, 1, world),
+        Compression::Qsgd(q) => {
+            let (k, levels) = (q.selected(n), q.levels());
+            let s0 = levels[0] as i32;
+            let thermometer = if levels.len() > 1 { 8 * lanes::words_for(k, levels.len() as u32 - 1) as u64 } else { 0 };
+            4 + thermometer + collective::codes_bytes(k, -s0, s0, world)
+        }
+        Compression::PowerSgd { rank, .. } => match powersgd::factors(shape, *rank as usize) {
+            Some((rows, cols, r)) => 4 * ((rows + cols) * r) as u64,
+            None => collective::f32_bytes(n),
+        },
+    }
+}

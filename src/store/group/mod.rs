@@ -1,0 +1,705 @@
+//! Compression for a process group whose all-reduces the caller performs
+//! (`torch.distributed` under `gradpack.torch`'s DDP communication hook):
+//! each rank holds its own tensors' states, keyed by name; a bucket of
+//! tensors is encoded here, its exchanges are handed to the caller's
+//! `Engine` one blocking all-reduce at a time (batched over the bucket's
+//! tensors), its final contributions come back as buffers for the caller to
+//! SUM asynchronously, and `decode` turns the sums into every rank's
+//! identical result: the sum over ranks divided by the world size.
+//!
+//! The scheme path is the stores' (`quant::scheme`): the same gradients,
+//! seed, key and step give the bits the device store gives with one device
+//! per rank. Every rank must hold the same bucket layout, push counts and
+//! settings, and finite gradients; the check costs no round of its own once
+//! a group knows which bucket comes next (`check`):
+//!
+//! - The group remembers, for each bucket, the one that followed it (its
+//!   layout and push counts): the `Plan` every rank expects next, which
+//!   fixes the sizes of the bucket's collectives. With no plan (the first
+//!   call, or a bucket never seen after the previous one) every rank agrees
+//!   first in one blocking round (`check::agree`).
+//! - With a plan, the check rides at the end of the bucket's final sum of
+//!   64-bit words (`check::tail`), and `decode` reads it before it changes
+//!   anything: a difference or a non-finite gradient is the same error on
+//!   every rank, and every state stays as it was (schemes commit on
+//!   `scheme::finish`).
+//! - A rank whose bucket is not the one planned (another layout, a
+//!   checkpoint loaded with other push counts, a key refused) sends stand-in
+//!   zeros of the planned sizes instead, so no collective ever mismatches,
+//!   and reads the tail at once: when every rank did so for the same new
+//!   bucket, every rank runs it for real; otherwise each raises the error.
+//!
+//! Owns: keyed states, the plans, byte counts, checkpoints. Knows nothing
+//! of Python or torch.
+
+mod batch;
+mod check;
+pub mod engine;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::quant::collective;
+use crate::quant::compression::Compression;
+use crate::quant::{qsgd, scheme};
+use crate::store::checkpoint::{self, KeyState, Saved};
+
+use check::{Mine, Own, Verdict, TAIL_WORDS};
+pub use engine::{Buffer, Engine, Lanes, ReduceOp};
+
+/// One tensor of a bucket: its key, shape and float32 gradient.
+pub struct Tensor<'a> {
+    pub key: Key,
+    pub shape: Vec<usize>,
+    pub grad: &'a [f32],
+}
+
+/// What the group has sent and done (`State.stats()`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes this rank handed the engine (agreements and tails included).
+    pub bytes_sent: u64,
+    /// Bytes a float32 all-reduce of the same tensors would have handed it.
+    pub bytes_uncompressed: u64,
+    /// Buckets marked last (a training step's), or standalone pushes.
+    pub steps: u64,
+    /// Of those steps, the ones in which any tensor was compressed.
+    pub compressed_steps: u64,
+    /// Blocking agreement rounds run (the first call, new buckets, failures).
+    pub agreements: u64,
+}
+
+/// A key's state: its shape and the scheme's state (its push count included).
+#[derive(Clone, Debug)]
+struct Entry {
+    shape: Vec<usize>,
+    state: scheme::State,
+}
+
+/// The keyed states. A key whose bucket is in flight is taken out of
+/// `idle` and listed in `in_flight` until its `Pending` is decoded or dropped.
+#[derive(Default)]
+struct Keys {
+    idle: HashMap<Key, Entry>,
+    in_flight: Vec<Key>,
+    /// States loaded from a checkpoint for keys not pushed yet here:
+    /// checked against each key's shape at its first push.
+    loaded: HashMap<Key, Entry>,
+    stats: Stats,
+}
+
+/// The bucket every rank expects after another: its layout's hash, its
+/// tensors' shapes and push counts.
+#[derive(Clone, Debug)]
+struct Plan {
+    layout: u64,
+    shapes: Vec<Vec<usize>>,
+    steps: Vec<u64>,
+}
+
+/// What every rank knows alike: the last bucket run and the plan after each.
+#[derive(Default)]
+struct Plans {
+    prev: u64,
+    next: HashMap<u64, Plan>,
+}
+
+impl Plans {
+    /// Records that the bucket `plan` followed the previous one and will
+    /// follow it again with every count one higher.
+    fn record(&mut self, plan: &Plan) {
+        let next = Plan { steps: plan.steps.iter().map(|s| s.wrapping_add(1)).collect(), ..plan.clone() };
+        self.next.insert(self.prev, next);
+        self.prev = plan.layout;
+    }
+}
+
+/// A process group's compression on one rank.
+pub struct Group {
+    compression: Compression,
+    /// `fingerprint` of the compression and of the other settings, agreed by every rank.
+    fingerprint: u64,
+    settings: u64,
+    rank: usize,
+    world: usize,
+    /// Pushes of a key before it is compressed (plain sums until then).
+    start_iter: u64,
+    /// A tensor is compressed only when its bytes would be at least this
+    /// many times fewer.
+    min_rate: f64,
+    keys: Arc<Mutex<Keys>>,
+    plans: Mutex<Plans>,
+    pool: batch::Pool,
+}
+
+/// How one tensor of a pending bucket travels.
+enum Route {
+    /// Summed as float32 values: `floats[range]`, or the caller's bucket
+    /// itself when the whole bucket is plain.
+    Plain(Range<usize>),
+    /// Compressed: the exchanged values, and where its final contribution
+    /// lies (packed words or float32 values).
+    Compressed { exchanged: Vec<scheme::Part>, last: Final },
+}
+
+enum Final {
+    Packed { words: Range<usize>, n: usize, lo: i32, hi: i32, width: u32 },
+    F32(Range<usize>),
+}
+
+/// Where `take` found a key's entry.
+#[derive(Clone, Copy)]
+enum Origin {
+    Idle,
+    Loaded,
+    New,
+}
+
+struct PendingKey {
+    key: Key,
+    entry: Entry,
+    /// Where the entry goes back to when the bucket is not decoded (a key
+    /// pushed for the first time is then not registered).
+    origin: Origin,
+    /// The tensor's elements in the bucket.
+    at: Range<usize>,
+    route: Route,
+}
+
+/// A bucket between `encode` and `decode`: the caller SUMs `words`, then
+/// `floats` (or, when `plain`, the bucket itself), on every rank, and hands
+/// the sums back to `decode`. `words` ends with the bucket's check (its
+/// tail). Dropped without `decode`, it returns its keys' states unchanged.
+pub struct Pending {
+    keys: Arc<Mutex<Keys>>,
+    tensors: Vec<PendingKey>,
+    /// Final packed contributions, every compressed tensor's words in turn, then the tail.
+    pub words: Vec<u64>,
+    /// Final float32 contributions (uncompressed tensors of a mixed bucket,
+    /// PowerSGD's Q).
+    pub floats: Vec<f32>,
+    /// Nothing compressed: the caller sums its bucket in place instead of `floats`.
+    pub plain: bool,
+    len: usize,
+    last: bool,
+    /// The error `decode` returns: this rank sent stand-ins and learnt the
+    /// verdict at once, but raises it where every other rank does (a rank
+    /// that stopped early would leave the others waiting in later buckets).
+    doomed: Option<Error>,
+}
+
+/// What `exchange` built for a bucket.
+struct Built {
+    routes: Vec<Route>,
+    words: Vec<u64>,
+    floats: Vec<f32>,
+    plain: bool,
+    doomed: Option<Error>,
+}
+
+impl Built {
+    /// A bucket whose stand-ins were summed already: nothing left to sum.
+    fn doomed(err: Error, tensors: usize) -> Built {
+        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, doomed: Some(err) }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn layout_of<'a>(shapes: impl Iterator<Item = (u64, &'a [usize])>) -> u64 {
+    crate::hash::finalize(shapes.fold(0x6770_6275_636b_6574, |h: u64, (key, shape)| {
+        let h = crate::hash::finalize(h ^ key);
+        shape.iter().fold(crate::hash::finalize(h ^ shape.len() as u64), |h, &d| crate::hash::finalize(h ^ d as u64))
+    }))
+}
+
+fn counts_of(steps: &[u64]) -> u64 {
+    steps.iter().fold(0u64, |h, &s| crate::hash::finalize(h ^ s))
+}
+
+/// A scheme error every rank meets alike (a non-finite shared scale or
+/// factor), after which every rank can take part in one more round.
+fn shared(err: &Error) -> bool {
+    !matches!(err, Error::Transport(_) | Error::Internal(_))
+}
+
+impl Group {
+    /// A group of `world` ranks, this one `rank`. Refuses random-K with
+    /// `unselected='local'`: each rank would keep its own gradient outside
+    /// the selection, so replicas would differ.
+    pub fn new(compression: Compression, rank: usize, world: usize, start_iter: u64, min_rate: f64) -> Result<Group> {
+        if world == 0 || rank >= world {
+            return Err(Error::InvalidParam { key: "process_group".into(), problem: format!("rank {rank} of a world of {world}") });
+        }
+        if !(min_rate.is_finite() && min_rate >= 0.0) {
+            return Err(Error::InvalidParam { key: "min_compression_rate".into(), problem: format!("must be a finite number >= 0, got {min_rate}") });
+        }
+        if let Compression::Qsgd(q) = &compression {
+            if q.keep_local {
+                return Err(Error::InvalidParam {
+                    key: "unselected".into(),
+                    problem: "'local' keeps each rank's own gradient outside the selection, so DDP's replicas would differ; use 'zero' (the default)".into(),
+                });
+            }
+            if world as u64 > qsgd::max_workers(q.bits()[0])? {
+                return Err(Error::InvalidParam { key: "bits".into(), problem: format!("{world} ranks could overflow the code sum at {} bits", q.bits()[0]) });
+            }
+        }
+        // 2-bit and 1-bit sum every rank's codes in lanes of at most 31 bits.
+        let limit = match compression {
+            Compression::TwoBit(_) => Some(max_ranks(|w| i32::try_from(w + 1).ok().and_then(|hi| collective::sum_width(0, hi, w)).is_some())),
+            Compression::OneBit { .. } => Some(max_ranks(|w| collective::sum_width(0, 1, w).is_some())),
+            _ => None,
+        };
+        if let Some(limit) = limit.filter(|&l| world > l) {
+            return Err(Error::InvalidParam {
+                key: "process_group".into(),
+                problem: format!("a world of {world} ranks: {} sums every rank's codes in 32-bit lanes, which hold the sum of at most {limit} ranks", compression.name()),
+            });
+        }
+        let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
+        let settings = crate::hash::fingerprint(&format!("{world} {start_iter} {min_rate}"));
+        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), pool: batch::Pool::default() })
+    }
+
+    pub fn stats(&self) -> Stats {
+        lock(&self.keys).stats
+    }
+
+    /// Whether a push of a key with `pushes` pushes so far is compressed.
+    fn compresses(&self, shape: &[usize], pushes: u64) -> bool {
+        let n: usize = shape.iter().product();
+        if self.compression.is_none() || pushes < self.start_iter || n == 0 {
+            return false;
+        }
+        if let Compression::PowerSgd { rank, .. } = self.compression {
+            if crate::quant::powersgd::factors(shape, rank as usize).is_none() {
+                return false; // a vector: PowerSGD sums it as it is
+            }
+        }
+        engine::compressed_bytes(&self.compression, shape, self.world) as f64 * self.min_rate <= collective::f32_bytes(n) as f64
+    }
+
+    /// Takes the bucket's keys out of the idle map (new keys start fresh, or
+    /// from a loaded checkpoint), checking shapes; with where each came
+    /// from. A key refused takes nothing and says which and why.
+    fn take(&self, tensors: &[Tensor]) -> std::result::Result<(Vec<Entry>, Vec<Origin>), (Own, usize)> {
+        let mut keys = lock(&self.keys);
+        for (i, t) in tensors.iter().enumerate() {
+            if tensors[..i].iter().any(|u| u.key == t.key) || keys.in_flight.contains(&t.key) {
+                return Err((Own::Twice, i));
+            }
+            if keys.idle.get(&t.key).is_some_and(|e| e.shape != t.shape) {
+                return Err((Own::Reshaped, i));
+            }
+            if keys.loaded.get(&t.key).is_some_and(|e| e.shape != t.shape) {
+                return Err((Own::Resaved, i));
+            }
+        }
+        Ok(tensors
+            .iter()
+            .map(|t| {
+                keys.in_flight.push(t.key.clone());
+                match (keys.idle.remove(&t.key), keys.loaded.remove(&t.key)) {
+                    (Some(e), _) => (e, Origin::Idle),
+                    (None, Some(e)) => (e, Origin::Loaded),
+                    (None, None) => (Entry { shape: t.shape.clone(), state: scheme::State::default() }, Origin::New),
+                }
+            })
+            .unzip())
+    }
+
+    /// Puts entries back where `take` found them, after an encode or a
+    /// decode that failed (or a bucket dropped): a key pushed for the first
+    /// time is not registered, so the group is as if the call had never
+    /// been made. `Origin::Idle` also returns a decoded bucket's entries.
+    fn give_back(keys: &Mutex<Keys>, entries: impl IntoIterator<Item = (Key, Entry, Origin)>) {
+        let mut keys = lock(keys);
+        for (key, entry, origin) in entries {
+            keys.in_flight.retain(|k| *k != key);
+            match origin {
+                Origin::Idle => drop(keys.idle.insert(key, entry)),
+                Origin::Loaded => drop(keys.loaded.insert(key, entry)),
+                Origin::New => {}
+            }
+        }
+    }
+
+    /// What the non-finite check reads for this compression.
+    fn fault_what(&self) -> &'static str {
+        if matches!(self.compression, Compression::TwoBit(_)) { "residual + gradient" } else { "gradient" }
+    }
+
+    /// The index of the first compressed tensor whose gradient (2-bit:
+    /// residual + gradient) holds a non-finite value. Tensors summed
+    /// plainly are not checked: like torch's own all-reduce, they carry a
+    /// NaN to every rank (where a loss scaler sees it).
+    fn fault_index(&self, tensors: &[Tensor], entries: &[Entry], compress: &[bool]) -> Option<usize> {
+        tensors.iter().zip(entries).zip(compress).position(|((t, e), &c)| {
+            c && match &self.compression {
+                Compression::TwoBit(_) if e.state.residual.len() == t.grad.len() => codec::check_finite("gradient", t.grad, &e.state.residual).is_err(),
+                _ => qsgd::max_abs(t.grad).is_none(),
+            }
+        })
+    }
+
+    fn ctx<'a>(&self, key_hash: u64, shape: &'a [usize], step: u64) -> scheme::Ctx<'a> {
+        scheme::Ctx { shape, step, key_hash, member: self.rank as u64, workers: self.world }
+    }
+
+    /// The error of a verdict, named with this bucket's keys and counts.
+    fn verdict_error(&self, v: &Verdict, tensors: &[Tensor], steps: &[u64]) -> Error {
+        v.error(|i| tensors.get(i).map(|t| t.key.to_string()), |i| steps.get(i).copied().unwrap_or(0), self.fault_what())
+            .unwrap_or_else(|| Error::Store("gradpack: another rank sent stand-ins for this bucket; nothing was applied on any rank".into()))
+    }
+
+    /// Checks the bucket with every rank and runs its exchanges through
+    /// `engine`; the caller sums what `Pending` holds and calls `decode`.
+    /// `bucket_len` must be the tensors' elements together (they lie in
+    /// the bucket one after another). `last`: the bucket ends a step.
+    pub fn encode(&self, tensors: &[Tensor], bucket_len: usize, last: bool, engine: &mut dyn Engine) -> Result<Pending> {
+        let total = tensors.iter().try_fold(0usize, |acc, t| {
+            let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            match n {
+                Some(n) if n == t.grad.len() => acc.checked_add(n),
+                _ => None,
+            }
+        });
+        if total != Some(bucket_len) || tensors.is_empty() {
+            let shapes: Vec<_> = tensors.iter().map(|t| (t.key.to_string(), t.shape.clone(), t.grad.len())).collect();
+            return Err(Error::Internal(format!("a bucket of {bucket_len} elements holds tensors (key, shape, elements) {shapes:?}")));
+        }
+        let layout = layout_of(tensors.iter().map(|t| (t.key.stable_hash(), &t.shape[..])));
+        let (mut entries, origins, own) = match self.take(tensors) {
+            Ok((e, o)) => (e, o, None),
+            Err(own) => (Vec::new(), Vec::new(), Some(own)),
+        };
+        let steps: Vec<u64> = if own.is_some() { vec![0; tensors.len()] } else { entries.iter().map(|e| e.state.step).collect() };
+        let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, self.settings], flagged: false, own, fault: None };
+        let mut coll = Lanes { engine, workers: self.world, sent: 0 };
+        let built = self.exchange(tensors, &mut entries, &steps, mine, &mut coll);
+        let mut keys = lock(&self.keys);
+        keys.stats.bytes_sent += coll.sent;
+        match built {
+            Ok(b) => {
+                let final_bytes = 8 * b.words.len() as u64 + if b.plain { collective::f32_bytes(bucket_len) } else { 4 * b.floats.len() as u64 };
+                keys.stats.bytes_sent += final_bytes;
+                keys.stats.bytes_uncompressed += collective::f32_bytes(bucket_len) * b.doomed.is_none() as u64;
+                drop(keys);
+                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, len: bucket_len, last, doomed: b.doomed };
+                let mut at = 0;
+                for (((t, entry), route), origin) in tensors.iter().zip(entries).zip(b.routes).zip(origins) {
+                    let n = t.grad.len();
+                    pending.tensors.push(PendingKey { key: t.key.clone(), entry, origin, at: at..at + n, route });
+                    at += n;
+                }
+                Ok(pending)
+            }
+            Err(err) => {
+                drop(keys);
+                Group::give_back(&self.keys, tensors.iter().zip(entries).zip(origins).map(|((t, e), o)| (t.key.clone(), e, o)));
+                Err(err)
+            }
+        }
+    }
+
+    /// Chooses how the bucket is checked (module docs) and runs it.
+    fn exchange(&self, tensors: &[Tensor], entries: &mut [Entry], steps: &[u64], mine: Mine, coll: &mut Lanes) -> Result<Built> {
+        let planned = {
+            let plans = lock(&self.plans);
+            plans.next.get(&plans.prev).cloned()
+        };
+        let Some(plan) = planned else {
+            lock(&self.keys).stats.agreements += 1;
+            let v = check::agree(coll, &mine, self.rank)?;
+            if !v.clean() {
+                return Err(self.verdict_error(&v, tensors, steps));
+            }
+            return self.run(tensors, entries, steps, mine, coll);
+        };
+        if mine.own.is_none() && plan.layout == mine.fields[0] && plan.steps == steps {
+            return self.run(tensors, entries, steps, mine, coll);
+        }
+        let flagged = Mine { flagged: true, ..mine };
+        match self.stand_in(&plan, flagged, coll)? {
+            Ok(v) if v.flagged == self.world as u64 && v.differs.is_empty() && v.own.0 == 0 && v.fault.0 == 0 => {
+                // Every rank sent stand-ins for the same new bucket: run it.
+                self.run(tensors, entries, steps, mine, coll)
+            }
+            Ok(v) => {
+                // The ranks that ran the planned bucket recorded it.
+                lock(&self.plans).record(&plan);
+                Ok(Built::doomed(self.verdict_error(&v, tensors, steps), tensors.len()))
+            }
+            Err(v) => Err(self.verdict_error(&v, tensors, steps)),
+        }
+    }
+
+    /// Sends zeros of the planned bucket's sizes, summing its final parts
+    /// here: the verdict from its tail (Ok), or from the agreement that
+    /// follows an exchange failed on every rank (Err).
+    fn stand_in(&self, plan: &Plan, mine: Mine, coll: &mut Lanes) -> Result<std::result::Result<Verdict, Verdict>> {
+        let sizes: Vec<usize> = plan.shapes.iter().map(|s| s.iter().product()).collect();
+        let zeros = vec![0f32; sizes.iter().sum()];
+        let mut states: Vec<scheme::State> = plan
+            .steps
+            .iter()
+            .map(|&step| {
+                let mut s = scheme::State::default();
+                s.step = step;
+                s
+            })
+            .collect();
+        let compresses: Vec<bool> = plan.shapes.iter().zip(&plan.steps).map(|(s, &p)| self.compresses(s, p)).collect();
+        let mut at = 0;
+        let mut jobs = Vec::new();
+        for (((shape, &n), state), &c) in plan.shapes.iter().zip(&sizes).zip(states.iter_mut()).zip(&compresses) {
+            if c {
+                jobs.push((self.ctx(0, shape, state.step), &zeros[at..at + n], state));
+            }
+            at += n;
+        }
+        let encoded = self.pool.encode(&self.compression, jobs, coll);
+        if let Some(err) = encoded.iter().find_map(|r| r.as_ref().err()) {
+            if !shared(err) {
+                return Err(encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())));
+            }
+            lock(&self.keys).stats.agreements += 1;
+            return Ok(Err(check::agree(coll, &mine, self.rank)?));
+        }
+        let parts: Vec<scheme::Part> = encoded.into_iter().map(|r| r.map(|(_, part)| part)).collect::<Result<_>>()?;
+        let (mut words, mut floats) = (Vec::new(), Vec::new());
+        let mut parts = parts.into_iter();
+        let plain = !compresses.iter().any(|&c| c);
+        for (&c, &n) in compresses.iter().zip(&sizes) {
+            match (c, if c { parts.next() } else { None }) {
+                (false, _) if !plain => floats.extend(std::iter::repeat_n(0f32, n)),
+                (false, _) => {}
+                (true, Some(scheme::Part::Packed { words: w, .. })) => words.extend_from_slice(&w),
+                (true, Some(scheme::Part::F32(x))) => floats.extend_from_slice(&x),
+                _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
+            }
+        }
+        let codes = words.len();
+        words.extend_from_slice(&check::tail(&mine, self.rank));
+        coll.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
+        let mut bucket = if plain { zeros } else { floats };
+        if !bucket.is_empty() {
+            coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
+        }
+        Ok(Ok(check::read_tail(&words[codes..], self.world)?))
+    }
+
+    /// Runs the bucket's exchanges for real and builds its final parts,
+    /// recording it as the plan after the previous bucket.
+    fn run(&self, tensors: &[Tensor], entries: &mut [Entry], steps: &[u64], mut mine: Mine, coll: &mut Lanes) -> Result<Built> {
+        let compresses: Vec<bool> = tensors.iter().zip(steps).map(|(t, &s)| self.compresses(&t.shape, s)).collect();
+        // QSGD changes no state before its shared scale, which is not finite
+        // on every rank when a rank's gradient is not: it is checked there
+        // (no second read of the gradients); other schemes check first.
+        let qsgd = matches!(self.compression, Compression::Qsgd(_));
+        mine.fault = if qsgd { None } else { self.fault_index(tensors, entries, &compresses) };
+        let mut jobs = Vec::new();
+        for ((t, e), &compress) in tensors.iter().zip(entries.iter_mut()).zip(&compresses) {
+            if compress {
+                jobs.push((self.ctx(t.key.stable_hash(), &t.shape, e.state.step), t.grad, &mut e.state));
+            }
+        }
+        let encoded = self.pool.encode(&self.compression, jobs, coll);
+        if let Some(err) = encoded.iter().find_map(|r| r.as_ref().err()) {
+            if !shared(err) {
+                return Err(encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())));
+            }
+            // Every rank met it (a non-finite shared scale or factor): name its cause alike everywhere.
+            if qsgd {
+                mine.fault = self.fault_index(tensors, entries, &compresses);
+            }
+            lock(&self.keys).stats.agreements += 1;
+            let v = check::agree(coll, &mine, self.rank)?;
+            return Err(if v.clean() { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) } else { self.verdict_error(&v, tensors, steps) });
+        }
+        let plain = !compresses.iter().any(|&c| c);
+        let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
+        let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
+        for (t, &compress) in tensors.iter().zip(&compresses) {
+            if !compress {
+                let at = floats.len();
+                if !plain {
+                    floats.extend_from_slice(t.grad);
+                }
+                routes.push(Route::Plain(at..at + t.grad.len()));
+                continue;
+            }
+            let (exchanged, part) = encoded.next().ok_or_else(|| Error::Internal("a tensor's encode is missing".into()))?;
+            let last = match part {
+                scheme::Part::Packed { words: w, n, lo, hi, width, .. } => {
+                    let at = words.len();
+                    words.extend_from_slice(&w);
+                    Final::Packed { words: at..words.len(), n, lo, hi, width }
+                }
+                scheme::Part::F32(x) => {
+                    let at = floats.len();
+                    floats.extend_from_slice(&x);
+                    Final::F32(at..floats.len())
+                }
+                _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
+            };
+            routes.push(Route::Compressed { exchanged, last });
+        }
+        words.extend_from_slice(&check::tail(&mine, self.rank));
+        lock(&self.plans).record(&Plan { layout: mine.fields[0], shapes: tensors.iter().map(|t| t.shape.clone()).collect(), steps: steps.to_vec() });
+        Ok(Built { routes, words, floats, plain, doomed: None })
+    }
+
+    /// Turns the sums of a bucket's final contributions into its result,
+    /// written to `bucket` (`plain`: the bucket already holds the float32
+    /// sum): the sum over ranks divided by the world size, every rank's
+    /// alike. Reads the bucket's check first: on any rank's difference or
+    /// non-finite gradient every rank returns the same error and every
+    /// state stays as it was. Consumes `pending`; its keys' states are
+    /// back either way.
+    pub fn decode(&self, mut pending: Pending, bucket: &mut [f32]) -> Result<()> {
+        if bucket.len() != pending.len {
+            return Err(Error::SizeMismatch { what: "bucket", expected: pending.len, got: bucket.len() });
+        }
+        if !Arc::ptr_eq(&pending.keys, &self.keys) {
+            return Err(Error::Internal("a pending bucket decoded by another State".into()));
+        }
+        if let Some(err) = pending.doomed.take() {
+            return Err(err);
+        }
+        let Some(codes) = pending.words.len().checked_sub(TAIL_WORDS) else {
+            return Err(Error::Internal("a pending bucket without its tail".into()));
+        };
+        let v = check::read_tail(&pending.words[codes..], self.world)?;
+        if !v.clean() {
+            let names: Vec<String> = pending.tensors.iter().map(|t| t.key.to_string()).collect();
+            let steps: Vec<u64> = pending.tensors.iter().map(|t| t.entry.state.step).collect();
+            return Err(v
+                .error(|i| names.get(i).cloned(), |i| steps.get(i).copied().unwrap_or(0), self.fault_what())
+                .unwrap_or_else(|| Error::Store("gradpack: another rank sent stand-ins for this bucket; nothing was applied on any rank".into())));
+        }
+        let world = self.world as f32;
+        let (words, floats) = (std::mem::take(&mut pending.words), std::mem::take(&mut pending.floats));
+        let mut compressed = false;
+        let mut result = Ok(());
+        for t in pending.tensors.iter_mut() {
+            let out = &mut bucket[t.at.clone()];
+            match &mut t.route {
+                Route::Plain(r) => {
+                    if !pending.plain {
+                        out.copy_from_slice(&floats[r.clone()]);
+                    }
+                    t.entry.state.step += 1;
+                }
+                Route::Compressed { exchanged, last } => {
+                    compressed = true;
+                    let part = match last {
+                        Final::Packed { words: w, n, lo, hi, width } => scheme::Part::Packed { words: words[w.clone()].to_vec(), n: *n, lo: *lo, hi: *hi, count: self.world as u32, width: *width },
+                        Final::F32(r) => scheme::Part::F32(floats[r.clone()].to_vec()),
+                    };
+                    let ctx = self.ctx(t.key.stable_hash(), &t.entry.shape, t.entry.state.step);
+                    if let Err(err) = scheme::decode(&self.compression, exchanged, &part, &ctx, out) {
+                        result = Err(err);
+                        break;
+                    }
+                    let states = std::slice::from_mut(&mut t.entry.state);
+                    scheme::finish(&self.compression, states, part);
+                    scheme::recycle(states, std::mem::take(exchanged));
+                }
+            }
+            crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= world));
+        }
+        if result.is_ok() {
+            pending.tensors.iter_mut().for_each(|t| t.origin = Origin::Idle);
+            let mut keys = lock(&self.keys);
+            keys.stats.steps += pending.last as u64;
+            keys.stats.compressed_steps += (pending.last && compressed) as u64;
+        }
+        result
+    }
+
+    /// Every key's state, in a versioned blob ("GPCS", as the stores save
+    /// theirs). Refused while a bucket is in flight.
+    pub fn save(&self) -> Result<Vec<u8>> {
+        let keys = lock(&self.keys);
+        if let Some(k) = keys.in_flight.first() {
+            return Err(Error::Key { key: k.to_string(), problem: "its bucket is in flight: save the state between steps".into() });
+        }
+        let mut saved: Vec<KeyState> = keys
+            .idle
+            .iter()
+            .chain(keys.loaded.iter())
+            .map(|(key, e)| KeyState { key: key.clone(), shape: e.shape.clone(), pushes: e.state.step, residuals: Vec::new(), states: vec![e.state.clone()] })
+            .collect();
+        saved.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(checkpoint::encode(&Saved { compression: format!("{:?}", self.compression), rank: self.rank as u64, workers: self.world as u64, keys: saved }))
+    }
+
+    /// Replaces every key's state with a blob's (`save`): checked whole
+    /// first (compression, rank and world size, the shapes of keys pushed
+    /// here already, each state's shapes), so a refused blob changes
+    /// nothing. Push counts that differ from the other ranks' are found at
+    /// the next bucket (its check), before anything changes.
+    pub fn load(&self, blob: &[u8]) -> Result<()> {
+        let saved = checkpoint::decode(blob)?;
+        let mut keys = lock(&self.keys);
+        if let Some(k) = keys.in_flight.first() {
+            return Err(Error::Key { key: k.to_string(), problem: "its bucket is in flight: load a state between steps".into() });
+        }
+        let known = |k: &Key| keys.idle.get(k).map(|e| e.shape.clone()).ok_or_else(|| Error::Internal(String::new()));
+        let fresh = keys.idle.is_empty();
+        checkpoint::check(&saved, &self.compression, (self.rank as u64, self.world as u64), |k| if fresh { Ok(saved_shape(&saved, k)) } else { known(k) }, |_| None)?;
+        if !fresh {
+            if let Some(k) = keys.idle.keys().find(|k| !saved.keys.iter().any(|s| s.key == **k)) {
+                return Err(Error::OptimizerStates(format!("key {k}: pushed here but not in the compression states")));
+            }
+        }
+        let loaded: HashMap<Key, Entry> = saved
+            .keys
+            .into_iter()
+            .map(|k| {
+                let mut state = k.states.into_iter().next().unwrap_or_default();
+                state.step = k.pushes;
+                (k.key, Entry { shape: k.shape, state })
+            })
+            .collect();
+        keys.idle.clear();
+        keys.loaded = loaded;
+        Ok(())
+    }
+}
+
+/// The largest world size for which `fits` holds (it holds for 1 and, once
+/// false, stays false).
+fn max_ranks(fits: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (1usize, 1usize << 32);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// A key's shape as saved (a fresh group checks its keys at their first push).
+fn saved_shape(saved: &Saved, key: &Key) -> Vec<usize> {
+    saved.keys.iter().find(|k| k.key == *key).map_or_else(Vec::new, |k| k.shape.clone())
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        Group::give_back(&self.keys, self.tensors.drain(..).map(|t| (t.key, t.entry, t.origin)));
+    }
+}

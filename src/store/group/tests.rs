@@ -1,0 +1,373 @@
+//! The group on ranks held by threads of this process.
+
+use super::*;
+use crate::quant::compression::Compression;
+use std::sync::{Barrier, Condvar};
+
+/// Ranks on threads of this process, reducing through shared memory in
+/// rank order (float32 sums in rank order, as a device store folds;
+/// words as wrapping 64-bit sums). Values travel as bit patterns.
+struct Threads {
+    posted: Mutex<(u64, Vec<Option<Vec<u64>>>, Option<Vec<u64>>)>,
+    ready: Condvar,
+    done: Barrier,
+}
+
+struct Rank<'a> {
+    threads: &'a Threads,
+    rank: usize,
+}
+
+impl Threads {
+    fn new(world: usize) -> Threads {
+        Threads { posted: Mutex::new((0, vec![None; world], None)), ready: Condvar::new(), done: Barrier::new(world) }
+    }
+}
+
+fn fold(op: ReduceOp, float: bool, a: u64, b: u64) -> u64 {
+    if float {
+        let (x, y) = (f32::from_bits(a as u32), f32::from_bits(b as u32));
+        let r = match op {
+            ReduceOp::Sum => x + y,
+            ReduceOp::Max => x.max(y),
+            ReduceOp::Or => panic!("OR of float32"),
+        };
+        return r.to_bits() as u64;
+    }
+    match op {
+        ReduceOp::Sum => a.wrapping_add(b),
+        ReduceOp::Max => a.max(b),
+        ReduceOp::Or => a | b,
+    }
+}
+
+impl Engine for Rank<'_> {
+    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        let (mine, float): (Vec<u64>, bool) = match &buf {
+            Buffer::F32(x) => (x.iter().map(|v| v.to_bits() as u64).collect(), true),
+            Buffer::U64(x) => (x.to_vec(), false),
+        };
+        let t = self.threads;
+        let mut g = t.posted.lock().unwrap();
+        g.1[self.rank] = Some(mine);
+        if g.1.iter().all(Option::is_some) {
+            let all: Vec<Vec<u64>> = g.1.iter_mut().map(|x| x.take().unwrap()).collect();
+            let folded = all[1..].iter().fold(all[0].clone(), |acc, x| acc.iter().zip(x).map(|(&a, &b)| fold(op, float, a, b)).collect());
+            g.2 = Some(folded);
+            g.0 += 1;
+            t.ready.notify_all();
+        } else {
+            let round = g.0;
+            g = t.ready.wait_while(g, |g| g.0 == round).unwrap();
+        }
+        let result = g.2.clone().unwrap();
+        drop(g);
+        match buf {
+            Buffer::F32(x) => x.iter_mut().zip(&result).for_each(|(x, &r)| *x = f32::from_bits(r as u32)),
+            Buffer::U64(x) => x.copy_from_slice(&result),
+        }
+        t.done.wait(); // every rank has read the result before the next round
+        Ok(())
+    }
+}
+
+fn params(p: &[(&str, &str)]) -> Compression {
+    Compression::from_params(p.iter().copied()).unwrap()
+}
+
+/// Each rank pushes `grads[rank]` as one bucket of the given keys and
+/// shapes; the results (or errors) of every rank.
+fn push_all(groups: &[Group], keys: &[(&str, Vec<usize>)], grads: &[Vec<f32>]) -> Vec<Result<Vec<f32>>> {
+    let threads = Threads::new(groups.len());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                let (threads, grad) = (&threads, &grads[rank]);
+                s.spawn(move || {
+                    let mut at = 0;
+                    let tensors: Vec<Tensor> = keys
+                        .iter()
+                        .map(|(k, shape)| {
+                            let n: usize = shape.iter().product();
+                            at += n;
+                            Tensor { key: Key::Str(k.to_string()), shape: shape.clone(), grad: &grad[at - n..at] }
+                        })
+                        .collect();
+                    let mut engine = Rank { threads, rank };
+                    let mut pending = g.encode(&tensors, grad.len(), true, &mut engine)?;
+                    let mut out = grad.clone();
+                    // As gradpack.torch: empty buffers are not reduced (a
+                    // rank that sent stand-ins has nothing left to sum).
+                    if !pending.words.is_empty() {
+                        engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words))?;
+                    }
+                    if pending.plain {
+                        engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out))?;
+                    } else if !pending.floats.is_empty() {
+                        engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut pending.floats))?;
+                    }
+                    g.decode(pending, &mut out)?;
+                    Ok(out)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn grads(world: usize, n: usize, step: u64) -> Vec<Vec<f32>> {
+    (0..world).map(|r| (0..n).map(|i| (((i * 7 + r * 13 + step as usize * 5) % 17) as f32 - 8.0) / 16.0).collect()).collect()
+}
+
+#[test]
+fn a_bucket_decodes_to_the_device_stores_sum_over_the_world_on_every_rank() {
+    let shapes = [("a", vec![6, 8]), ("b", vec![5])];
+    for c in [
+        params(&[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "3")]),
+        params(&[("compress", "2bit"), ("threshold", "0.25")]),
+        params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "9")]),
+        params(&[("compress", "qsgd_mn_ms"), ("bits", "[1,3,5,8]")]),
+        params(&[("compress", "1bit")]),
+    ] {
+        let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+        // The same pushes through the scheme path of an in-process store of two members.
+        let mut states: Vec<Vec<scheme::State>> = vec![vec![scheme::State::default(); 2]; 2];
+        for step in 0..3 {
+            let g = grads(2, 53, step);
+            let got = push_all(&groups, &shapes, &g);
+            let mut at = 0;
+            for (t, (key, shape)) in shapes.iter().enumerate() {
+                let n: usize = shape.iter().product();
+                let mine: Vec<&[f32]> = g.iter().map(|g| &g[at..at + n]).collect();
+                let ctx = scheme::Ctx { shape, step, key_hash: Key::Str(key.to_string()).stable_hash(), member: 0, workers: 2 };
+                let mut want = vec![0f32; n];
+                scheme::push_round(&c, &mut states[t], &mine, &ctx, &mut collective::InProcess::new(2), &mut want).unwrap();
+                want.iter_mut().for_each(|x| *x /= 2.0);
+                for r in &got {
+                    assert_eq!(&r.as_ref().unwrap()[at..at + n], &want[..], "{c:?} step {step} key {key}");
+                }
+                at += n;
+            }
+        }
+        let s = groups[0].stats();
+        assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (3, 3, 3 * 4 * 53));
+    }
+}
+
+#[test]
+fn a_non_finite_gradient_or_a_mismatch_fails_every_rank_alike_and_changes_nothing() {
+    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+    let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+    let shapes = [("w", vec![20])];
+    push_all(&groups, &shapes, &grads(2, 20, 0));
+    let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+    let mut bad = grads(2, 20, 1);
+    bad[1][7] = f32::NAN;
+    let errors: Vec<String> = push_all(&groups, &shapes, &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert_eq!(errors[0], errors[1]);
+    assert!(errors[0].contains("rank 1's residual + gradient of key 'w'") && errors[0].contains("nothing was applied"), "{}", errors[0]);
+    assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved);
+    // QSGD finds it through its shared scale, after the agreement: the same error.
+    let q = params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,4]")]);
+    let groups: Vec<Group> = (0..2).map(|r| Group::new(q, r, 2, 0, 0.0).unwrap()).collect();
+    let two = [("u", vec![20]), ("v", vec![4, 5])];
+    push_all(&groups, &two, &grads(2, 40, 0));
+    let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+    let mut bad = grads(2, 40, 1);
+    bad[0][33] = f32::INFINITY;
+    let errors: Vec<String> = push_all(&groups, &two, &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert_eq!(errors[0], errors[1]);
+    assert!(errors[0].contains("rank 0's gradient of key 'v'") && errors[0].contains("at push 1"), "{}", errors[0]);
+    assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved);
+    let again = push_all(&groups, &two, &grads(2, 40, 1)); // the job goes on
+    assert!(again.iter().all(|r| r.is_ok()));
+    // Another compression on rank 1.
+    let other = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(params(&[("compress", "2bit"), ("threshold", "0.5")]), 1, 2, 0, 0.0).unwrap()];
+    let errors: Vec<String> = push_all(&other, &shapes, &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert_eq!(errors[0], errors[1]);
+    assert!(errors[0].contains("disagree on compression parameters"), "{}", errors[0]);
+}
+
+#[test]
+fn start_iter_and_min_rate_send_float32_sums_and_count_bytes() {
+    let c = params(&[("compress", "qsgd_mn"), ("bits", "2")]);
+    let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 1, 2.0).unwrap()).collect();
+    // "tiny": 3 values cost more packed (a scale and a word) than half their floats.
+    let shapes = [("big", vec![64]), ("tiny", vec![3])];
+    let g = grads(2, 67, 0);
+    let first = push_all(&groups, &shapes, &g);
+    let plain: Vec<f32> = (0..67).map(|i| (g[0][i] + g[1][i]) / 2.0).collect();
+    assert_eq!(first[0].as_ref().unwrap(), &plain); // push 0 < start_iter: plain
+    let second = push_all(&groups, &shapes, &grads(2, 67, 1));
+    let tiny: Vec<f32> = (64..67).map(|i| (grads(2, 67, 1)[0][i] + grads(2, 67, 1)[1][i]) / 2.0).collect();
+    assert_eq!(&second[1].as_ref().unwrap()[64..], &tiny[..]);
+    let s = groups[1].stats();
+    assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (2, 1, 2 * 4 * 67));
+    // The first two pushes have no plan yet: a 9-field agreement each (72
+    // floats). Each push: the tail (39 words), then 67 floats, or a scale,
+    // 64 codes in lanes and 3 floats.
+    let (agreement, tail, compressed) = (4 * 72, 8 * 39, 4 + collective::codes_bytes(64, -3, 3, 2) + 4 * 3);
+    assert_eq!((s.agreements, s.bytes_sent), (2, 2 * agreement + 2 * tail + 4 * 67 + compressed));
+    // The third follows the second as the second followed the first: no agreement.
+    push_all(&groups, &shapes, &grads(2, 67, 2));
+    let third = groups[1].stats();
+    assert_eq!((third.agreements, third.bytes_sent - s.bytes_sent), (2, tail + compressed));
+}
+
+#[test]
+fn a_refused_first_push_registers_no_key() {
+    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+    let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+    let fresh: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+    let mut bad = grads(2, 20, 0);
+    bad[0][3] = f32::NAN;
+    assert!(push_all(&groups, &[("w", vec![20])], &bad).iter().all(|r| r.is_err()));
+    assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), fresh, "no key 'w' after the refused push");
+    // Still fresh: a checkpoint of other keys loads (a registered 'w' would be "pushed here but not in the compression states").
+    let other: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+    push_all(&other, &[("v", vec![8])], &grads(2, 8, 0));
+    for (g, o) in groups.iter().zip(&other) {
+        g.load(&o.save().unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn a_checkpoint_with_a_non_finite_state_or_an_overflowing_shape_is_refused_whole() {
+    for (c, what) in [(params(&[("compress", "powersgd"), ("rank", "1")]), "PowerSGD Q"), (params(&[("compress", "1bit")]), "residual")] {
+        let group = Group::new(c, 0, 1, 0, 0.0).unwrap();
+        push_all(std::slice::from_ref(&group), &[("m", vec![4, 5])], &grads(1, 20, 0));
+        let blob = group.save().unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut saved = checkpoint::decode(&blob).unwrap();
+            let state = &mut saved.keys[0].states[0];
+            let values = if what == "PowerSGD Q" { &mut state.q } else { &mut state.residual };
+            values[1] = bad;
+            let err = group.load(&checkpoint::encode(&saved)).unwrap_err().to_string();
+            assert_eq!(err, format!("optimizer states: key 'm': its saved {what} holds {bad} at element 1, a non-finite value"));
+            assert_eq!(group.save().unwrap(), blob, "unchanged");
+            // A fresh group refuses it too.
+            assert!(Group::new(c, 0, 1, 0, 0.0).unwrap().load(&checkpoint::encode(&saved)).is_err());
+        }
+    }
+    // A shape whose product overflows (2^62 x 8 wraps to 0, fitting empty states).
+    let c = params(&[("compress", "1bit")]);
+    let fresh = Group::new(c, 0, 1, 0, 0.0).unwrap();
+    let mut saved = checkpoint::decode(&fresh.save().unwrap()).unwrap();
+    saved.keys.push(KeyState { key: Key::Str("huge".into()), shape: vec![1 << 62, 8], pushes: 3, residuals: Vec::new(), states: vec![scheme::State::default()] });
+    let err = fresh.load(&checkpoint::encode(&saved)).unwrap_err().to_string();
+    assert!(err.contains("key 'huge': saved with shape [4611686018427387904, 8], more elements than any array can hold"), "{err}");
+    assert_eq!(fresh.save().unwrap(), Group::new(c, 0, 1, 0, 0.0).unwrap().save().unwrap());
+}
+
+#[test]
+fn a_world_too_large_for_the_code_sum_is_named() {
+    let two = params(&[("compress", "2bit"), ("threshold", "0.5")]);
+    assert!(Group::new(two, 0, 46340, 0, 0.0).is_ok());
+    for world in [46341, 1 << 31, 1 << 40, usize::MAX] {
+        let err = Group::new(two, 0, world, 0, 0.0).err().unwrap().to_string();
+        assert_eq!(err, format!("invalid parameter 'process_group': a world of {world} ranks: 2bit sums every rank's codes in 32-bit lanes, which hold the sum of at most 46340 ranks"));
+    }
+    let one = params(&[("compress", "1bit")]);
+    assert!(Group::new(one, 0, i32::MAX as usize, 0, 0.0).is_ok());
+    assert!(Group::new(one, 0, 1 << 31, 0, 0.0).err().unwrap().to_string().contains("at most 2147483647 ranks"));
+}
+
+#[test]
+fn saved_states_resume_and_a_blob_of_another_setting_is_refused_whole() {
+    let c = params(&[("compress", "powersgd"), ("rank", "1")]);
+    let group = Group::new(c, 0, 1, 0, 0.0).unwrap();
+    push_all(std::slice::from_ref(&group), &[("m", vec![4, 5])], &grads(1, 20, 0));
+    let blob = group.save().unwrap();
+    let resumed = Group::new(c, 0, 1, 0, 0.0).unwrap();
+    resumed.load(&blob).unwrap();
+    let a = push_all(std::slice::from_ref(&group), &[("m", vec![4, 5])], &grads(1, 20, 1));
+    let b = push_all(std::slice::from_ref(&resumed), &[("m", vec![4, 5])], &grads(1, 20, 1));
+    assert_eq!(a[0].as_ref().unwrap(), b[0].as_ref().unwrap());
+    let wrong_shape = Group::new(c, 0, 1, 0, 0.0).unwrap();
+    wrong_shape.load(&blob).unwrap(); // fresh: checked at the first push
+    let err = push_all(std::slice::from_ref(&wrong_shape), &[("m", vec![5, 4])], &grads(1, 20, 1)).remove(0).unwrap_err().to_string();
+    assert_eq!(err, "gradpack: rank 0's key 'm' was loaded from a checkpoint with another shape; nothing was applied on any rank");
+    let other = Group::new(params(&[("compress", "powersgd"), ("rank", "2")]), 0, 1, 0, 0.0).unwrap();
+    assert!(other.load(&blob).unwrap_err().to_string().contains("saved with PowerSgd"));
+    let two = Group::new(c, 0, 2, 0, 0.0).unwrap();
+    assert!(two.load(&blob).unwrap_err().to_string().contains("worker 0 of 1, this is worker 0 of 2"));
+    assert!(Group::new(params(&[("compress", "grandk_mn"), ("bits", "2"), ("k", "3"), ("unselected", "local")]), 0, 2, 0, 0.0).is_err());
+    assert!(Group::new(c, 2, 2, 0, 0.0).is_err() && Group::new(c, 0, 1, 0, f64::NAN).is_err());
+}
+
+/// Pushes `steps` steps of two buckets on every rank (keys a, b; then c).
+fn two_buckets(groups: &[Group], from: u64, steps: u64) -> Vec<Vec<f32>> {
+    let mut last = Vec::new();
+    for step in from..from + steps {
+        let g = grads(groups.len(), 44, step);
+        push_all(groups, &[("a", vec![4, 5]), ("b", vec![4])], &g.iter().map(|x| x[..24].to_vec()).collect::<Vec<_>>()).into_iter().for_each(|r| drop(r.unwrap()));
+        last = push_all(groups, &[("c", vec![20])], &g.iter().map(|x| x[24..].to_vec()).collect::<Vec<_>>()).into_iter().map(|r| r.unwrap()).collect();
+    }
+    last
+}
+
+#[test]
+fn a_settled_job_agrees_no_more_and_a_rank_that_departs_from_the_plan_fails_every_rank_alike() {
+    for c in [
+        params(&[("compress", "none")]),
+        params(&[("compress", "2bit"), ("threshold", "0.25")]),
+        params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,4]")]),
+        params(&[("compress", "powersgd"), ("rank", "1")]),
+        params(&[("compress", "1bit")]),
+    ] {
+        let groups: Vec<Group> = (0..3).map(|r| Group::new(c, r, 3, 0, 0.0).unwrap()).collect();
+        two_buckets(&groups, 0, 2);
+        let settled = groups[0].stats().agreements;
+        assert_eq!(settled, 3, "{c:?}: the first bucket, the second, the first after the second");
+        two_buckets(&groups, 2, 3);
+        assert_eq!(groups[2].stats().agreements, settled, "{c:?}");
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        // Rank 1 pushes another bucket where the plan has (a, b): every rank fails alike.
+        let (g, threads) = (grads(3, 24, 9), Threads::new(3));
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3)
+                .map(|r| {
+                    let (groups, g, threads) = (&groups, &g, &threads);
+                    s.spawn(move || {
+                        let layout: &[(&str, Vec<usize>)] = if r == 1 { &[("a", vec![5, 4]), ("b", vec![4])] } else { &[("a", vec![4, 5]), ("b", vec![4])] };
+                        one(threads, &groups[r], r, layout, &g[r])
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap().unwrap_err().to_string()).collect()
+        });
+        assert!(errors.iter().all(|e| *e == errors[0]), "{c:?}: {errors:?}");
+        assert!(errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {}", errors[0]);
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+        // The job goes on: the next steps stand in once and settle again.
+        two_buckets(&groups, 10, 3);
+    }
+}
+
+/// One rank's push of one bucket, reducing through `threads`.
+fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize>)], grad: &[f32]) -> Result<Vec<f32>> {
+    let mut at = 0;
+    let tensors: Vec<Tensor> = layout
+        .iter()
+        .map(|(k, shape)| {
+            let n: usize = shape.iter().product();
+            at += n;
+            Tensor { key: Key::Str(k.to_string()), shape: shape.clone(), grad: &grad[at - n..at] }
+        })
+        .collect();
+    let mut engine = Rank { threads, rank };
+    let mut pending = group.encode(&tensors, grad.len(), true, &mut engine)?;
+    let mut out = grad.to_vec();
+    if !pending.words.is_empty() {
+        engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words))?;
+    }
+    if pending.plain {
+        engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out))?;
+    } else if !pending.floats.is_empty() {
+        engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut pending.floats))?;
+    }
+    group.decode(pending, &mut out)?;
+    Ok(out)
+}
