@@ -3,8 +3,7 @@
 Every path a module uses is read and resolved to the module it names:
 `crate::a::b`, `super::x` (at any depth), `self::x`, and a child's name (`use
 child::x`), in `use` lines and in code (comments and test code left out;
-`pub use` re-exports and `mod` lines are not uses; lib.rs's inline re-export
-`compression` -> `quant::compression` is followed). Two rules:
+`pub use` re-exports and `mod` lines are not uses). Two rules:
 
 1. No cycle among siblings, at every level: the children of each module (the
    crate's top-level modules, `store`'s `local`, `mpi` and `param_server`, ...)
@@ -21,9 +20,6 @@ import os
 import re
 import sys
 import tempfile
-
-ALIASES = {("compression",): ("quant", "compression")}
-
 
 def modules(src):
     """{module path tuple: file}, from the file tree."""
@@ -95,7 +91,6 @@ def uses(mod, code, mods):
         target = base
         for i, p in enumerate(rest):
             nxt = target + (p,)
-            nxt = ALIASES.get(nxt, nxt)
             if nxt in mods or any(k[: len(nxt)] == nxt for k in mods):
                 target = nxt
                 continue

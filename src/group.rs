@@ -21,7 +21,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::codec;
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::store::checkpoint::{self, KeyState, Saved};
