@@ -9,9 +9,9 @@
 mod common;
 
 use common::time;
-use gradpack::compression::Compression;
 use gradpack::store::{Array, Grad, KVStore, Key};
 use gradpack::quant::collective::InProcess;
+use gradpack::quant::compression::Compression;
 use gradpack::quant::scheme::{self, Ctx, State};
 
 /// The codec's share of a push on `devices` devices: one device's encode

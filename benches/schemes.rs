@@ -12,8 +12,8 @@
 mod common;
 
 use common::{time, time_beside};
-use gradpack::compression::Compression;
 use gradpack::quant::collective::InProcess;
+use gradpack::quant::compression::Compression;
 use gradpack::quant::scheme::{self, Ctx, State};
 
 fn main() {

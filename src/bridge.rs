@@ -7,7 +7,7 @@
 use half::{bf16, f16};
 
 use crate::codec::{self, Thresholds};
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::error::{catch_panic as guarded, Error, Result};
 use crate::boundary::{Inputs, Outputs, RawGrad};
 use crate::store::{elements, Array, Grad, Key, Updater};

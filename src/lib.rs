@@ -29,7 +29,7 @@
 //!
 //! ```
 //! use gradpack::codec::Grad;
-//! use gradpack::compression::Compression;
+//! use gradpack::quant::compression::Compression;
 //! use gradpack::key::Key;
 //! use gradpack::store::{Array, ArrayMut, KVStore};
 //!
@@ -76,10 +76,6 @@ pub mod bytes;
 pub mod capi;
 pub mod codec;
 pub mod cuda;
-/// `compress_params` parsing and validation (docs/contract.md §2); it lives in `quant`.
-pub mod compression {
-    pub use crate::quant::compression::*;
-}
 pub mod error;
 pub mod hash;
 pub mod isa;

@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use gradpack::compression::Compression;
+use gradpack::quant::compression::Compression;
 use gradpack::store::{MpiStore, Array, ArrayMut, Grad, KVStore, Key, Store};
 
 const WORKERS: usize = 3;

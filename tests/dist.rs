@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use gradpack::compression::Compression;
+use gradpack::quant::compression::Compression;
 use gradpack::store::param_server::auth::Secret;
 use gradpack::store::param_server::{serve, Config, DistWorker, Role};
 use gradpack::store::{Array, ArrayMut, Grad, Key};
@@ -167,7 +167,7 @@ fn bad_requests_get_errors_and_change_nothing() {
         let (c, p) = two_bit();
         assert!(w.set_compress(c, &p).unwrap_err().to_string().contains("before initializing"));
         assert!(w.set_optimizer("rmsprop", &[]).unwrap_err().to_string().contains("unknown optimizer"));
-        let local = Compression::Qsgd(gradpack::compression::Qsgd::new("grandk_mn", &[4], 0, Some(2), true).unwrap());
+        let local = Compression::Qsgd(gradpack::quant::compression::Qsgd::new("grandk_mn", &[4], 0, Some(2), true).unwrap());
         assert!(w.set_compress(local, &[]).unwrap_err().to_string().contains("unselected='local'"));
         assert_eq!(pull(w, &k, &shape), vec![1.0; 4]);
     });

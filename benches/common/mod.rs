@@ -85,11 +85,11 @@ pub const SCHEMES: &[(&str, &[(&str, &str)])] = &[
 /// `params` for arrays of `n` elements (random-K sends k = n / 16); no
 /// params: no compression.
 #[allow(dead_code)]
-pub fn compression(params: &[(&str, &str)], n: usize) -> gradpack::compression::Compression {
+pub fn compression(params: &[(&str, &str)], n: usize) -> gradpack::quant::compression::Compression {
     if params.is_empty() {
-        return gradpack::compression::Compression::None;
+        return gradpack::quant::compression::Compression::None;
     }
     let k = (n / 16).to_string();
     let params = params.iter().map(|&(a, b)| (a, if a == "k" { k.as_str() } else { b }));
-    gradpack::compression::Compression::from_params(params).unwrap()
+    gradpack::quant::compression::Compression::from_params(params).unwrap()
 }

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_int, c_void};
 
 use super::{cstr, guard, params};
 use crate::boundary::{slice, slice_mut, Raw};
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
 use crate::store::group::{Buffer, Engine, Group, Pending, ReduceOp, Tensor};
 use crate::key::Key;

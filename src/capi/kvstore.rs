@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_int, c_void};
 
 use super::{cstr, dtype_of, guard, params};
 use crate::boundary::{slice, slice_mut, Inputs, Outputs, Raw, RawGrad};
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::store::param_server::{self, Config};
 use crate::error::{Dtype, Error, Result};
 use crate::store::{elements, Key, Store, Updater};

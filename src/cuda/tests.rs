@@ -333,8 +333,8 @@ mod with_feature {
             let d = gpu();
             for n in [33usize, 4097, (1 << 20) + 3] {
                 let k = (n / 16).to_string();
-                let q = match crate::compression::Compression::from_params([("compress", "grandk_mn"), ("bits", "2"), ("seed", "5"), ("k", k.as_str())]).unwrap() {
-                    crate::compression::Compression::Qsgd(q) => q,
+                let q = match crate::quant::compression::Compression::from_params([("compress", "grandk_mn"), ("bits", "2"), ("seed", "5"), ("k", k.as_str())]).unwrap() {
+                    crate::quant::compression::Compression::Qsgd(q) => q,
                     other => panic!("{other:?}"),
                 };
                 let idx: Vec<u64> = scheme::selection(&q, n, 3, 99).expect("k < n").iter().map(|&i| i as u64).collect();

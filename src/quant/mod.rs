@@ -12,8 +12,7 @@
 //! `scheme`: every scheme as encode -> sum -> decode, shared by the device
 //! store (every device a member, folded in one thread), the all-reduce
 //! store (MPI) and the parameter-server store (the key's server). `compression`: the parsed and
-//! validated `compress_params` every store takes (re-exported as
-//! `crate::compression`), below `scheme` and above the quantizers it checks
+//! validated `compress_params` every store takes, below `scheme` and above the quantizers it checks
 //! parameters with: `quant` imports nothing above it, from the store down; only the
 //! codec, error and byte helpers. See docs/research/issue6-schemes.md.
 

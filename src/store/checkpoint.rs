@@ -136,7 +136,7 @@ pub(crate) fn decode(blob: &[u8]) -> Result<Saved> {
 /// cover the whole value, one per device).
 pub(crate) fn check(
     saved: &Saved,
-    compression: &crate::compression::Compression,
+    compression: &crate::quant::compression::Compression,
     (rank, workers): (u64, u64),
     shape_of: impl Fn(&Key) -> Result<Vec<usize>>,
     slices_of: impl Fn(&Key) -> Option<Vec<usize>>,

@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 use super::{Array, ArrayMut, Key};
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 
 /// The rule of every store, as MXNet's: compression is chosen before the

@@ -39,7 +39,7 @@ pub use crate::codec::Grad;
 pub use crate::key::Key;
 
 use checks::check_outputs;
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
 use crate::optimizer::Optimizer;
 

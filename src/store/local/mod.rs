@@ -22,11 +22,11 @@ use super::checks::{check_compress_before_init, check_outputs, check_push, check
 use super::sum::{round_to_f16, settle, sum_into};
 use super::{checkpoint, Array, ArrayMut, Grad, Key, Kind, Store, Updater};
 use crate::codec;
-use crate::compression::Compression;
 use crate::error::{Dtype, Error, Result};
 use crate::optimizer::Optimizer;
 use crate::par;
 use crate::quant::collective::{self, Collective};
+use crate::quant::compression::Compression;
 use crate::quant::scheme;
 
 /// Invariant: `value.len() == shape.iter().product()`; every non-empty residual

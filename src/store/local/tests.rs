@@ -270,7 +270,7 @@ fn large_keys_reduce_exactly() {
 }
 
 fn qsgd(bits: u32, seed: u64) -> Compression {
-    Compression::Qsgd(crate::compression::Qsgd::new("qsgd_mn", &[bits], seed, None, false).unwrap())
+    Compression::Qsgd(crate::quant::compression::Qsgd::new("qsgd_mn", &[bits], seed, None, false).unwrap())
 }
 
 #[test]

@@ -18,7 +18,7 @@ pub mod world;
 use self::world::World;
 use super::local::Round;
 use super::{Array, ArrayMut, KVStore, Key, Kind, Store, Updater};
-use crate::compression::Compression;
+use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
 
 pub struct MpiStore {

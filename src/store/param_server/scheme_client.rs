@@ -11,9 +11,9 @@ use std::sync::Arc;
 use super::message::{encode_pairs, Exchange, Flag, Message, Meta};
 use super::postoffice::Postoffice;
 use super::slices::{reply_check, Slice};
-use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::quant::collective::Collective;
+use crate::quant::compression::Compression;
 use crate::quant::scheme::{self, Part};
 use crate::store::Key;
 

@@ -14,11 +14,11 @@ use super::postoffice::Postoffice;
 use super::counts;
 use super::round::{mismatch, response, Gathered, Gathering, PlainSum, Round, SchemeSteps};
 use crate::codec::{self, Thresholds};
-use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::store::sum::{add_into, settle};
 use crate::store::Key;
 use crate::optimizer::Optimizer;
+use crate::quant::compression::Compression;
 use crate::quant::scheme;
 
 struct Slot {

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use super::counts;
 use super::message::{Command, Flag, Message, Meta};
-use crate::compression::Compression;
 use crate::error::Error;
+use crate::quant::compression::Compression;
 use crate::quant::scheme;
 use crate::store::Key;
 

@@ -23,12 +23,12 @@ use super::scheme_client::{abort_round, RoundEnd, SchemeRound};
 use super::slices::{reply_check, slices_for, slices_per_server, Slice};
 use super::counts;
 use crate::codec::{self, Grad};
-use crate::compression::Compression;
 use crate::error::{Error, Result};
 use crate::store::checkpoint;
 use crate::store::checks::{check_compress_before_init, check_outputs, check_push, check_shape, key_error, lock};
 use crate::store::sum::{round_to_f16, sum_into};
 use crate::store::{store_type, Array, ArrayMut, Key, Kind, Store};
+use crate::quant::compression::Compression;
 use crate::quant::scheme::{self, Part};
 
 struct WorkerKey {
