@@ -8,13 +8,17 @@ torch.distributed (gloo on CPU).
 The Rust core does every numeric step (the stores' scheme path); this
 module hands it the bucket's float32 buffer without copying and performs
 the all-reduces it asks for, every one issued from the hook body in the
-same order on every rank (agreement and exchanges block there; the final
-sums are asynchronous and only decoded in the future's callback). Results
-are the sum over ranks divided by the world size, identical on every rank.
+same order on every rank (the schemes' exchanges block there; the final
+sums are asynchronous and decoded in the future's callback, or by the
+step's last hook). A bucket is checked with every rank at the end of its
+final sum, not in a round of its own, once the State knows which bucket
+comes next (src/store/group/mod.rs). Results are the sum over ranks
+divided by the world size, identical on every rank.
 
 Each parameter is one key ('param0', 'param1', ... in the order DDP first
 hands them over), so state survives DDP's bucket rebuilds and checkpoints.
-Errors are ``gradpack.Error``, raised on every rank at the same step. A
+Errors are ``gradpack.Error``, raised on every rank at the same step (by
+the hook of the step's last bucket when a bucket's final sum found it). A
 rank that dies ends the job with torch's own timeout error (the
 ``timeout=`` of ``init_process_group``).
 """
@@ -90,23 +94,59 @@ def _check_tensor(t, what):
 
 class _Pending(NativeHandle):
     """A bucket between encode and decode: its float32 view and the
-    all-reduces in flight. Freed by decode, or when dropped; never copied."""
+    all-reduces in flight. Finished once (decoded, or its error kept), by
+    the hook's callback or by whoever needs its keys first; never copied."""
 
     _instead = "a pending bucket is decoded once, by the hook call that made it"
 
-    def __init__(self, state, handle, flat, words, nwords, floats, nfloats, plain):
-        self.state, self.handle, self.flat = state, handle, flat
+    def __init__(self, state, handle, flat, keys, words, nwords, floats, nfloats, plain):
+        self.state, self.handle, self.flat, self.keys = state, handle, flat, keys
+        self._lock, self._outcome = threading.Lock(), None
         # The words (ending with the bucket's check) first, then the floats
         # or the bucket itself: the order every rank sums them in.
         sums = [_view(words, nwords, 1), flat if plain else _view(floats, nfloats, 0)]
         group = state.process_group
         self.futures = [dist.all_reduce(t, group=group, async_op=True).get_future()
                         for t in sums if t.numel() > 0]
+        for k in keys:
+            state._open[k] = self
+        state._pending.append(self)
 
     def decode(self):
-        handle, self.handle = self.handle, None
-        check_call(LIB.gp_group_decode(self.state._handle, handle, self.flat.data_ptr(),
-                                       self.flat.numel()))
+        """Decodes the summed bucket into its buffer once; raises its error
+        (every later call raises it again)."""
+        with self._lock:
+            if self.handle is not None:
+                handle, self.handle = self.handle, None
+                try:
+                    check_call(LIB.gp_group_decode(self.state._handle, handle, self.flat.data_ptr(),
+                                                   self.flat.numel()))
+                    self._outcome = None
+                except Error as e:
+                    self._outcome = e
+                for k in self.keys:
+                    if self.state._open.get(k) is self:
+                        del self.state._open[k]
+                if self._outcome is None and self in self.state._pending:
+                    # A failed bucket stays listed, for the step's last hook to raise.
+                    self.state._pending.remove(self)
+            if self._outcome is not None:
+                raise self._outcome
+
+    def settle(self, raising=False):
+        """Waits for the sums and finishes the bucket; its error is raised
+        when `raising`, else left for the hook's future to carry."""
+        for f in self.futures:
+            try:
+                f.wait()
+            except Exception:  # noqa: BLE001 - torch's error (a dead rank) reaches the caller
+                if raising:
+                    raise
+        try:
+            self.decode()
+        except Error:
+            if raising:
+                raise
 
     def __del__(self):
         if getattr(self, "handle", None) is not None:
@@ -158,6 +198,8 @@ class State(NativeHandle):
         self._failure = None
         self._reduce_fn = _REDUCE(self._reduce)
         self._layouts = {}  # (keys, shapes) -> the C arrays that name them
+        self._open = {}  # key -> its bucket not yet decoded
+        self._pending = []  # the buckets not yet decoded, in the order they were encoded
         # encode's outputs (the pending bucket and its buffers), kept for every call.
         self._outs = tuple(t() for t in (_p, _p, _u64, _p, _u64, ctypes.c_int))
         self._out_refs = tuple(ctypes.byref(o) for o in self._outs)
@@ -215,7 +257,33 @@ class State(NativeHandle):
             self._layouts[layout] = arrays
         return arrays
 
+    def _settle(self, keys=None):
+        """Finishes the buckets still open (all of them, or those holding
+        one of `keys`): after a bucket failed, DDP raises its error while
+        the others' sums may still be arriving."""
+        open_ = set(self._open.values()) if keys is None else {self._open[k] for k in keys if k in self._open}
+        for pending in open_:
+            pending.settle()
+        if keys is None:
+            self._pending.clear()
+
+    def _finish_step(self):
+        """Finishes every bucket encoded so far, in the order they were
+        encoded, and raises the first one's error (every rank's first failed
+        bucket is the same one, so every rank raises the same error)."""
+        pending, self._pending = self._pending, []
+        first = None
+        for p in pending:
+            try:
+                p.settle(raising=True)
+            except Exception as e:  # noqa: BLE001 - raised below, the first one
+                first = first or e
+        if first is not None:
+            raise first
+
     def _encode_locked(self, flat, keys, shapes, last):
+        if self._open:
+            self._settle(keys)
         ckeys, ndims, cdims = self._layout(keys, shapes)
         self._failure = None
         status = LIB.gp_group_encode(self._handle, len(keys), ckeys, ndims, cdims, flat.data_ptr(),
@@ -226,7 +294,7 @@ class State(NativeHandle):
                 raise failure  # torch's own error (a dead rank: its timeout)
             check_call(status)
         handle, words, nwords, floats, nfloats, plain = (o.value for o in self._outs)
-        return _Pending(self, handle, flat, words, nwords, floats, nfloats, plain)
+        return _Pending(self, handle, flat, keys, words, nwords, floats, nfloats, plain)
 
     def stats(self):
         """Bytes this rank handed torch.distributed (and what float32
@@ -241,14 +309,15 @@ class State(NativeHandle):
     def state_dict(self):
         """Every tensor's compression state (residuals, PowerSGD's Q, push
         counts): save each rank's own, between steps."""
+        self._settle()
         data, n = ctypes.POINTER(ctypes.c_uint8)(), _u64()
         check_call(LIB.gp_group_save(self._handle, ctypes.byref(data), ctypes.byref(n)))
         try:
             blob = ctypes.string_at(data, n.value)
         finally:
             LIB.gp_buffer_free(data, n)
-        return {"format": _STATE_FORMAT, "compress_params": dict(self.compress_params),
-                "rank": self.rank, "world_size": self.world_size, "states": blob}
+        # The blob names its compression, rank and world size; load_state_dict checks them there.
+        return {"format": _STATE_FORMAT, "states": blob}
 
     def load_state_dict(self, state_dict):
         """Resumes from ``state_dict()``: another compression, rank, world
@@ -259,6 +328,7 @@ class State(NativeHandle):
         blob = state_dict.get("states")
         if not isinstance(blob, (bytes, bytearray)):
             raise Error("gradpack.torch state_dict: 'states' must be bytes")
+        self._settle()
         check_call(LIB.gp_group_load(self._handle, bytes(blob), len(blob)))
 
 
@@ -267,7 +337,13 @@ def _as_float32(t):
 
 
 def hook(state, bucket):
-    """DDP communication hook: ``ddp.register_comm_hook(state, hook)``."""
+    """DDP communication hook: ``ddp.register_comm_hook(state, hook)``.
+
+    A bucket's final sums run asynchronously and are decoded in its
+    future's callback, except the step's last bucket: its hook waits for
+    every bucket of the step and raises the first one's error, if any, as a
+    ``gradpack.Error`` (the same on every rank), where DDP would wait for
+    them next anyway."""
     buf = bucket.buffer()
     _check_tensor(buf, "the DDP bucket")
     params = bucket.parameters()
@@ -275,7 +351,13 @@ def hook(state, bucket):
     shapes = [tuple(p.shape) for p in params]
     flat = _as_float32(buf)  # float16/bfloat16 widened exactly
     pending = state._encode(flat, keys, shapes, bucket.is_last())
-    done = torch.futures.collect_all(pending.futures)
+    if bucket.is_last():
+        state._finish_step()
+        if flat is not buf:
+            buf.copy_(flat)
+        done = torch.futures.Future()
+        done.set_result(buf)
+        return done
 
     def decode(fut):
         fut.wait()  # raises torch's error when a sum failed
@@ -286,7 +368,7 @@ def hook(state, bucket):
             buf.copy_(flat)
         return buf
 
-    return done.then(decode)
+    return torch.futures.collect_all(pending.futures).then(decode)
 
 
 def allreduce_(tensor, state, key):
@@ -303,9 +385,13 @@ def allreduce_(tensor, state, key):
     flat = data.reshape(-1) if data.is_contiguous() and data.dtype == torch.float32 else \
         _as_float32(data).contiguous().reshape(-1)
     pending = state._encode(flat, [key], [tuple(tensor.shape)], True)
-    for f in pending.futures:
-        f.wait()
-    pending.decode()
+    try:
+        for f in pending.futures:
+            f.wait()
+        pending.decode()
+    finally:
+        if pending in state._pending:
+            state._pending.remove(pending)
     if flat.data_ptr() != data.data_ptr():
         data.copy_(flat.view(data.shape))
     return tensor

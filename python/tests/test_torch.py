@@ -285,3 +285,40 @@ ref, want = gpt.State({"compress": "1bit"}), torch.arange(8, dtype=torch.float32
 gpt.allreduce_(want, ref, "a")
 assert torch.equal(t, want) and state.state_dict()["states"] == ref.state_dict()["states"], (t, want)
 """)
+
+
+def test_a_settled_job_runs_no_agreement_and_issues_only_the_schemes_all_reduces(tmp_path):
+    # Blocking rounds a bucket makes before its final sums, by scheme.
+    rounds = {"none": 0, "2bit": 0, "1bit": 0, "qsgd_mn": 1, "grandk_mn": 1, "powersgd": 1,
+              "qsgd_mn_ts": 2, "qsgd_mn_ms": 2, "grandk_mn_ts": 2}
+    for rep in ranks(2, ["steady"], tmp_path):
+        for name, s in rep["steady"].items():
+            assert s["replicas_identical"], (name, s)
+            # Step 0 agrees its one bucket; DDP then rebuilds its buckets, so
+            # step 1 agrees each new bucket and step 2 the first after the
+            # last; from step 3 on every bucket is the one planned.
+            assert s["agreements"][2:] == [s["agreements"][2]] * 4 and s["agreements"][1] > s["agreements"][0], (name, s)
+            for step in range(3, 6):
+                # The words (codes and the check), the floats or the bucket, and the scheme's own rounds.
+                assert s["hooks"][step] <= s["collectives"][step] <= s["hooks"][step] * (2 + rounds[name]), (name, s)
+                assert s["collectives"][step] == s["collectives"][3], (name, s)
+
+
+def test_a_rank_that_departs_from_a_settled_job_fails_every_rank_alike(tmp_path):
+    reports = ranks(3, ["departures"], tmp_path)
+    for key in reports[0]["departures"]:
+        if key.startswith(("load one ", "late nan ", "other layout")) and not any(w in key for w in ("unchanged", "agreements", "identical", "then")):
+            errors = {rep["departures"][key] for rep in reports}
+            assert len(errors) == 1, (key, errors)
+    for rep in reports:
+        d = rep["departures"]
+        assert "the ranks disagree on bucket layout" in d["other layout"], d["other layout"]
+        assert d["other layout unchanged"] and d["other layout agreements"] == 0, d
+        assert d["other layout then"] is None and d["other layout then identical"], d
+        for name in ("2bit", "qsgd_mn", "qsgd_mn_ts", "powersgd", "1bit"):
+            assert "the ranks disagree on push counts" in d["load one " + name], (name, d["load one " + name])
+            assert d["load one unchanged " + name], name
+            assert d["load all " + name] is None and d["load all identical " + name], (name, d["load all " + name])
+            err = d["late nan " + name]
+            assert err.startswith("gradpack.Error: gradpack: rank 2's") and "non-finite" in err, (name, err)
+            assert d["late nan unchanged " + name], name

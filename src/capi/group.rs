@@ -32,6 +32,12 @@ struct Callback {
 
 impl Engine for Callback {
     fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        let op: c_int = match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Max => 1,
+            ReduceOp::Or => 2,
+            ReduceOp::LaneMin(_) => return Err(Error::Internal("the caller's engine has no lane-wise MIN".into())),
+        };
         let (dtype, data, len) = match buf {
             Buffer::F32(x) => (0, x.as_mut_ptr().cast::<c_void>(), x.len()),
             Buffer::U64(x) => (1, x.as_mut_ptr().cast::<c_void>(), x.len()),
@@ -39,7 +45,7 @@ impl Engine for Callback {
         // SAFETY: `data` is valid for `len` elements of `dtype` for the whole
         // call (a live mutable slice); the callback is the caller's, as
         // gp_group_encode's contract describes.
-        let status = unsafe { (self.f)(self.user, op as c_int, dtype, data, len as u64) };
+        let status = unsafe { (self.f)(self.user, op, dtype, data, len as u64) };
         if status != 0 {
             return Err(Error::Transport(format!("the caller's all-reduce failed (status {status})")));
         }

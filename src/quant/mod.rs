@@ -19,6 +19,7 @@
 pub mod collective;
 pub mod compression;
 pub mod digits;
+pub mod engine;
 pub mod lanes;
 pub mod noise;
 pub mod onebit;

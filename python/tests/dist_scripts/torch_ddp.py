@@ -365,6 +365,127 @@ def scenario_faults():
     return out
 
 
+# Blocking rounds each scheme makes per bucket before its final sums
+# (QSGD's shared scale, the two-scale and multi-scale kinds' scale indices,
+# PowerSGD's P).
+EXCHANGES = {"none": 0, "2bit": 0, "qsgd_mn": 1, "qsgd_mn_ts": 2, "qsgd_mn_ms": 2, "grandk_mn": 1,
+             "grandk_mn_ts": 2, "powersgd": 1, "1bit": 0}
+
+
+def scenario_steady():
+    """Every scheme through DDP for 6 steps: the all-reduces each step
+    issues (counted by wrapping torch.distributed.all_reduce, which
+    gradpack.torch calls), the hook's calls, and the blocking agreement
+    rounds run so far (stats), step by step."""
+    out = {}
+    real = dist.all_reduce
+    count = [0]
+
+    def counting(tensor, *a, **kw):
+        count[0] += 1
+        return real(tensor, *a, **kw)
+
+    for params in SCHEMES:
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+        state = gpt.State(params, min_compression_rate=0)
+        calls = [0]
+
+        def hook(state, bucket):
+            calls[0] += 1
+            return gpt.hook(state, bucket)
+
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        facts = {"collectives": [], "hooks": [], "agreements": []}
+        for step in range(6):
+            count[0] = calls[0] = 0
+            opt.zero_grad()
+            dist.all_reduce = counting
+            try:
+                loss_of(ddp, step, RANK).backward()
+            finally:
+                dist.all_reduce = real
+            opt.step()
+            facts["collectives"].append(count[0])
+            facts["hooks"].append(calls[0])
+            facts["agreements"].append(state.stats()["agreements"])
+        facts["replicas_identical"] = identical_everywhere(flat_grads(model))
+        out[params["compress"]] = facts
+        del ddp
+        dist.barrier()
+    return out
+
+
+def train_steps(ddp, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        loss_of(ddp, step, RANK).backward()
+        opt.step()
+
+
+def scenario_departures():
+    """Once a job has settled (no agreement rounds any more), a rank that
+    departs from what the others run: the same error on every rank,
+    every state unchanged, and the job goes on."""
+    out = {}
+    # allreduce_ of another key and shape on the last rank.
+    state = gpt.State(SCHEMES[1], min_compression_rate=0)
+    for step in range(4):
+        gpt.allreduce_(torch.full((7, 6), float(step + RANK)), state, key="w")
+    settled, before = state.stats()["agreements"], state.state_dict()["states"]
+    if RANK == WORLD - 1:
+        out["other layout"] = error_of(lambda: gpt.allreduce_(torch.ones(3, 3), state, key="v"))
+    else:
+        out["other layout"] = error_of(lambda: gpt.allreduce_(torch.ones(7, 6), state, key="w"))
+    out["other layout unchanged"] = state.state_dict()["states"] == before
+    out["other layout agreements"] = state.stats()["agreements"] - settled
+    t = torch.full((7, 6), float(RANK))
+    out["other layout then"] = error_of(lambda: gpt.allreduce_(t, state, key="w"))
+    out["other layout then identical"] = identical_everywhere(t)
+    # DDP: a checkpoint loaded on the last rank only, a NaN long after the first step.
+    for params in (SCHEMES[1], SCHEMES[2], SCHEMES[3], SCHEMES[7], SCHEMES[8]):
+        name = params["compress"]
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+        state = gpt.State(params, min_compression_rate=0)
+        ddp.register_comm_hook(state, gpt.hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_steps(ddp, opt, 2)
+        older = state.state_dict()
+        train_steps(ddp, opt, 4, 2)
+        settled, before = state.stats()["agreements"], state.state_dict()["states"]
+        if RANK == WORLD - 1:
+            state.load_state_dict(older)
+        loaded = state.state_dict()["states"]
+        opt.zero_grad()
+        out["load one " + name] = error_of(lambda: loss_of(ddp, 6, RANK).backward())
+        out["load one unchanged " + name] = state.state_dict()["states"] == loaded
+        # DDP cannot go on after a hook raised: a new DDP of the same model and State.
+        del ddp
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+        ddp.register_comm_hook(state, gpt.hook)
+        # Every rank loads it: the next step runs (stand-ins, then the real bucket).
+        state.load_state_dict(older)
+        opt.zero_grad()
+        out["load all " + name] = error_of(lambda: loss_of(ddp, 6, RANK).backward())
+        out["load all identical " + name] = out["load all " + name] is None and identical_everywhere(flat_grads(model))
+        train_steps(ddp, opt, 3, 7)
+        settled, before = state.stats()["agreements"], state.state_dict()["states"]
+        opt.zero_grad()
+        loss = loss_of(ddp, 10, RANK)
+        if RANK == WORLD - 1:
+            loss = loss * float("nan")
+        out["late nan " + name] = error_of(lambda: loss.backward())
+        out["late nan unchanged " + name] = state.state_dict()["states"] == before
+        out["late nan agreements " + name] = state.stats()["agreements"] - settled
+        del ddp
+        dist.barrier()
+    return out
+
+
 def scenario_dead_rank():
     """The last rank exits after one step; the others' next step must end
     with torch's own error within the process group's timeout."""

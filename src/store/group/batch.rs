@@ -10,7 +10,7 @@
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Mutex;
 
-use super::engine::{Buffer, Engine, Lanes, ReduceOp};
+use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
 use crate::error::{Error, Result};
 use crate::quant::compression::Compression;
 use crate::quant::scheme;
@@ -76,7 +76,7 @@ impl Engine for Batched {
 /// Reduces the waiting requests (in tensor order) as one all-reduce per
 /// (operation, element type), in the order of each pair's first request,
 /// and answers each; an engine error answers every request left.
-fn serve(waiting: Vec<Request>, coll: &mut Lanes) {
+fn serve(waiting: Vec<Request>, coll: &mut Lanes<&mut dyn Engine>) {
     let mut groups: Vec<((ReduceOp, u8), Vec<Request>)> = Vec::new();
     for r in waiting {
         let id = (r.op, r.data.kind());
@@ -132,7 +132,7 @@ fn exchanges(c: &Compression) -> bool {
 
 impl Pool {
     /// Encodes every job (`scheme::encode`), each exchange through `coll`.
-    pub fn encode(&self, c: &Compression, jobs: Vec<Job>, coll: &mut Lanes) -> Vec<Encoded> {
+    pub fn encode(&self, c: &Compression, jobs: Vec<Job>, coll: &mut Lanes<&mut dyn Engine>) -> Vec<Encoded> {
         if jobs.len() <= 1 || !exchanges(c) {
             return jobs.into_iter().map(|(ctx, grad, state)| scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, coll)).collect();
         }
@@ -153,7 +153,7 @@ impl Pool {
                 let tx = tx.clone();
                 s.spawn(move |_| {
                     let mut engine = Batched { tx: tx.clone(), slot };
-                    let mut own = Lanes { engine: &mut engine, workers, sent: 0 };
+                    let mut own = Lanes::new(&mut engine, workers);
                     let result = scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, &mut own);
                     let _ = tx.send(Msg::Done { slot, result });
                 });

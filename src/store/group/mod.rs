@@ -34,7 +34,6 @@
 
 mod batch;
 mod check;
-pub mod engine;
 #[cfg(test)]
 mod tests;
 
@@ -51,7 +50,7 @@ use crate::quant::{qsgd, scheme};
 use crate::store::checkpoint::{self, KeyState, Saved};
 
 use check::{Mine, Own, Verdict, TAIL_WORDS};
-pub use engine::{Buffer, Engine, Lanes, ReduceOp};
+pub use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
 
 /// One tensor of a bucket: its key, shape and float32 gradient.
 pub struct Tensor<'a> {
@@ -136,6 +135,8 @@ pub struct Group {
     keys: Arc<Mutex<Keys>>,
     plans: Mutex<Plans>,
     pool: batch::Pool,
+    /// `compressed_bytes` by shape.
+    wire: Mutex<HashMap<Vec<usize>, u64>>,
 }
 
 /// How one tensor of a pending bucket travels.
@@ -267,7 +268,7 @@ impl Group {
         }
         let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
         let settings = crate::hash::fingerprint(&format!("{world} {start_iter} {min_rate}"));
-        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), pool: batch::Pool::default() })
+        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), pool: batch::Pool::default(), wire: Mutex::default() })
     }
 
     pub fn stats(&self) -> Stats {
@@ -285,7 +286,33 @@ impl Group {
                 return false; // a vector: PowerSGD sums it as it is
             }
         }
-        engine::compressed_bytes(&self.compression, shape, self.world) as f64 * self.min_rate <= collective::f32_bytes(n) as f64
+        self.compressed_bytes(shape) as f64 * self.min_rate <= collective::f32_bytes(n) as f64
+    }
+
+    /// The bytes this rank hands the engine for a compressed push of
+    /// `shape` (its exchanges and final part), as the scheme's own encode
+    /// sends them: measured once per shape on zeros, through an engine that
+    /// only counts. A shape the scheme refuses is never compressed.
+    fn compressed_bytes(&self, shape: &[usize]) -> u64 {
+        if let Some(&bytes) = lock(&self.wire).get(shape) {
+            return bytes;
+        }
+        struct Counting;
+        impl Engine for Counting {
+            fn all_reduce(&mut self, _: ReduceOp, _: Buffer<'_>) -> Result<()> {
+                Ok(())
+            }
+        }
+        let zeros = vec![0f32; shape.iter().product()];
+        let mut state = scheme::State::default();
+        let mut coll = Lanes::new(Counting, self.world);
+        let bytes = match scheme::encode(&self.compression, std::slice::from_mut(&mut state), &[&zeros], &self.ctx(0, shape, 0), &mut coll) {
+            Ok((_, scheme::Part::Packed { words, .. })) => coll.sent + 8 * words.len() as u64,
+            Ok((_, scheme::Part::F32(x))) => coll.sent + collective::f32_bytes(x.len()),
+            _ => u64::MAX,
+        };
+        lock(&self.wire).insert(shape.to_vec(), bytes);
+        bytes
     }
 
     /// Takes the bucket's keys out of the idle map (new keys start fresh, or
@@ -384,7 +411,7 @@ impl Group {
         };
         let steps: Vec<u64> = if own.is_some() { vec![0; tensors.len()] } else { entries.iter().map(|e| e.state.step).collect() };
         let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, self.settings], flagged: false, own, fault: None };
-        let mut coll = Lanes { engine, workers: self.world, sent: 0 };
+        let mut coll = Lanes::new(engine, self.world);
         let built = self.exchange(tensors, &mut entries, &steps, mine, &mut coll);
         let mut keys = lock(&self.keys);
         keys.stats.bytes_sent += coll.sent;
@@ -412,7 +439,7 @@ impl Group {
     }
 
     /// Chooses how the bucket is checked (module docs) and runs it.
-    fn exchange(&self, tensors: &[Tensor], entries: &mut [Entry], steps: &[u64], mine: Mine, coll: &mut Lanes) -> Result<Built> {
+    fn exchange(&self, tensors: &[Tensor], entries: &mut [Entry], steps: &[u64], mine: Mine, coll: &mut Lanes<&mut dyn Engine>) -> Result<Built> {
         let planned = {
             let plans = lock(&self.plans);
             plans.next.get(&plans.prev).cloned()
@@ -446,7 +473,7 @@ impl Group {
     /// Sends zeros of the planned bucket's sizes, summing its final parts
     /// here: the verdict from its tail (Ok), or from the agreement that
     /// follows an exchange failed on every rank (Err).
-    fn stand_in(&self, plan: &Plan, mine: Mine, coll: &mut Lanes) -> Result<std::result::Result<Verdict, Verdict>> {
+    fn stand_in(&self, plan: &Plan, mine: Mine, coll: &mut Lanes<&mut dyn Engine>) -> Result<std::result::Result<Verdict, Verdict>> {
         let sizes: Vec<usize> = plan.shapes.iter().map(|s| s.iter().product()).collect();
         let zeros = vec![0f32; sizes.iter().sum()];
         let mut states: Vec<scheme::State> = plan
@@ -500,7 +527,7 @@ impl Group {
 
     /// Runs the bucket's exchanges for real and builds its final parts,
     /// recording it as the plan after the previous bucket.
-    fn run(&self, tensors: &[Tensor], entries: &mut [Entry], steps: &[u64], mut mine: Mine, coll: &mut Lanes) -> Result<Built> {
+    fn run(&self, tensors: &[Tensor], entries: &mut [Entry], steps: &[u64], mut mine: Mine, coll: &mut Lanes<&mut dyn Engine>) -> Result<Built> {
         let compresses: Vec<bool> = tensors.iter().zip(steps).map(|(t, &s)| self.compresses(&t.shape, s)).collect();
         // QSGD changes no state before its shared scale, which is not finite
         // on every rank when a rank's gradient is not: it is checked there

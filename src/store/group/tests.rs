@@ -30,7 +30,7 @@ fn fold(op: ReduceOp, float: bool, a: u64, b: u64) -> u64 {
         let r = match op {
             ReduceOp::Sum => x + y,
             ReduceOp::Max => x.max(y),
-            ReduceOp::Or => panic!("OR of float32"),
+            ReduceOp::Or | ReduceOp::LaneMin(_) => panic!("{op:?} of float32"),
         };
         return r.to_bits() as u64;
     }
@@ -38,6 +38,7 @@ fn fold(op: ReduceOp, float: bool, a: u64, b: u64) -> u64 {
         ReduceOp::Sum => a.wrapping_add(b),
         ReduceOp::Max => a.max(b),
         ReduceOp::Or => a | b,
+        ReduceOp::LaneMin(_) => panic!("the group's engine has no lane-wise MIN"),
     }
 }
 

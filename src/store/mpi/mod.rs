@@ -92,7 +92,7 @@ impl MpiStore {
     /// agreed by every worker), then the update.
     fn reduce(&self, mut round: Round<'_>) -> Result<()> {
         let sent = self.world.bytes_sent();
-        round.reduce(&mut &self.world, self.world.rank() as u64, self.world.size())?;
+        round.reduce(&mut self.world.lanes(), self.world.rank() as u64, self.world.size())?;
         round.update(self.world.bytes_sent() - sent)
     }
 

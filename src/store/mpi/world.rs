@@ -16,6 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::quant::collective::Collective;
+use crate::quant::engine::Lanes;
 
 #[cfg(feature = "mpi")]
 mod imp {
@@ -26,7 +27,7 @@ mod imp {
 
     use super::super::openmpi::{check, Handle, Mpi, UserFunction, IN_PLACE, THREAD_MULTIPLE};
     use crate::error::{Error, Result};
-    use crate::quant::collective::{self, Collective};
+    use crate::quant::engine::{Buffer, Engine, ReduceOp};
     use crate::quant::lanes;
 
     /// Open MPI once loaded and initialised by this process (by the first
@@ -182,7 +183,7 @@ mod imp {
         }
 
         /// MPI_Allreduce in place of `count` elements of `datatype` at `x`.
-        /// `bytes`: what this rank hands MPI, as `collective`'s counts say.
+        /// `bytes`: what this rank hands MPI.
         ///
         /// # Safety
         /// `x` points to `count` writable elements of `datatype`, and `op`
@@ -194,16 +195,14 @@ mod imp {
             check("MPI_Allreduce", unsafe { (self.mpi.allreduce)(IN_PLACE, x, count, datatype, op, comm.0) })
         }
 
-        fn reduce_f32(&self, x: &mut [f32], op: Handle, bytes: u64) -> Result<()> {
-            debug_assert_eq!(bytes, std::mem::size_of_val(x) as u64, "the shared count is what MPI gets");
+        fn reduce_f32(&self, x: &mut [f32], op: Handle) -> Result<()> {
             // SAFETY: `x` holds that many floats; SUM and MAX apply to MPI_FLOAT.
-            unsafe { self.reduce(x.as_mut_ptr().cast(), count(x.len())?, self.mpi.float, op, bytes) }
+            unsafe { self.reduce(x.as_mut_ptr().cast(), count(x.len())?, self.mpi.float, op, std::mem::size_of_val(x) as u64) }
         }
 
-        fn reduce_u64(&self, x: &mut [u64], op: Handle, bytes: u64) -> Result<()> {
-            debug_assert_eq!(bytes, std::mem::size_of_val(x) as u64, "the shared count is what MPI gets");
+        fn reduce_u64(&self, x: &mut [u64], op: Handle) -> Result<()> {
             // SAFETY: `x` holds that many words; SUM and the lane MINs apply to MPI_UINT64_T.
-            unsafe { self.reduce(x.as_mut_ptr().cast(), count(x.len())?, self.mpi.uint64, op, bytes) }
+            unsafe { self.reduce(x.as_mut_ptr().cast(), count(x.len())?, self.mpi.uint64, op, std::mem::size_of_val(x) as u64) }
         }
     }
 
@@ -212,46 +211,19 @@ mod imp {
         c_int::try_from(n).map_err(|_| Error::Store(format!("{n} elements in one MPI call: MPI counts are ints (at most {})", c_int::MAX)))
     }
 
-    impl Collective for &World {
-        fn workers(&self) -> usize {
-            self.size
-        }
-
-        fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
-            self.reduce_f32(x, self.mpi.max, collective::f32_bytes(x.len()))
-        }
-
-        fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
-            self.reduce_f32(x, self.mpi.sum, collective::f32_bytes(x.len()))
-        }
-
-        fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
-            let width = lanes::width_for(count.saturating_sub(1) as u64);
-            let mut words = lanes::pack_bytes(x, width);
-            self.reduce_u64(&mut words, self.lane_min[width as usize], collective::levels_bytes(x.len(), count))?;
-            lanes::unpack_into(&words, width, x, |v| v as u8)?;
-            Ok(())
-        }
-
-        fn sum_codes(&mut self, x: &mut [i32], lo: i32, hi: i32) -> Result<()> {
-            let span = (hi as i64 - lo as i64) as u64;
-            let total = span.checked_mul(self.size as u64).filter(|&t| t <= i32::MAX as u64).ok_or_else(|| {
-                Error::InvalidParam { key: "workers".into(), problem: format!("{} workers overflow a sum of codes in {lo}..={hi}", self.size) }
-            })?;
-            let width = lanes::width_for(total);
-            let mut words = lanes::pack_slice(x, width, |v| (v as i64 - lo as i64) as u64);
-            self.reduce_u64(&mut words, self.mpi.sum, collective::codes_bytes(x.len(), lo, hi, self.size))?;
-            let base = lo as i64 * self.size as i64;
-            lanes::unpack_codes(&words, width, base, x)?;
-            Ok(())
-        }
-
-        fn sum_packed(&mut self, words: &mut [u64], n: usize, lo: i32, hi: i32, _: u32, width: u32) -> Result<()> {
-            // Lanes already wide enough for every rank's sum: MPI adds the words.
-            if collective::sum_width(lo, hi, self.size) != Some(width) || words.len() != lanes::words_for(n, width) {
-                return Err(Error::Internal(format!("{n} codes in {} words of {width}-bit lanes cannot hold {} ranks' sum of {lo}..={hi}", words.len(), self.size)));
+    impl Engine for &World {
+        fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+            match (op, buf) {
+                (ReduceOp::Sum, Buffer::F32(x)) => self.reduce_f32(x, self.mpi.sum),
+                (ReduceOp::Max, Buffer::F32(x)) => self.reduce_f32(x, self.mpi.max),
+                (ReduceOp::Sum, Buffer::U64(x)) => self.reduce_u64(x, self.mpi.sum),
+                (ReduceOp::LaneMin(width), Buffer::U64(x)) if (1..=8).contains(&width) => self.reduce_u64(x, self.lane_min[width as usize]),
+                (op, _) => Err(Error::Internal(format!("the MPI store has no all-reduce {op:?} of this buffer"))),
             }
-            self.reduce_u64(words, self.mpi.sum, collective::codes_bytes(n, lo, hi, self.size))
+        }
+
+        fn lane_min(&self) -> bool {
+            true
         }
     }
 }
@@ -259,7 +231,7 @@ mod imp {
 #[cfg(not(feature = "mpi"))]
 mod imp {
     use crate::error::{Error, Result};
-    use crate::quant::collective::Collective;
+    use crate::quant::engine::{Buffer, Engine, ReduceOp};
 
     /// The stand-in of a build without MPI: joining says how to get it.
     pub struct World {
@@ -288,26 +260,21 @@ mod imp {
         }
     }
 
-    impl Collective for &World {
-        fn workers(&self) -> usize {
-            match self.never {}
-        }
-        fn max_f32(&mut self, _: &mut [f32]) -> Result<()> {
-            match self.never {}
-        }
-        fn sum_f32(&mut self, _: &mut [f32]) -> Result<()> {
-            match self.never {}
-        }
-        fn min_u8(&mut self, _: &mut [u8], _: u8) -> Result<()> {
-            match self.never {}
-        }
-        fn sum_codes(&mut self, _: &mut [i32], _: i32, _: i32) -> Result<()> {
+    impl Engine for &World {
+        fn all_reduce(&mut self, _: ReduceOp, _: Buffer<'_>) -> Result<()> {
             match self.never {}
         }
     }
 }
 
 pub use imp::World;
+
+impl World {
+    /// The schemes' reductions over this world (`quant::engine`).
+    pub fn lanes(&self) -> Lanes<&World> {
+        Lanes::new(self, self.size())
+    }
+}
 
 /// The operations whose agreement `check_agree` checks; each has its own
 /// tag, so that one worker's init can never pair with another's push.
@@ -363,7 +330,7 @@ pub fn check_agree(world: &World, what: &str, mine: &Agreement, failed: Option<&
 /// its store (so this one takes part in no more collectives either).
 pub fn check_agree_or_closed(world: &World, what: &str, mine: &Agreement, failed: Option<&str>) -> std::result::Result<(), (Error, bool)> {
     let values = mine.values();
-    let (max, differs) = crate::quant::collective::compare_fields(&mut &*world, &values).map_err(|e| (e, false))?;
+    let (max, differs) = crate::quant::collective::compare_fields(&mut world.lanes(), &values).map_err(|e| (e, false))?;
     // Some worker's own checks failed, and not every worker's: every worker
     // (each sees the same `differs`) takes part in sharing the cause.
     let cause = if differs.contains(&Agreement::OK) { Some(first_failure(world, failed.filter(|_| !mine.ok)).map_err(|e| (e, false))?) } else { None };
@@ -400,7 +367,7 @@ const CAUSE_BYTES: usize = 1000;
 fn first_failure(world: &World, failed: Option<&str>) -> Result<(usize, String)> {
     let size = world.size();
     let mut first = [failed.map_or(0.0, |_| (size - world.rank()) as f32)];
-    (&mut &*world).max_f32(&mut first)?;
+    world.lanes().max_f32(&mut first)?;
     let rank = size.checked_sub(first[0] as usize).filter(|&r| first[0] >= 1.0 && r < size).ok_or_else(|| Error::Internal(format!("no failed rank in {}", first[0])))?;
     let mut text = vec![0f32; 1 + CAUSE_BYTES];
     if let (Some(cause), true) = (failed, rank == world.rank()) {
@@ -411,7 +378,7 @@ fn first_failure(world: &World, failed: Option<&str>) -> Result<(usize, String)>
         text[0] = end as f32;
         text[1..=end].iter_mut().zip(cause.bytes()).for_each(|(t, b)| *t = b as f32);
     }
-    (&mut &*world).max_f32(&mut text)?;
+    world.lanes().max_f32(&mut text)?;
     let len = (text[0] as usize).min(CAUSE_BYTES);
     let bytes: Vec<u8> = text[1..=len].iter().map(|&b| b as u8).collect();
     Ok((rank, String::from_utf8_lossy(&bytes).into_owned()))

@@ -1,19 +1,23 @@
-//! The caller's collective engine (`torch.distributed` under
-//! `gradpack.torch`) and the lane collectives over it: every reduction a
-//! scheme asks for becomes one all-reduce of float32 values or of 64-bit
-//! words of packed lanes, counted in bytes.
+//! A transport's plain all-reduces (`Engine`: torch.distributed under
+//! `gradpack.torch`, MPI under the all-reduce store) and the one layer of
+//! lane collectives over them (`Lanes`): every reduction a scheme asks for
+//! becomes one all-reduce of float32 values or of 64-bit words of packed
+//! lanes, counted in bytes.
 
 use crate::error::{Error, Result};
 use crate::quant::collective::{self, Collective};
 use crate::quant::lanes;
 
-/// An all-reduce the caller's engine performs, in place, on every rank.
+/// An all-reduce an engine performs, in place, on every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
-    Sum = 0,
-    Max = 1,
+    Sum,
+    Max,
     /// Bitwise OR of 64-bit words.
-    Or = 2,
+    Or,
+    /// The minimum of each lane of the given width (1 to 8 bits) of 64-bit
+    /// words, where the engine has it (`Engine::lane_min`).
+    LaneMin(u32),
 }
 
 /// A buffer handed to the engine: float32 values, or 64-bit words of
@@ -33,27 +37,47 @@ impl Buffer<'_> {
     }
 }
 
-/// The caller's collective engine: each call is one blocking all-reduce
+/// A transport's collective engine: each call is one blocking all-reduce
 /// issued by every rank in the same order.
 pub trait Engine {
     fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()>;
+    /// Whether the engine reduces `ReduceOp::LaneMin` (MPI, through user
+    /// operations); without it scale indices travel as thermometer codes
+    /// under a bitwise OR.
+    fn lane_min(&self) -> bool {
+        false
+    }
 }
 
-/// `Collective` over an `Engine`, counting the bytes handed to it.
-pub struct Lanes<'a> {
-    pub engine: &'a mut dyn Engine,
+impl<E: Engine + ?Sized> Engine for &mut E {
+    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        (**self).all_reduce(op, buf)
+    }
+    fn lane_min(&self) -> bool {
+        (**self).lane_min()
+    }
+}
+
+/// `Collective` over an `Engine` of `workers` ranks, counting the bytes
+/// handed to it.
+pub struct Lanes<E> {
+    pub engine: E,
     pub workers: usize,
     pub sent: u64,
 }
 
-impl Lanes<'_> {
+impl<E: Engine> Lanes<E> {
+    pub fn new(engine: E, workers: usize) -> Lanes<E> {
+        Lanes { engine, workers, sent: 0 }
+    }
+
     pub fn reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
         self.sent += buf.bytes();
         self.engine.all_reduce(op, buf)
     }
 }
 
-impl Collective for Lanes<'_> {
+impl<E: Engine> Collective for Lanes<E> {
     fn workers(&self) -> usize {
         self.workers
     }
@@ -63,13 +87,20 @@ impl Collective for Lanes<'_> {
     fn sum_f32(&mut self, x: &mut [f32]) -> Result<()> {
         self.reduce(ReduceOp::Sum, Buffer::F32(x))
     }
-    /// Scale indices travel as thermometer codes: `count - 1` bits an
-    /// index, bit `j` set when the index is at most `j`, so that a bitwise
-    /// OR over ranks is the code of their minimum (an engine has no
-    /// lane-wise MIN; a byte an index would cost 8 bits instead of 1 to 7).
+    /// Scale indices travel in lanes just wide enough under a lane-wise
+    /// MIN where the engine has one; otherwise as thermometer codes: `count
+    /// - 1` bits an index, bit `j` set when the index is at most `j`, so
+    /// that a bitwise OR over ranks is the code of their minimum (a byte an
+    /// index would cost 8 bits instead of 1 to 7).
     fn min_u8(&mut self, x: &mut [u8], count: u8) -> Result<()> {
         if let Some(i) = x.iter().position(|&l| l >= count) {
             return Err(Error::Internal(format!("scale index {} at element {i}, of {count} scales", x[i])));
+        }
+        if self.engine.lane_min() {
+            let width = lanes::width_for(count.saturating_sub(1) as u64);
+            let mut words = lanes::pack_bytes(x, width);
+            self.reduce(ReduceOp::LaneMin(width), Buffer::U64(&mut words))?;
+            return lanes::unpack_into(&words, width, x, |v| v as u8);
         }
         let width = count.saturating_sub(1) as u32;
         if width == 0 {
@@ -91,28 +122,5 @@ impl Collective for Lanes<'_> {
             return Err(Error::Internal(format!("{n} codes in {} words of {width}-bit lanes cannot hold {} ranks' sum of {lo}..={hi}", words.len(), self.workers)));
         }
         self.reduce(ReduceOp::Sum, Buffer::U64(words))
-    }
-}
-
-/// The bytes one rank hands the engine for a compressed push of `n` values
-/// shaped `shape`, as `Lanes` counts them (its exchanges and final part).
-pub fn compressed_bytes(c: &crate::quant::compression::Compression, shape: &[usize], world: usize) -> u64 {
-    use crate::quant::compression::Compression;
-    use crate::quant::powersgd;
-    let n: usize = shape.iter().product();
-    match c {
-        Compression::None => collective::f32_bytes(n),
-        Compression::TwoBit(_) => collective::codes_bytes(n, 0, world as i32 + 1, world),
-        Compression::OneBit { .. } => collective::codes_bytes(n, 0, 1, world),
-        Compression::Qsgd(q) => {
-            let (k, levels) = (q.selected(n), q.levels());
-            let s0 = levels[0] as i32;
-            let thermometer = if levels.len() > 1 { 8 * lanes::words_for(k, levels.len() as u32 - 1) as u64 } else { 0 };
-            4 + thermometer + collective::codes_bytes(k, -s0, s0, world)
-        }
-        Compression::PowerSgd { rank, .. } => match powersgd::factors(shape, *rank as usize) {
-            Some((rows, cols, r)) => 4 * ((rows + cols) * r) as u64,
-            None => collective::f32_bytes(n),
-        },
     }
 }
