@@ -86,32 +86,7 @@ fn push_all(groups: &[Group], keys: &[(&str, Vec<usize>)], grads: &[Vec<f32>]) -
             .enumerate()
             .map(|(rank, g)| {
                 let (threads, grad) = (&threads, &grads[rank]);
-                s.spawn(move || {
-                    let mut at = 0;
-                    let tensors: Vec<Tensor> = keys
-                        .iter()
-                        .map(|(k, shape)| {
-                            let n: usize = shape.iter().product();
-                            at += n;
-                            Tensor { key: Key::Str(k.to_string()), shape: shape.clone(), grad: &grad[at - n..at] }
-                        })
-                        .collect();
-                    let mut engine = Rank { threads, rank };
-                    let mut pending = g.encode(&tensors, grad.len(), true, &mut engine)?;
-                    let mut out = grad.clone();
-                    // As gradpack.torch: empty buffers are not reduced (a
-                    // rank that sent stand-ins has nothing left to sum).
-                    if !pending.words.is_empty() {
-                        engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words))?;
-                    }
-                    if pending.plain {
-                        engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out))?;
-                    } else if !pending.floats.is_empty() {
-                        engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut pending.floats))?;
-                    }
-                    g.decode(pending, &mut out)?;
-                    Ok(out)
-                })
+                s.spawn(move || one(threads, g, rank, keys, grad))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -361,6 +336,8 @@ fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize
     let mut engine = Rank { threads, rank };
     let mut pending = group.encode(&tensors, grad.len(), true, &mut engine)?;
     let mut out = grad.to_vec();
+    // As gradpack.torch: empty buffers are not reduced (a rank that sent
+    // stand-ins has nothing left to sum).
     if !pending.words.is_empty() {
         engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words))?;
     }
