@@ -5,7 +5,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 # The set-up's Debian dependencies, checked against dpkg and the files the build uses.
 bash scripts/env.sh --check
-# The crate's modules: no cycle among siblings at any level, no private reach (the check checks itself first).
+# The crate's modules: no cycle among siblings at any level, no private reach, no use of a layer above
+# its own (docs/architecture.md's table of layers); the check checks itself first.
 "$PYTHON" scripts/module_cycles.py --self-test
 "$PYTHON" scripts/module_cycles.py
 # Feature mpi: the all-reduce store (its tests run themselves under mpirun).
