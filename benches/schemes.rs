@@ -70,7 +70,9 @@ fn main() {
     row("2bit (operator, in place)", codec, None, Some(0.25));
     row("2bit (stores, to next)", codec_to, None, Some(0.25));
     let only = std::env::var("GRADPACK_BENCH_ONLY").unwrap_or_default();
-    for (name, params) in common::SCHEMES.iter().filter(|(name, _)| name.contains(only.as_str())) {
+    // 2-bit as the all-reduce stores push it: the scheme's packed lanes.
+    let two_bit_lanes: (&str, &[(&str, &str)]) = ("2bit (scheme, lanes)", &[("compress", "2bit"), ("threshold", "0.5")]);
+    for (name, params) in common::SCHEMES.iter().copied().chain([two_bit_lanes]).filter(|(name, _)| name.contains(only.as_str())) {
         let c = common::compression(params, n);
         let shape: Vec<usize> = if matches!(c, Compression::PowerSgd { .. }) { vec![side, n / side] } else { vec![n] };
         let mut member = InProcess::new(1);

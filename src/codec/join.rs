@@ -1,5 +1,6 @@
 //! How the codec's chunks spread over threads: `par`'s pieces, with the
-//! kernels' errors, the first non-finite element, and streaming stores.
+//! kernels' errors, the first non-finite element, and streaming stores
+//! (`isa::residual_streams`).
 //! Kernels process one chunk each and know nothing of threads.
 
 use rayon::prelude::*;
@@ -14,24 +15,6 @@ use crate::error::Result;
 /// amortise a task.
 pub use crate::par::CHUNK;
 const CHUNK_BLOCKS: usize = CHUNK / 16;
-
-/// Residuals of at least this many elements (16 MiB) may be written with
-/// non-temporal stores by the out-of-place kernels: streaming saves the
-/// read for ownership of lines that would not stay in cache anyway.
-const STREAM_ELEMS: usize = 4 << 20;
-
-/// Whether an out-of-place quantization of `n` elements streams its next
-/// residual: when its working set (gradient, residual and next, 12 B an
-/// element) exceeds the last-level cache too. Below that, the residual would
-/// stay in cache for the next push, and streaming it out cost 35% (16 Mi
-/// elements in a 300 MiB L3: 6.6 ms against 4.1-4.3).
-fn streams(n: usize) -> bool {
-    streams_with(n, crate::isa::last_level_cache())
-}
-
-fn streams_with(n: usize, last_level_cache: Option<usize>) -> bool {
-    n >= STREAM_ELEMS && last_level_cache.is_none_or(|llc| n as u128 * 12 > llc as u128)
-}
 
 fn parallel(n: usize) -> bool {
     n > CHUNK && rayon::current_num_threads() > 1
@@ -54,7 +37,7 @@ pub(crate) fn quantize<G: Gradient>(p: Platform, grad: &[G], residual: &mut [f32
 /// `residual + grad` is not finite (`residual` untouched, `next` and `blocks`
 /// garbage).
 pub(crate) fn quantize_to<G: Gradient>(p: Platform, grad: &[G], residual: &[f32], next: &mut [f32], blocks: &mut [u32], th: Thresholds) -> Result<bool> {
-    let stream = streams(grad.len());
+    let stream = crate::isa::residual_streams(grad.len());
     if !parallel(grad.len()) {
         return p.quantize_to(grad, residual, next, blocks, th, stream);
     }
@@ -129,7 +112,7 @@ fn quantize_reduce_chunk(p: Platform, grads: &[Grad], range: std::ops::Range<usi
 /// `quantize_to`: `Ok(false)` when some sum was not finite. Lengths are
 /// checked by the caller.
 pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &[&[f32]], nexts: &mut [&mut [f32]], blocks: &mut [&mut [u32]], th: Thresholds, sum: &mut [f32]) -> Result<bool> {
-    let (parallel, stream) = (parallel(sum.len()), streams(sum.len()));
+    let (parallel, stream) = (parallel(sum.len()), crate::isa::residual_streams(sum.len()));
     let mut res_chunks: Vec<_> = residuals.iter().map(|r| r.chunks(CHUNK)).collect();
     let mut next_chunks: Vec<_> = nexts.iter_mut().map(|r| r.chunks_mut(CHUNK)).collect();
     let mut blk_chunks: Vec<_> = blocks.iter_mut().map(|b| b.chunks_mut(CHUNK_BLOCKS)).collect();
@@ -154,22 +137,5 @@ pub(crate) fn quantize_reduce(p: Platform, grads: &[Grad], residuals: &[&[f32]],
         tasks.into_par_iter().map(run).try_reduce(|| true, |a, b| Ok(a && b))
     } else {
         tasks.into_iter().try_fold(true, |acc, t| run(t).map(|ok| acc && ok))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{streams_with, STREAM_ELEMS};
-
-    #[test]
-    fn the_next_residual_streams_only_past_the_last_level_cache() {
-        let mib = 1usize << 20;
-        // small arrays never; big ones when the cache is unknown (as before)
-        assert!(!streams_with(STREAM_ELEMS - 1, None) && streams_with(STREAM_ELEMS, None));
-        // 16 Mi elements (192 MiB of traffic): streamed past a 32 MiB L3, kept in a 300 MiB one
-        assert!(streams_with(16 * mib, Some(32 * mib)));
-        assert!(!streams_with(16 * mib, Some(300 * mib)));
-        assert!(streams_with(26 * mib, Some(300 * mib)));
-        assert!(!streams_with(STREAM_ELEMS - 1, Some(0)));
     }
 }

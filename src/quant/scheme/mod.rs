@@ -185,11 +185,12 @@ pub struct State {
     pub residual: Vec<f32>,
     pub q: Vec<f32>,
     pub step: u64,
-    /// PowerSGD's next residual, written by `encode` beside the residual
-    /// and swapped in by `finish` (`pending`): a push that fails after
-    /// `encode` leaves the residual as it was.
+    /// The next residual (1-bit, 2-bit, PowerSGD), written by `encode`
+    /// beside the residual and swapped in by `finish` (`pending`): a push
+    /// that fails after `encode`, or is never finished, leaves the residual
+    /// as it was.
     spare_residual: Vec<f32>,
-    /// `encode` left a PowerSGD residual in `spare_residual` for `finish`.
+    /// `encode` left the next residual in `spare_residual` for `finish`.
     pending: bool,
     /// The last push's packed codes, reused by the next (never cloned).
     spare_words: Vec<u64>,
@@ -282,11 +283,17 @@ pub fn check_finite(grads: &[&[f32]]) -> Result<()> {
 /// first, in member order, with `collective`'s reductions, then reduces
 /// the fold through `coll`: the bits do not depend on where members live.
 /// Call `check_input` first; then only `coll` can fail.
+///
+/// Changes no state but buffers kept for `finish` (the next residual, the
+/// codes): the residual, Q and step change only in `finish`, so a push that
+/// fails after `encode` (or is dropped) leaves every member as it was.
 pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
     if states.len() != grads.len() || grads.is_empty() {
         return Err(Error::Internal(format!("{} states for {} gradients", states.len(), grads.len())));
     }
     let n = grads[0].len();
+    // A next residual left by an encode that was never finished is stale.
+    states.iter_mut().for_each(|s| s.pending = false);
     match c {
         Compression::Qsgd(q) => encode_qsgd(q, states, grads, ctx, coll),
         Compression::PowerSgd { rank, seed } => {
@@ -303,15 +310,9 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             let mut mine = Vec::new();
             let mut zeros = Vec::new();
             for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
-                s.pending = false;
                 let mut next = std::mem::take(&mut s.spare_residual);
                 next.resize(n, 0.0);
-                let residual = if s.residual.len() == n {
-                    &s.residual[..]
-                } else {
-                    zeros.resize(n, 0.0); // a first push starts from a zero residual
-                    &zeros[..]
-                };
+                let residual = previous(&s.residual, n, &mut zeros);
                 let q = powersgd::warm_start(&s.q, cols, r, draw);
                 let dst = if i == 0 { &mut p } else { mine.resize(rows * r, 0.0); &mut mine };
                 powersgd::add_then_m_times_q(residual, g, &mut next, &q, rows, cols, r, dst);
@@ -339,13 +340,17 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
         Compression::OneBit { threshold } => {
+            // Out of place, as PowerSGD: `finish` swaps the next residual in.
+            let mut zeros = Vec::new();
             let bits = sum_packed(states, n, ONE_BIT_CODES, coll.lanes_for(), |i, s, words, width, add| {
-                s.residual.resize(n, 0.0);
+                s.spare_residual.resize(n, 0.0);
+                let residual = previous(&s.residual, n, &mut zeros);
                 if add {
-                    onebit::quantize_packed::<true>(grads[i], &mut s.residual, *threshold, words, width);
+                    onebit::quantize_packed::<true>(grads[i], residual, &mut s.spare_residual, *threshold, words, width);
                 } else {
-                    onebit::quantize_packed::<false>(grads[i], &mut s.residual, *threshold, words, width);
+                    onebit::quantize_packed::<false>(grads[i], residual, &mut s.spare_residual, *threshold, words, width);
                 }
+                s.pending = true;
             })?;
             Ok((Vec::new(), bits))
         }
@@ -355,17 +360,31 @@ pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx
             // store has checked that every residual + gradient is finite
             // before any worker agreed.
             let b = coll.lanes_for().max(states.len()) as i32 + 1;
+            let mut zeros = Vec::new();
             let codes = sum_packed(states, n, (0, b), coll.lanes_for(), |i, s, words, width, add| {
-                s.residual.resize(n, 0.0);
+                s.spare_residual.resize(n, 0.0);
+                let residual = previous(&s.residual, n, &mut zeros);
                 if add {
-                    twobit::quantize_packed::<true>(grads[i], &mut s.residual, *th, b, words, width);
+                    twobit::quantize_packed::<true>(grads[i], residual, &mut s.spare_residual, *th, b, words, width);
                 } else {
-                    twobit::quantize_packed::<false>(grads[i], &mut s.residual, *th, b, words, width);
+                    twobit::quantize_packed::<false>(grads[i], residual, &mut s.spare_residual, *th, b, words, width);
                 }
+                s.pending = true;
             })?;
             Ok((Vec::new(), codes))
         }
         Compression::None => Ok((Vec::new(), Part::F32(sum_of(grads)?))),
+    }
+}
+
+/// A member's residual for `encode` to read: its own, or zeros (`zeros`,
+/// grown to `n`) on its first push, which leaves the state's empty.
+fn previous<'a>(residual: &'a [f32], n: usize, zeros: &'a mut Vec<f32>) -> &'a [f32] {
+    if residual.len() == n {
+        residual
+    } else {
+        zeros.resize(n, 0.0);
+        zeros
     }
 }
 
@@ -569,25 +588,27 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
     }
 }
 
-/// After a push: PowerSGD commits each member's new residual and
-/// warm-starts it from the summed `Q` (the same on every worker); the code
-/// buffer is kept for the next push; every member counts the step.
+/// After a push: each member whose `encode` left a next residual (1-bit,
+/// 2-bit, PowerSGD) commits it, PowerSGD's only with the summed `Q` (the
+/// same on every worker), from which it warm-starts; the code buffer is
+/// kept for the next push; every member counts the step.
 pub fn finish(c: &Compression, states: &mut [State], sum: Part) {
-    match (c, sum) {
-        (Compression::PowerSgd { .. }, Part::F32(q)) => {
-            for s in states.iter_mut().filter(|s| s.pending) {
-                std::mem::swap(&mut s.residual, &mut s.spare_residual);
+    let q_sum = match (c, &sum) {
+        (Compression::PowerSgd { .. }, Part::F32(q)) => Some(&q[..]),
+        _ => None,
+    };
+    if q_sum.is_some() || !matches!(c, Compression::PowerSgd { .. }) {
+        for s in states.iter_mut().filter(|s| s.pending) {
+            std::mem::swap(&mut s.residual, &mut s.spare_residual);
+            if let Some(q) = q_sum {
                 s.q.clear();
-                s.q.extend_from_slice(&q);
-                s.pending = false;
+                s.q.extend_from_slice(q);
             }
+            s.pending = false;
         }
-        (_, Part::Packed { words, .. }) => {
-            if let Some(s) = states.first_mut() {
-                s.spare_words = words;
-            }
-        }
-        _ => {}
+    }
+    if let (Part::Packed { words, .. }, Some(s)) = (sum, states.first_mut()) {
+        s.spare_words = words;
     }
     states.iter_mut().for_each(|s| s.step += 1);
 }

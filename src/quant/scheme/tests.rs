@@ -330,6 +330,83 @@ fn two_bit_through_the_scheme_path_counts_indicators_alike_in_one_thread_and_man
     }
 }
 
+/// 1-bit's and 2-bit's rule for one element, written out: (code, next
+/// residual), 2-bit's from the codec's reference with its lane codes (1 at
+/// +pos, `b` at neg).
+fn error_feedback(c: &Compression, g: f32, r: f32, b: i32) -> (i32, f32) {
+    match c {
+        Compression::TwoBit(th) => {
+            let (code, next) = codec::reference::quantize_one(r, g, *th);
+            ([0, 1, b][code as usize], next)
+        }
+        Compression::OneBit { threshold } => {
+            let x = r + g;
+            if x > *threshold { (1, x - 1.0) } else { (0, x + 1.0) }
+        }
+        _ => unreachable!("no other scheme keeps a residual by this rule"),
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Every member's (residual, Q, step), bit for bit.
+fn snapshot(states: &[State]) -> Vec<(Vec<u32>, Vec<u32>, u64)> {
+    states.iter().map(|s| (bits(&s.residual), bits(&s.q), s.step)).collect()
+}
+
+#[test]
+fn one_and_two_bit_commit_the_codecs_residuals_in_finish_and_an_unfinished_push_changes_nothing() {
+    let n = 1037; // whole lane groups and a tail
+    let two_bit = Compression::TwoBit(codec::Thresholds::new(-0.3, 0.45).unwrap());
+    for c in [two_bit, params(&[("compress", "1bit"), ("threshold", "0.1")])] {
+        let mut states = [State::default(), State::default()];
+        // The committed residuals by the rule (none before a push is finished).
+        let mut want: Vec<Vec<f32>> = vec![Vec::new(); 2];
+        // Pushes 0 and 3 end after encode (another rank's gradient was not
+        // finite): the first of all, and one after finished pushes.
+        for push in 0..6u64 {
+            let grads: Vec<Vec<f32>> = (0..2).map(|m| grad(n, 10 * push + m, 0.8)).collect();
+            let views: Vec<&[f32]> = grads.iter().map(|g| &g[..]).collect();
+            let ctx = Ctx { shape: &[n], step: states[0].step, key_hash: 7, member: 0, workers: 2 };
+            let mut group = InProcess::new(2);
+            let before = snapshot(&states);
+            check_input(&c, 2, &views, 2).unwrap();
+            let (exchanged, mut part) = encode(&c, &mut states, &views, &ctx, &mut group).unwrap();
+            assert!(snapshot(&states) == before, "{} push {push}: encode changed a state", c.name());
+            // The codes: the rule on each member from its committed residual.
+            let &Part::Packed { hi: b, .. } = &part else { panic!("{}: a final part that is not packed", c.name()) };
+            let (mut codes, mut next) = (vec![0i32; n], want.clone());
+            for (g, r) in grads.iter().zip(next.iter_mut()) {
+                r.resize(n, 0.0); // a first push starts from zeros
+                for (i, (code, r)) in codes.iter_mut().zip(r.iter_mut()).enumerate() {
+                    let (one, x) = error_feedback(&c, g[i], *r, b);
+                    (*code, *r) = (*code + one, x);
+                }
+            }
+            assert!(part.unpacked().unwrap().into_owned() == Part::Codes { codes, lo: 0, hi: b }, "{} push {push}: codes other than the rule's", c.name());
+            if push % 3 == 0 {
+                continue; // dropped unfinished
+            }
+            sum_final(&mut part, &mut group).unwrap();
+            finish(&c, &mut states, part);
+            recycle(&mut states, exchanged);
+            want = next;
+            let step = before[0].2 + 1;
+            assert!(snapshot(&states) == want.iter().map(|r| (bits(r), Vec::new(), step)).collect::<Vec<_>>(), "{} push {push}: finish committed other residuals", c.name());
+        }
+        // An unfinished push's next residual is never committed by a later
+        // push that keeps none (here QSGD's).
+        let (g, before) = (grad(n, 99, 0.8), snapshot(&states));
+        let ctx = Ctx { shape: &[n], step: states[0].step, key_hash: 7, member: 0, workers: 2 };
+        drop(encode(&c, &mut states, &[&g, &g], &ctx, &mut InProcess::new(2)).unwrap());
+        let qsgd = params(&[("compress", "qsgd_mn"), ("bits", "4")]);
+        push_round(&qsgd, &mut states, &[&g, &g], &ctx, &mut InProcess::new(2), &mut vec![0f32; n]).unwrap();
+        assert!(snapshot(&states) == before.into_iter().map(|(r, q, step)| (r, q, step + 1)).collect::<Vec<_>>(), "{}: a stale next residual was committed", c.name());
+    }
+}
+
 #[test]
 fn one_bit_sums_plus_minus_one() {
     let c = params(&[("compress", "1bit"), ("threshold", "0")]);
