@@ -262,6 +262,23 @@ pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: us
     check_finite(grads)
 }
 
+/// The one non-finite rule of a pushed gradient, checked before anything
+/// changes: 2-bit reads residual + gradient (zeros before a first push),
+/// 1-bit and PowerSGD the gradient; `none` sums what it is given, as a
+/// plain all-reduce would, and QSGD's shared scale fails every worker
+/// together by itself (`encode_qsgd`), so neither reads anything here.
+/// `what` names the gradient in 2-bit's error.
+pub fn check_pushed(c: &Compression, grad: &[f32], state: Option<&State>, what: &str) -> Result<()> {
+    match c {
+        Compression::TwoBit(_) => match state.filter(|s| s.residual.len() == grad.len()) {
+            Some(s) => crate::codec::check_finite(what, grad, &s.residual),
+            None => crate::codec::check_finite(what, grad, &vec![0f32; grad.len()]),
+        },
+        Compression::None | Compression::Qsgd(_) => Ok(()),
+        Compression::OneBit { .. } | Compression::PowerSgd { .. } => check_finite(&[grad]),
+    }
+}
+
 /// Every member's gradient is finite; the error names the member and element.
 pub fn check_finite(grads: &[&[f32]]) -> Result<()> {
     for (m, g) in grads.iter().enumerate() {

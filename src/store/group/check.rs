@@ -155,6 +155,50 @@ pub fn read_tail(sum: &[u64], world: usize) -> Result<Verdict> {
     Ok(v)
 }
 
+/// The floats a rank appends to a bucket summed wholly as float32 (no
+/// words to carry the tail), with 8-bit pieces so that every sum is an
+/// exact integer in float32 for up to `FLOAT_TAIL_RANKS` ranks.
+pub const TAIL_FLOATS: usize = 2 * 32 + 1 + 4 + 3;
+
+/// The most ranks whose float tails sum exactly (`255^2 * 258 < 2^24`).
+pub const FLOAT_TAIL_RANKS: usize = 256;
+
+/// `tail` as float32, for a bucket summed wholly as float32.
+pub fn tail_f32(mine: &Mine, rank: usize) -> [f32; TAIL_FLOATS] {
+    let mut t = [0f32; TAIL_FLOATS];
+    let bytes = mine.fields.iter().flat_map(|v| v.to_le_bytes());
+    for (i, b) in bytes.enumerate() {
+        t[2 * i] = b as f32;
+        t[2 * i + 1] = (b as u32 * b as u32) as f32;
+    }
+    let r = rank as f32 + 1.0;
+    t[64] = mine.flagged as u8 as f32;
+    if let Some((own, i)) = mine.own {
+        t[65..69].copy_from_slice(&[1.0, r, own as u64 as f32, i as f32 + 1.0]);
+    }
+    if let Some(i) = mine.fault {
+        t[69..72].copy_from_slice(&[1.0, r, i as f32 + 1.0]);
+    }
+    t
+}
+
+/// `read_tail` of float tails summed over `world` ranks (at most
+/// `FLOAT_TAIL_RANKS`; every value an exact integer).
+pub fn read_tail_f32(sum: &[f32], world: usize) -> Result<Verdict> {
+    if sum.len() != TAIL_FLOATS || world > FLOAT_TAIL_RANKS || sum.iter().any(|v| !(v.is_finite() && *v >= 0.0 && v.fract() == 0.0)) {
+        return Err(Error::Internal(format!("a bucket's float tail of {} values over {world} ranks is not one gradpack made", sum.len())));
+    }
+    let v: Vec<u64> = sum.iter().map(|&x| x as u64).collect();
+    let w = world as u64;
+    let differs = (0..4).filter(|f| (0..8).any(|i| w * v[2 * (8 * f + i) + 1] != v[2 * (8 * f + i)] * v[2 * (8 * f + i)]));
+    let own = (v[65], (v[65] == 1).then(|| (v[66] - 1, v[67] << 32 | v[68])));
+    let verdict = Verdict { differs: differs.collect(), flagged: v[64], own, fault: named(v[69], v[70], v[71]) };
+    if verdict.flagged > w || verdict.own.0 > w || verdict.fault.0 > w {
+        return Err(Error::Internal(format!("a bucket's tail counts more ranks than the {world} there are")));
+    }
+    Ok(verdict)
+}
+
 /// The blocking form, for when no rank knows the sizes of the bucket's
 /// collectives yet or an exchange failed on every rank: one MAX round
 /// (`collective::compare_fields`) of the fields, the flag, the own

@@ -41,7 +41,6 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::quant::collective;
@@ -187,6 +186,9 @@ pub struct Pending {
     pub floats: Vec<f32>,
     /// Nothing compressed: the caller sums its bucket in place instead of `floats`.
     pub plain: bool,
+    /// The tail ends `floats` instead (`words` empty): a bucket of plain
+    /// tensors, sent whole as float32 in one all-reduce.
+    tail_in_floats: bool,
     len: usize,
     last: bool,
     /// The error `decode` returns: this rank sent stand-ins and learnt the
@@ -201,13 +203,14 @@ struct Built {
     words: Vec<u64>,
     floats: Vec<f32>,
     plain: bool,
+    tail_in_floats: bool,
     doomed: Option<Error>,
 }
 
 impl Built {
     /// A bucket whose stand-ins were summed already: nothing left to sum.
     fn doomed(err: Error, tensors: usize) -> Built {
-        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, doomed: Some(err) }
+        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, tail_in_floats: false, doomed: Some(err) }
     }
 }
 
@@ -372,8 +375,9 @@ impl Group {
     fn fault_index(&self, tensors: &[Tensor], entries: &[Entry], compress: &[bool]) -> Option<usize> {
         tensors.iter().zip(entries).zip(compress).position(|((t, e), &c)| {
             c && match &self.compression {
-                Compression::TwoBit(_) if e.state.residual.len() == t.grad.len() => codec::check_finite("gradient", t.grad, &e.state.residual).is_err(),
-                _ => qsgd::max_abs(t.grad).is_none(),
+                // Named after its shared scale failed.
+                Compression::Qsgd(_) => scheme::check_finite(&[t.grad]).is_err(),
+                other => scheme::check_pushed(other, t.grad, Some(&e.state), "gradient").is_err(),
             }
         })
     }
@@ -421,7 +425,7 @@ impl Group {
                 keys.stats.bytes_sent += final_bytes;
                 keys.stats.bytes_uncompressed += collective::f32_bytes(bucket_len) * b.doomed.is_none() as u64;
                 drop(keys);
-                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, len: bucket_len, last, doomed: b.doomed };
+                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed };
                 let mut at = 0;
                 for (((t, entry), route), origin) in tensors.iter().zip(entries).zip(b.routes).zip(origins) {
                     let n = t.grad.len();
@@ -515,6 +519,12 @@ impl Group {
                 _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
             }
         }
+        if self.tail_in_floats(plain) {
+            let mut bucket = zeros;
+            bucket.extend_from_slice(&check::tail_f32(&mine, self.rank));
+            coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
+            return Ok(Ok(check::read_tail_f32(&bucket[bucket.len() - check::TAIL_FLOATS..], self.world)?));
+        }
         let codes = words.len();
         words.extend_from_slice(&check::tail(&mine, self.rank));
         coll.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
@@ -523,6 +533,15 @@ impl Group {
             coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
         }
         Ok(Ok(check::read_tail(&words[codes..], self.world)?))
+    }
+
+    /// Whether a bucket whose tensors are all summed plainly travels as one
+    /// float32 all-reduce of a copy with the tail at its end (small
+    /// buckets: a second all-reduce for the tail costs more than the copy)
+    /// instead of in place beside the tail's words. The same on every rank
+    /// (the planned sizes decide).
+    fn tail_in_floats(&self, plain: bool) -> bool {
+        plain && self.world <= check::FLOAT_TAIL_RANKS
     }
 
     /// Runs the bucket's exchanges for real and builds its final parts,
@@ -554,12 +573,13 @@ impl Group {
             return Err(if v.clean() { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) } else { self.verdict_error(&v, tensors, steps) });
         }
         let plain = !compresses.iter().any(|&c| c);
+        let tail_in_floats = self.tail_in_floats(plain);
         let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
         let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
         for (t, &compress) in tensors.iter().zip(&compresses) {
             if !compress {
                 let at = floats.len();
-                if !plain {
+                if !plain || tail_in_floats {
                     floats.extend_from_slice(t.grad);
                 }
                 routes.push(Route::Plain(at..at + t.grad.len()));
@@ -581,9 +601,13 @@ impl Group {
             };
             routes.push(Route::Compressed { exchanged, last });
         }
-        words.extend_from_slice(&check::tail(&mine, self.rank));
+        if tail_in_floats {
+            floats.extend_from_slice(&check::tail_f32(&mine, self.rank));
+        } else {
+            words.extend_from_slice(&check::tail(&mine, self.rank));
+        }
         lock(&self.plans).record(&Plan { layout: mine.fields[0], shapes: tensors.iter().map(|t| t.shape.clone()).collect(), steps: steps.to_vec() });
-        Ok(Built { routes, words, floats, plain, doomed: None })
+        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, tail_in_floats, doomed: None })
     }
 
     /// Turns the sums of a bucket's final contributions into its result,
@@ -603,10 +627,17 @@ impl Group {
         if let Some(err) = pending.doomed.take() {
             return Err(err);
         }
-        let Some(codes) = pending.words.len().checked_sub(TAIL_WORDS) else {
-            return Err(Error::Internal("a pending bucket without its tail".into()));
+        let v = if pending.tail_in_floats {
+            let Some(at) = pending.floats.len().checked_sub(check::TAIL_FLOATS) else {
+                return Err(Error::Internal("a pending bucket without its tail".into()));
+            };
+            check::read_tail_f32(&pending.floats[at..], self.world)?
+        } else {
+            let Some(codes) = pending.words.len().checked_sub(TAIL_WORDS) else {
+                return Err(Error::Internal("a pending bucket without its tail".into()));
+            };
+            check::read_tail(&pending.words[codes..], self.world)?
         };
-        let v = check::read_tail(&pending.words[codes..], self.world)?;
         if !v.clean() {
             let names: Vec<String> = pending.tensors.iter().map(|t| t.key.to_string()).collect();
             let steps: Vec<u64> = pending.tensors.iter().map(|t| t.entry.state.step).collect();

@@ -182,10 +182,10 @@ fn start_iter_and_min_rate_send_float32_sums_and_count_bytes() {
     let s = groups[1].stats();
     assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (2, 1, 2 * 4 * 67));
     // The first two pushes have no plan yet: a 9-field agreement each (72
-    // floats). Each push: the tail (39 words), then 67 floats, or a scale,
-    // 64 codes in lanes and 3 floats.
+    // floats). Then 67 floats and their tail (72 floats), or a scale, 64
+    // codes in lanes and the tail (39 words), and 3 floats.
     let (agreement, tail, compressed) = (4 * 72, 8 * 39, 4 + collective::codes_bytes(64, -3, 3, 2) + 4 * 3);
-    assert_eq!((s.agreements, s.bytes_sent), (2, 2 * agreement + 2 * tail + 4 * 67 + compressed));
+    assert_eq!((s.agreements, s.bytes_sent), (2, 2 * agreement + 4 * (67 + 72) + tail + compressed));
     // The third follows the second as the second followed the first: no agreement.
     push_all(&groups, &shapes, &grads(2, 67, 2));
     let third = groups[1].stats();

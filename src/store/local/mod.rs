@@ -649,21 +649,7 @@ impl Round<'_> {
         let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
         e.merge_buf.resize(n, 0.0);
         sum_into(&mut e.merge_buf, &grads, false);
-        if let Compression::TwoBit(_) = self.compression {
-            let zeros;
-            let residual = match e.states.first() {
-                Some(s) if s.residual.len() == n => &s.residual[..],
-                _ => {
-                    zeros = vec![0f32; n]; // a first push starts from a zero residual
-                    &zeros[..]
-                }
-            };
-            codec::check_finite("merged gradient", &e.merge_buf, residual).map_err(|err| key_error(key, err.to_string()))?;
-        } else if !matches!(self.compression, Compression::Qsgd(_)) {
-            // (QSGD's shared scale fails every worker together by itself.)
-            scheme::check_input(&self.compression, 1, &[&e.merge_buf], 1).map_err(|err| key_error(key, err.to_string()))?;
-        }
-        Ok(())
+        scheme::check_pushed(&self.compression, &e.merge_buf, e.states.first(), "merged gradient").map_err(|err| key_error(key, err.to_string()))
     }
 
     /// Reduces the merged sum with the other workers' through `group`
