@@ -2,6 +2,8 @@
 (a program that prints figures, not a test):
 
   .venv/bin/python benches/torch_hooks.py                # loopback: the digits CNN and the 12.6M model
+  .venv/bin/python benches/torch_hooks.py --model digits --repeat 5   # every hook 5 times in
+        turn, each figure the median round's (this machine drifts by tens of percent)
   .venv/bin/python benches/torch_hooks.py --netns 1gbit 10gbit   # as root: the ranks on two
         network namespaces joined by a veth pair limited with tc (tbf)
 
@@ -102,8 +104,11 @@ def rank_main(args):
         return None
 
     data = torch_ddp.digits()
-    results = []
-    for label, kind, spec in [h for h in HOOKS if not args.only or any(o in h[0] for o in args.only)]:
+    results = {}
+    chosen = [h for h in HOOKS if not args.only or any(o in h[0] for o in args.only)]
+    # Every hook once per round, rounds one after another: a machine's
+    # drift reaches every hook alike, and each figure is its rounds' median.
+    for label, kind, spec in [h for _ in range(args.repeat) for h in chosen]:
         one_bucket = kind == "torch" and spec.startswith("powersgd") and not args.torch_powersgd_buckets
         cap = 4096 if one_bucket else 25
         if args.model == "digits":
@@ -146,19 +151,21 @@ def rank_main(args):
         if args.model == "digits":
             with torch.no_grad():
                 accuracy = (model(xte).argmax(1) == yte).float().mean().item()
-        results.append({"hook": label, "ms_per_step": 1000 * elapsed / counted, "bytes_per_step": sent[0] / counted,
-                        "accuracy": accuracy, "steps": counted})
+        r = results.setdefault(label, {"hook": label, "ms": []})
+        r["ms"].append(1000 * elapsed / counted)
+        r.update(ms_per_step=sorted(r["ms"])[len(r["ms"]) // 2], bytes_per_step=sent[0] / counted,
+                 accuracy=accuracy, steps=counted)
         del ddp
         import gc
         gc.collect()
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump(results, f)
+            json.dump(list(results.values()), f)
     dist.barrier()  # every rank done before any tears down (torch 2.15 on gloo can abort otherwise)
     dist.destroy_process_group()
 
 
-def run(model, link, only, torch_powersgd_buckets=False, timeout=3600):
+def run(model, link, only, torch_powersgd_buckets=False, repeat=1, timeout=3600):
     """Starts 2 ranks (in the namespaces when `link` is a rate); rank 0's figures."""
     out = tempfile.mktemp(suffix=".json")
     port = str(20000 + int(time.time() * 1000) % 20000)
@@ -167,7 +174,7 @@ def run(model, link, only, torch_powersgd_buckets=False, timeout=3600):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port, OMP_NUM_THREADS="1",
                    MASTER_ADDR=ADDR[0] if link else "127.0.0.1")
         argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--model", model, "--out", out]
-        argv += sum((["--only", o] for o in only), [])
+        argv += sum((["--only", o] for o in only), []) + ["--repeat", str(repeat)]
         if torch_powersgd_buckets:
             argv.append("--torch-powersgd-buckets")
         if link:
@@ -183,7 +190,8 @@ def run(model, link, only, torch_powersgd_buckets=False, timeout=3600):
 
 def table(model, link, rows):
     base = next((r for r in rows if r["hook"] == "allreduce_hook"), None)
-    print("\n%s model, 2 ranks, %s" % (model, link or "loopback"))
+    rounds = len(rows[0]["ms"]) if rows else 0
+    print("\n%s model, 2 ranks, %s%s" % (model, link or "loopback", ", median of %d rounds" % rounds if rounds > 1 else ""))
     print("| hook | ms per step | vs allreduce_hook | bytes per step | accuracy |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -199,6 +207,8 @@ def main():
     ap.add_argument("--model", choices=["digits", "big"], action="append")
     ap.add_argument("--only", action="append", default=[], help="hooks whose labels contain this (repeatable)")
     ap.add_argument("--netns", nargs="*", help="link rates for tc, e.g. 1gbit 10gbit (root)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every hook, one after another; each figure is the median round's")
     ap.add_argument("--torch-powersgd-buckets", action="store_true",
                     help="run torch's powerSGD_hook with DDP's default buckets (it fails on gloo)")
     args = ap.parse_args()
@@ -212,7 +222,7 @@ def main():
             if link:
                 veth.up(NS, ("gptveth_a", "gptveth_b"), ADDR, link, burst="4mb")
             for model in models:
-                rows, failure = run(model, link, args.only, args.torch_powersgd_buckets)
+                rows, failure = run(model, link, args.only, args.torch_powersgd_buckets, args.repeat)
                 if rows is None:
                     print("\n%s model, %s: the job failed:\n%s" % (model, link or "loopback", failure))
                 else:
