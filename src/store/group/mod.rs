@@ -520,7 +520,7 @@ impl Group {
             }
         }
         if self.tail_in_floats(plain) {
-            let mut bucket = zeros;
+            let mut bucket = if plain { zeros } else { floats };
             bucket.extend_from_slice(&check::tail_f32(&mine, self.rank));
             coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
             return Ok(Ok(check::read_tail_f32(&bucket[bucket.len() - check::TAIL_FLOATS..], self.world)?));
@@ -535,13 +535,13 @@ impl Group {
         Ok(Ok(check::read_tail(&words[codes..], self.world)?))
     }
 
-    /// Whether a bucket whose tensors are all summed plainly travels as one
-    /// float32 all-reduce of a copy with the tail at its end (small
-    /// buckets: a second all-reduce for the tail costs more than the copy)
-    /// instead of in place beside the tail's words. The same on every rank
-    /// (the planned sizes decide).
+    /// Whether a bucket's check ends its float32 sum instead of its words,
+    /// when there would be no other words: a bucket whose tensors all go
+    /// plainly (then summed as a copy, not in place) or a PowerSGD bucket
+    /// (Q is float32). One all-reduce fewer; the same on every rank (the
+    /// planned sizes decide).
     fn tail_in_floats(&self, plain: bool) -> bool {
-        plain && self.world <= check::FLOAT_TAIL_RANKS
+        (plain || matches!(self.compression, Compression::PowerSgd { .. })) && self.world <= check::FLOAT_TAIL_RANKS
     }
 
     /// Runs the bucket's exchanges for real and builds its final parts,
