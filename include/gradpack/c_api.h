@@ -250,19 +250,20 @@ int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
  * Compression for a process group whose all-reduces the caller performs
  * (gradpack.torch's DDP hook over torch.distributed). Each rank holds its
  * tensors' states by key. A bucket is encoded with gp_group_encode, which
- * first agrees the bucket with every rank (keys, shapes, push counts,
- * compression, finite gradients) and then runs the scheme's exchanges
- * through `reduce`, batched over the bucket's tensors; the caller then SUMs
- * the pending buffers on every rank (asynchronously if it likes) and calls
- * gp_group_decode, which writes the sum over ranks divided by the world
- * size, identical on every rank. A difference between ranks or a
- * non-finite gradient on any rank is the same error on every rank, before
- * any state changed. Handles may be used from several threads (memory
- * safe), but every rank must issue its encodes and their SUMs in one order,
- * which encodes overlapping on one group from two threads cannot keep
- * (gradpack.torch refuses a second concurrent call); a key's bucket must be
- * decoded (or freed) before the key is encoded again. A first encode of a
- * key that fails registers no key. */
+ * runs the scheme's exchanges through `reduce`, batched over the bucket's
+ * tensors (and, the first time a bucket follows another, one agreement of
+ * every rank first); the caller then SUMs the pending buffers on every rank
+ * (asynchronously if it likes; the words end with the bucket's check) and
+ * calls gp_group_decode, which reads the check and writes the sum over
+ * ranks divided by the world size, identical on every rank. A difference
+ * between ranks (settings, buckets, push counts) or a non-finite gradient
+ * on any rank is the same error on every rank, at the latest from
+ * gp_group_decode, with every state as it was. Handles may be used from
+ * several threads (memory safe), but every rank must issue its encodes and
+ * their SUMs in one order, which encodes overlapping on one group from two
+ * threads cannot keep (gradpack.torch refuses a second concurrent call); a
+ * key's bucket must be decoded (or freed) before the key is encoded again.
+ * A first encode of a key that fails registers no key. */
 typedef struct gp_group_t gp_group_t;
 typedef struct gp_pending_t gp_pending_t;
 
@@ -286,14 +287,17 @@ void gp_group_free(gp_group_t* group);
 /* `num` tensors lie one after another in `bucket` (`bucket_len` float32,
  * read only): tensor i has key `keys[i]` and `ndims[i]` dimensions, taken in
  * turn from `dims`. `last` != 0 when the bucket ends a step (stats).
- * `reduce` is called on this thread only. `*out` owns the pending bucket. */
+ * `reduce` is called on this thread only. `*out` owns the pending bucket;
+ * `*words` .. `*plain` show its buffers, as gp_pending_buffers does. */
 int gp_group_encode(const gp_group_t* group, uint64_t num, const char* const* keys,
                     const uint64_t* ndims, const uint64_t* dims, const float* bucket,
                     uint64_t bucket_len, int last, gp_reduce_fn reduce, void* user,
-                    gp_pending_t** out);
-/* The buffers to SUM on every rank, owned by the pending bucket: *words
- * (int64) and *floats (float32); *plain 1 when nothing was compressed and
- * the caller SUMs its bucket itself instead (then decodes into it). */
+                    gp_pending_t** out, uint64_t** words, uint64_t* num_words,
+                    float** floats, uint64_t* num_floats, int* plain);
+/* The buffers to SUM on every rank, in this order, owned by the pending
+ * bucket: *words (int64) and *floats (float32), each only when not empty;
+ * *plain 1 when the caller SUMs its bucket itself instead of *floats (then
+ * decodes into it). */
 int gp_pending_buffers(gp_pending_t* pending, uint64_t** words, uint64_t* num_words,
                        float** floats, uint64_t* num_floats, int* plain);
 /* Writes the bucket's result into `bucket` (the one encoded; bucket_len
@@ -301,8 +305,9 @@ int gp_pending_buffers(gp_pending_t* pending, uint64_t** words, uint64_t* num_wo
 int gp_group_decode(const gp_group_t* group, gp_pending_t* pending, float* bucket, uint64_t bucket_len);
 /* Drops a pending bucket undecoded (its keys' states return to the group). */
 void gp_pending_free(gp_pending_t* pending);
-/* out[0..4]: bytes handed to `reduce` and the final sums, bytes a float32
- * all-reduce would have moved, steps, compressed steps. */
+/* out[0..5]: bytes handed to `reduce` and the final sums, bytes a float32
+ * all-reduce would have moved, steps, compressed steps, blocking agreement
+ * rounds. */
 int gp_group_stats(const gp_group_t* group, uint64_t* out);
 /* Every key's state (residuals, PowerSGD's Q, push counts) in a new buffer
  * (gp_buffer_free); loading checks compression, rank, world size and shapes
