@@ -519,7 +519,7 @@ impl Group {
                 _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
             }
         }
-        if self.tail_in_floats(plain) {
+        if self.tail_in_floats(plain, plan.shapes.len()) {
             let mut bucket = if plain { zeros } else { floats };
             bucket.extend_from_slice(&check::tail_f32(&mine, self.rank));
             coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
@@ -536,12 +536,14 @@ impl Group {
     }
 
     /// Whether a bucket's check ends its float32 sum instead of its words,
-    /// when there would be no other words: a bucket whose tensors all go
-    /// plainly (then summed as a copy, not in place) or a PowerSGD bucket
-    /// (Q is float32). One all-reduce fewer; the same on every rank (the
-    /// planned sizes decide).
-    fn tail_in_floats(&self, plain: bool) -> bool {
-        (plain || matches!(self.compression, Compression::PowerSgd { .. })) && self.world <= check::FLOAT_TAIL_RANKS
+    /// when there would be no other words: a bucket of several tensors that
+    /// all go plainly (then summed as a copy, not in place), or a PowerSGD
+    /// bucket (Q is float32). One all-reduce fewer; the same on every rank
+    /// (the planned sizes decide). A lone plain tensor (`allreduce_`) is
+    /// summed in place, as torch sums it: with 3 or more ranks gloo's
+    /// float32 rounding depends on the buffer's length.
+    fn tail_in_floats(&self, plain: bool, tensors: usize) -> bool {
+        ((plain && tensors > 1) || matches!(self.compression, Compression::PowerSgd { .. })) && self.world <= check::FLOAT_TAIL_RANKS
     }
 
     /// Runs the bucket's exchanges for real and builds its final parts,
@@ -573,7 +575,7 @@ impl Group {
             return Err(if v.clean() { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) } else { self.verdict_error(&v, tensors, steps) });
         }
         let plain = !compresses.iter().any(|&c| c);
-        let tail_in_floats = self.tail_in_floats(plain);
+        let tail_in_floats = self.tail_in_floats(plain, tensors.len());
         let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
         let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
         for (t, &compress) in tensors.iter().zip(&compresses) {
