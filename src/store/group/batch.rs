@@ -1,6 +1,6 @@
 //! A bucket's encodes, their exchanges batched: tensors whose scheme
 //! exchanges values before its final part (QSGD's scale and scale indices,
-//! PowerSGD's P) encode side by side on threads the group keeps, and once
+//! PowerSGD's P) encode side by side on scoped threads, and once
 //! every unfinished encode waits on an exchange, the waiting requests go to
 //! the engine as one all-reduce per (operation, element type), concatenated
 //! in tensor order. Every rank holds the same tensors and compression, so
@@ -8,7 +8,6 @@
 //! no exchange before the final part encode on the caller's thread.
 
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Mutex;
 
 use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
 use crate::error::{Error, Result};
@@ -120,61 +119,50 @@ fn serve(waiting: Vec<Request>, coll: &mut Lanes<&mut dyn Engine>) {
 /// One tensor's encode: its context, gradient and state.
 pub type Job<'a> = (scheme::Ctx<'a>, &'a [f32], &'a mut scheme::State);
 
-/// The threads a group keeps for its encodes (as many as its largest
-/// bucket with exchanges has compressed tensors: each may wait on a batch).
-#[derive(Default)]
-pub struct Pool(Mutex<Option<(usize, rayon::ThreadPool)>>);
-
 /// Whether the scheme exchanges anything before its final part.
 fn exchanges(c: &Compression) -> bool {
     matches!(c, Compression::Qsgd(_) | Compression::PowerSgd { .. })
 }
 
-impl Pool {
-    /// Encodes every job (`scheme::encode`), each exchange through `coll`.
-    pub fn encode(&self, c: &Compression, jobs: Vec<Job>, coll: &mut Lanes<&mut dyn Engine>) -> Vec<Encoded> {
-        if jobs.len() <= 1 || !exchanges(c) {
-            return jobs.into_iter().map(|(ctx, grad, state)| scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, coll)).collect();
-        }
-        let count = jobs.len();
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.as_ref().is_none_or(|(n, _)| *n < count) {
-            match rayon::ThreadPoolBuilder::new().num_threads(count).thread_name(|i| format!("gradpack-encode-{i}")).build() {
-                Ok(pool) => *slot = Some((count, pool)),
-                Err(e) => return (0..count).map(|_| Err(Error::Internal(format!("no threads for a bucket's encodes: {e}")))).collect(),
-            }
-        }
-        let pool = &slot.as_ref().expect("built above").1;
-        let workers = coll.workers;
-        let (tx, rx) = channel::<Msg>();
-        let mut results: Vec<Option<Encoded>> = (0..count).map(|_| None).collect();
-        pool.in_place_scope(|s| {
-            for (slot, (ctx, grad, state)) in jobs.into_iter().enumerate() {
-                let tx = tx.clone();
-                s.spawn(move |_| {
-                    let mut engine = Batched { tx: tx.clone(), slot };
-                    let mut own = Lanes::new(&mut engine, workers);
-                    let result = scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, &mut own);
-                    let _ = tx.send(Msg::Done { slot, result });
-                });
-            }
-            drop(tx);
-            let (mut live, mut waiting) = (count, Vec::<Request>::new());
-            while live > 0 {
-                match rx.recv() {
-                    Ok(Msg::Done { slot, result }) => {
-                        results[slot] = Some(result);
-                        live -= 1;
-                    }
-                    Ok(Msg::Reduce(r)) => waiting.push(r),
-                    Err(_) => break, // every encode has ended
-                }
-                if live > 0 && waiting.len() == live {
-                    waiting.sort_by_key(|r| r.slot);
-                    serve(std::mem::take(&mut waiting), coll);
-                }
-            }
-        });
-        results.into_iter().map(|r| r.unwrap_or_else(|| Err(Error::Internal("a tensor's encode ended without a result".into())))).collect()
+/// Encodes every job (`scheme::encode`), each exchange through `coll`:
+/// on the caller's thread when the scheme exchanges nothing first or there
+/// is one job, else one scoped thread a job. (Not rayon's threads: an
+/// encode blocks on its batch, and a rayon worker waiting inside a kernel's
+/// parallel loop may pick up another encode and block under it.)
+pub fn encode(c: &Compression, jobs: Vec<Job>, coll: &mut Lanes<&mut dyn Engine>) -> Vec<Encoded> {
+    if jobs.len() <= 1 || !exchanges(c) {
+        return jobs.into_iter().map(|(ctx, grad, state)| scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, coll)).collect();
     }
+    let count = jobs.len();
+    let workers = coll.workers;
+    let (tx, rx) = channel::<Msg>();
+    let mut results: Vec<Option<Encoded>> = (0..count).map(|_| None).collect();
+    std::thread::scope(|s| {
+        for (slot, (ctx, grad, state)) in jobs.into_iter().enumerate() {
+            let tx = tx.clone();
+            s.spawn(move || {
+                let mut engine = Batched { tx: tx.clone(), slot };
+                let mut own = Lanes::new(&mut engine, workers);
+                let result = scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, &mut own);
+                let _ = tx.send(Msg::Done { slot, result });
+            });
+        }
+        drop(tx);
+        let (mut live, mut waiting) = (count, Vec::<Request>::new());
+        while live > 0 {
+            match rx.recv() {
+                Ok(Msg::Done { slot, result }) => {
+                    results[slot] = Some(result);
+                    live -= 1;
+                }
+                Ok(Msg::Reduce(r)) => waiting.push(r),
+                Err(_) => break, // every encode has ended
+            }
+            if live > 0 && waiting.len() == live {
+                waiting.sort_by_key(|r| r.slot);
+                serve(std::mem::take(&mut waiting), coll);
+            }
+        }
+    });
+    results.into_iter().map(|r| r.unwrap_or_else(|| Err(Error::Internal("a tensor's encode ended without a result".into())))).collect()
 }

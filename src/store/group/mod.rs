@@ -133,7 +133,6 @@ pub struct Group {
     min_rate: f64,
     keys: Arc<Mutex<Keys>>,
     plans: Mutex<Plans>,
-    pool: batch::Pool,
     /// `compressed_bytes` by shape.
     wire: Mutex<HashMap<Vec<usize>, u64>>,
 }
@@ -271,7 +270,7 @@ impl Group {
         }
         let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
         let settings = crate::hash::fingerprint(&format!("{world} {start_iter} {min_rate}"));
-        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), pool: batch::Pool::default(), wire: Mutex::default() })
+        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), wire: Mutex::default() })
     }
 
     pub fn stats(&self) -> Stats {
@@ -498,7 +497,7 @@ impl Group {
             }
             at += n;
         }
-        let encoded = self.pool.encode(&self.compression, jobs, coll);
+        let encoded = batch::encode(&self.compression, jobs, coll);
         if let Some(err) = encoded.iter().find_map(|r| r.as_ref().err()) {
             if !shared(err) {
                 return Err(encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())));
@@ -561,7 +560,7 @@ impl Group {
                 jobs.push((self.ctx(t.key.stable_hash(), &t.shape, e.state.step), t.grad, &mut e.state));
             }
         }
-        let encoded = self.pool.encode(&self.compression, jobs, coll);
+        let encoded = batch::encode(&self.compression, jobs, coll);
         if let Some(err) = encoded.iter().find_map(|r| r.as_ref().err()) {
             if !shared(err) {
                 return Err(encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())));

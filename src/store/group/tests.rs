@@ -349,3 +349,23 @@ fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize
     group.decode(pending, &mut out)?;
     Ok(out)
 }
+
+#[test]
+fn large_tensors_with_exchanges_encode_side_by_side_without_waiting_on_each_other() {
+    // Tensors past par::CHUNK run parallel kernels while their siblings wait
+    // on a batch: encodes on rayon's workers deadlocked here (a worker
+    // waiting inside a kernel ran another encode under it).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let c = params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,4]")]);
+        let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+        let n = 3 * crate::par::CHUNK + 7;
+        let shapes: Vec<(&str, Vec<usize>)> = ["a", "b", "c", "d", "e", "f"].into_iter().map(|k| (k, vec![n])).collect();
+        for step in 0..3 {
+            let g = grads(2, 6 * n, step);
+            assert!(push_all(&groups, &shapes, &g).iter().all(|r| r.is_ok()));
+        }
+        tx.send(()).unwrap();
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(300)).expect("the encodes of a bucket waited on each other for 5 minutes");
+}
