@@ -24,6 +24,7 @@
 //! `onebit`, `twobit` and `powersgd`'s; this module only calls them.
 
 mod randomk;
+mod steps;
 mod wire;
 
 use std::borrow::Cow;
@@ -32,10 +33,11 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 pub use randomk::selection;
+pub use steps::{Ask, Encoder, Step};
 pub use wire::{from_wire, is_codes_wire, sum_to_wire, to_wire, value_from_wire, value_to_wire, LaneSum};
-use randomk::{gather, scatter, selected_in};
+use randomk::{scatter, selected_in};
 use super::collective::{self, Collective};
-use super::{lanes, noise, onebit, powersgd, qsgd, twobit};
+use super::{lanes, powersgd, qsgd, twobit};
 use super::compression::{Compression, Qsgd};
 use crate::error::{Error, Result};
 
@@ -170,13 +172,13 @@ pub fn slice_align(c: &Compression) -> usize {
 }
 
 /// The range of each member's final QSGD codes: `[-s_0, s_0]`.
-fn qsgd_codes(q: &Qsgd) -> (i32, i32) {
+pub(in crate::quant::scheme) fn qsgd_codes(q: &Qsgd) -> (i32, i32) {
     let s0 = q.levels()[0] as i32;
     (-s0, s0)
 }
 
 /// The range of each member's 1-bit codes: the bits.
-const ONE_BIT_CODES: (i32, i32) = (0, 1);
+pub(in crate::quant::scheme) const ONE_BIT_CODES: (i32, i32) = (0, 1);
 
 /// One worker's state for one key: error-feedback residual, PowerSGD's
 /// warm-started `Q`, the push count.
@@ -189,15 +191,15 @@ pub struct State {
     /// beside the residual and swapped in by `finish` (`pending`): a push
     /// that fails after `encode`, or is never finished, leaves the residual
     /// as it was.
-    spare_residual: Vec<f32>,
+    pub(in crate::quant::scheme) spare_residual: Vec<f32>,
     /// `encode` left the next residual in `spare_residual` for `finish`.
-    pending: bool,
+    pub(in crate::quant::scheme) pending: bool,
     /// The last push's packed codes, reused by the next (never cloned).
     spare_words: Vec<u64>,
     /// The last push's scale indices (`recycle`).
-    spare_levels: Vec<u8>,
+    pub(in crate::quant::scheme) spare_levels: Vec<u8>,
     /// The last push's random-K values (its gradient at the selection).
-    spare_gathered: Vec<f32>,
+    pub(in crate::quant::scheme) spare_gathered: Vec<f32>,
 }
 
 impl Clone for State {
@@ -215,7 +217,7 @@ impl Clone for State {
     }
 }
 
-fn bad(key: &str, problem: String) -> Error {
+pub(in crate::quant::scheme) fn bad(key: &str, problem: String) -> Error {
     Error::InvalidParam { key: key.to_string(), problem }
 }
 
@@ -305,98 +307,22 @@ pub fn check_finite(grads: &[&[f32]]) -> Result<()> {
 /// codes): the residual, Q and step change only in `finish`, so a push that
 /// fails after `encode` (or is dropped) leaves every member as it was.
 pub fn encode(c: &Compression, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
-    if states.len() != grads.len() || grads.is_empty() {
-        return Err(Error::Internal(format!("{} states for {} gradients", states.len(), grads.len())));
-    }
-    let n = grads[0].len();
-    // A next residual left by an encode that was never finished is stale.
-    states.iter_mut().for_each(|s| s.pending = false);
-    match c {
-        Compression::Qsgd(q) => encode_qsgd(q, states, grads, ctx, coll),
-        Compression::PowerSgd { rank, seed } => {
-            let Some((rows, cols, r)) = powersgd::factors(ctx.shape, *rank as usize) else {
-                return Ok((Vec::new(), Part::F32(sum_of(grads)?)));
-            };
-            // Each member's warm start, with a missing or collapsed column
-            // drawn from (seed, step, key): the same on every worker, whose
-            // Qs are the same sum. (Q is not written here: `finish` does.)
-            let draw = || noise::stream_seed(*seed, ctx.step, ctx.key_hash, u64::MAX);
-            // Error feedback: compress g + e into the spare residual, which
-            // keeps what the approximation missed; `finish` swaps it in.
-            let mut p = vec![0f32; rows * r];
-            let mut mine = Vec::new();
-            let mut zeros = Vec::new();
-            for (i, (s, g)) in states.iter_mut().zip(grads).enumerate() {
-                let mut next = std::mem::take(&mut s.spare_residual);
-                next.resize(n, 0.0);
-                let residual = previous(&s.residual, n, &mut zeros);
-                let q = powersgd::warm_start(&s.q, cols, r, draw);
-                let dst = if i == 0 { &mut p } else { mine.resize(rows * r, 0.0); &mut mine };
-                powersgd::add_then_m_times_q(residual, g, &mut next, &q, rows, cols, r, dst);
-                s.spare_residual = next;
-                if i > 0 {
-                    collective::sum_into(&mut p, &mine)?;
-                }
+    let mut encoder = Encoder::new(c, states, grads, *ctx, coll.lanes_for());
+    let mut step = encoder.resume(None)?;
+    loop {
+        match step {
+            Step::Done(exchanged, part) => return Ok((exchanged, part)),
+            Step::Ask(mut ask) => {
+                ask.run(coll)?;
+                step = encoder.resume(Some(ask))?;
             }
-            coll.sum_f32(&mut p)?;
-            // The same P on every worker: the same error on every worker.
-            non_finite_factor("P", &p)?;
-            let mut p_hat = p.clone();
-            powersgd::orthogonalize(&mut p_hat, rows, r);
-            let (mut q_sum, mut q_local) = (vec![0f32; cols * r], vec![0f32; cols * r]);
-            for (i, s) in states.iter_mut().enumerate() {
-                powersgd::mt_times_p(&s.spare_residual, &p_hat, rows, cols, r, &mut q_local);
-                powersgd::p_times_qt(&p_hat, &q_local, rows, cols, r, &mut s.spare_residual, true);
-                s.pending = true;
-                if i == 0 {
-                    q_sum.copy_from_slice(&q_local);
-                } else {
-                    collective::sum_into(&mut q_sum, &q_local)?;
-                }
-            }
-            Ok((vec![Part::F32(p)], Part::F32(q_sum)))
         }
-        Compression::OneBit { threshold } => {
-            // Out of place, as PowerSGD: `finish` swaps the next residual in.
-            let mut zeros = Vec::new();
-            let bits = sum_packed(states, n, ONE_BIT_CODES, coll.lanes_for(), |i, s, words, width, add| {
-                s.spare_residual.resize(n, 0.0);
-                let residual = previous(&s.residual, n, &mut zeros);
-                if add {
-                    onebit::quantize_packed::<true>(grads[i], residual, &mut s.spare_residual, *threshold, words, width);
-                } else {
-                    onebit::quantize_packed::<false>(grads[i], residual, &mut s.spare_residual, *threshold, words, width);
-                }
-                s.pending = true;
-            })?;
-            Ok((Vec::new(), bits))
-        }
-        Compression::TwoBit(th) => {
-            // One lane per element, 1 at +pos and b at neg (`twobit`), with
-            // b above every member count, so a sum holds both counts. The
-            // store has checked that every residual + gradient is finite
-            // before any worker agreed.
-            let b = coll.lanes_for().max(states.len()) as i32 + 1;
-            let mut zeros = Vec::new();
-            let codes = sum_packed(states, n, (0, b), coll.lanes_for(), |i, s, words, width, add| {
-                s.spare_residual.resize(n, 0.0);
-                let residual = previous(&s.residual, n, &mut zeros);
-                if add {
-                    twobit::quantize_packed::<true>(grads[i], residual, &mut s.spare_residual, *th, b, words, width);
-                } else {
-                    twobit::quantize_packed::<false>(grads[i], residual, &mut s.spare_residual, *th, b, words, width);
-                }
-                s.pending = true;
-            })?;
-            Ok((Vec::new(), codes))
-        }
-        Compression::None => Ok((Vec::new(), Part::F32(sum_of(grads)?))),
     }
 }
 
 /// A member's residual for `encode` to read: its own, or zeros (`zeros`,
 /// grown to `n`) on its first push, which leaves the state's empty.
-fn previous<'a>(residual: &'a [f32], n: usize, zeros: &'a mut Vec<f32>) -> &'a [f32] {
+pub(in crate::quant::scheme) fn previous<'a>(residual: &'a [f32], n: usize, zeros: &'a mut Vec<f32>) -> &'a [f32] {
     if residual.len() == n {
         residual
     } else {
@@ -406,7 +332,7 @@ fn previous<'a>(residual: &'a [f32], n: usize, zeros: &'a mut Vec<f32>) -> &'a [
 }
 
 /// The float32 sum of the members' gradients, in member order.
-fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
+pub(in crate::quant::scheme) fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
     let mut sum = grads[0].to_vec();
     for g in &grads[1..] {
         collective::sum_into(&mut sum, g)?;
@@ -418,7 +344,7 @@ fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
 /// non-finite value otherwise (a sum past float32's range, or a faulty
 /// worker's part). Every worker holds the same sum, so every worker fails
 /// alike, before any state changes.
-fn non_finite_factor(name: &str, x: &[f32]) -> Result<()> {
+pub(in crate::quant::scheme) fn non_finite_factor(name: &str, x: &[f32]) -> Result<()> {
     match x.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
         Some(i) => Err(Error::Store(format!("PowerSGD: the workers' sum of {name} holds {} at element {i}, a non-finite value (a gradient past float32's range, or a faulty worker); nothing was applied", x[i]))),
@@ -430,7 +356,7 @@ fn non_finite_factor(name: &str, x: &[f32]) -> Result<()> {
 /// for the next push): lanes wide enough for the sums
 /// of `lanes_for` members (the collective's) and of the members here, so
 /// members add word by word. `quantize(member, state, words, width, add)`.
-fn sum_packed(states: &mut [State], len: usize, (lo, hi): (i32, i32), lanes_for: usize, mut quantize: impl FnMut(usize, &mut State, &mut [u64], u32, bool)) -> Result<Part> {
+pub(in crate::quant::scheme) fn sum_packed(states: &mut [State], len: usize, (lo, hi): (i32, i32), lanes_for: usize, mut quantize: impl FnMut(usize, &mut State, &mut [u64], u32, bool)) -> Result<Part> {
     let members = lanes_for.max(states.len());
     let width = collective::sum_width(lo, hi, members).ok_or_else(|| bad("workers", format!("{members} members could overflow a sum of codes in {lo}..={hi}")))?;
     let mut words = std::mem::take(&mut states[0].spare_words);
@@ -439,80 +365,6 @@ fn sum_packed(states: &mut [State], len: usize, (lo, hi): (i32, i32), lanes_for:
         quantize(i, s, &mut words, width, i > 0);
     }
     Ok(Part::Packed { words, n: len, lo, hi, count: states.len() as u32, width })
-}
-
-fn encode_qsgd(q: &Qsgd, states: &mut [State], grads: &[&[f32]], ctx: &Ctx, coll: &mut dyn Collective) -> Result<(Vec<Part>, Part)> {
-    let levels = q.levels();
-    if ctx.workers as u64 > qsgd::max_workers(q.bits()[0])? {
-        return Err(bad("bits", format!("{} workers could overflow the code sum at {} bits", ctx.workers, q.bits()[0])));
-    }
-    let idx = selection(q, grads[0].len(), ctx.step, ctx.key_hash);
-    let xs: Vec<Cow<[f32]>> = grads
-        .iter()
-        .zip(states.iter_mut())
-        .map(|(g, s)| match &idx {
-            Some(idx) => {
-                let mut x = std::mem::take(&mut s.spare_gathered);
-                gather(g, idx, &mut x);
-                Cow::Owned(x)
-            }
-            None => Cow::Borrowed(*g),
-        })
-        .collect();
-    let len = xs[0].len();
-    // A non-finite gradient anywhere poisons the shared scale, so every
-    // worker fails this push together instead of waiting on the others.
-    // Random-K sends k coordinates, but a non-finite value in any of them is
-    // refused as every scheme refuses it: 'zero' would drop it silently and
-    // 'local' would put it in the value (one more read of the gradient).
-    let whole_finite = idx.is_none() || grads.iter().all(|g| qsgd::max_abs(g).is_some());
-    let mut scale = [if whole_finite { xs.iter().map(|x| qsgd::max_abs(x).unwrap_or(f32::INFINITY)).fold(0f32, f32::max) } else { f32::INFINITY }];
-    let mine_finite = scale[0].is_finite();
-    coll.max_f32(&mut scale)?;
-    if !mine_finite {
-        // A member here: say which value and element.
-        let (m, i) = grads.iter().enumerate().find_map(|(m, g)| g.iter().position(|v| !v.is_finite()).map(|i| (m, i))).unwrap_or((0, 0));
-        return Err(Error::Store(format!("pushed value {m} holds {} at element {i}, a non-finite value; nothing was applied", grads[m][i])));
-    }
-    if !scale[0].is_finite() {
-        return Err(bad("gradient", "a worker pushed a non-finite value (inf or NaN); nothing was applied".into()));
-    }
-    let mut exchanged = vec![Part::F32(scale.to_vec())];
-    let level_of = if levels.len() > 1 {
-        let (mut l, mut mine) = (std::mem::take(&mut states[0].spare_levels), Vec::new());
-        l.resize(len, 0);
-        for (i, x) in xs.iter().enumerate() {
-            if i == 0 {
-                qsgd::fit_levels(x, scale[0], &levels, &mut l);
-            } else {
-                mine.resize(len, 0);
-                qsgd::fit_levels(x, scale[0], &levels, &mut mine);
-                collective::min_into(&mut l, &mine)?;
-            }
-        }
-        coll.min_u8(&mut l, levels.len() as u8)?;
-        Some(l)
-    } else {
-        None
-    };
-    // The scale is a MAX that includes every member's finite max|x|: no need to check x again.
-    let codes = sum_packed(states, len, qsgd_codes(q), coll.lanes_for(), |i, _, words, width, add| {
-        let (x, seed) = (&xs[i], noise::stream_seed(q.seed, ctx.step, ctx.key_hash, ctx.member + i as u64));
-        if add {
-            qsgd::quantize_levels_packed::<true>(x, scale[0], &levels, level_of.as_deref(), seed, words, width);
-        } else {
-            qsgd::quantize_levels_packed::<false>(x, scale[0], &levels, level_of.as_deref(), seed, words, width);
-        }
-    })?;
-    if let Some(l) = level_of {
-        exchanged.push(Part::Levels { levels: l, count: levels.len() as u8 });
-    }
-    for (s, x) in states.iter_mut().zip(xs) {
-        if let Cow::Owned(x) = x {
-            s.spare_gathered = x; // fresh pages cost more than the gather
-        }
-    }
-    Ok((exchanged, codes))
 }
 
 /// The aggregate (a sum over workers) from the exchanged values and the

@@ -1,168 +1,75 @@
-//! A bucket's encodes, their exchanges batched: tensors whose scheme
-//! exchanges values before its final part (QSGD's scale and scale indices,
-//! PowerSGD's P) encode side by side on scoped threads, and once
-//! every unfinished encode waits on an exchange, the waiting requests go to
-//! the engine as one all-reduce per (operation, element type), concatenated
-//! in tensor order. Every rank holds the same tensors and compression, so
-//! every rank makes the same batched calls in the same order. Schemes with
-//! no exchange before the final part encode on the caller's thread.
+//! A bucket's encodes, their exchanges batched: every tensor's encode runs
+//! on the caller's thread as steps (`scheme::Encoder`), each to its next
+//! exchange (QSGD's scale and scale indices, PowerSGD's P); the asks of a
+//! round go to the collective as one reduction per kind, concatenated in
+//! tensor order, and every encode resumes with its share. Every rank holds
+//! the same tensors and compression, so every rank makes the same batched
+//! calls in the same order. No thread is started or waited on: a kernel
+//! may still spread one large tensor over the crate's rayon pool.
 
-use std::sync::mpsc::{channel, Sender};
-
-use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
 use crate::error::{Error, Result};
+use crate::quant::collective::Collective;
 use crate::quant::compression::Compression;
-use crate::quant::scheme;
-
-/// A buffer owned while it travels between an encode thread and the engine.
-enum Data {
-    F32(Vec<f32>),
-    U64(Vec<u64>),
-}
-
-impl Data {
-    fn of(buf: &Buffer<'_>) -> Data {
-        match buf {
-            Buffer::F32(x) => Data::F32(x.to_vec()),
-            Buffer::U64(x) => Data::U64(x.to_vec()),
-        }
-    }
-
-    fn kind(&self) -> u8 {
-        match self {
-            Data::F32(_) => 0,
-            Data::U64(_) => 1,
-        }
-    }
-}
-
-/// One encode's exchange, waiting for its batch.
-struct Request {
-    slot: usize,
-    op: ReduceOp,
-    data: Data,
-    reply: Sender<Result<Data>>,
-}
-
-type Encoded = Result<(Vec<scheme::Part>, scheme::Part)>;
-
-enum Msg {
-    Reduce(Request),
-    Done { slot: usize, result: Encoded },
-}
-
-/// An encode thread's engine: each all-reduce waits for its batch's result.
-struct Batched {
-    tx: Sender<Msg>,
-    slot: usize,
-}
-
-impl Engine for Batched {
-    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
-        let (reply, answer) = channel();
-        let request = Request { slot: self.slot, op, data: Data::of(&buf), reply };
-        self.tx.send(Msg::Reduce(request)).map_err(|_| Error::Internal("the batching driver is gone".into()))?;
-        let data = answer.recv().map_err(|_| Error::Internal("the batching driver is gone".into()))??;
-        match (buf, data) {
-            (Buffer::F32(x), Data::F32(d)) if x.len() == d.len() => x.copy_from_slice(&d),
-            (Buffer::U64(x), Data::U64(d)) if x.len() == d.len() => x.copy_from_slice(&d),
-            _ => return Err(Error::Internal("a batched reduction came back as another buffer".into())),
-        }
-        Ok(())
-    }
-}
-
-/// Reduces the waiting requests (in tensor order) as one all-reduce per
-/// (operation, element type), in the order of each pair's first request,
-/// and answers each; an engine error answers every request left.
-fn serve(waiting: Vec<Request>, coll: &mut Lanes<&mut dyn Engine>) {
-    let mut groups: Vec<((ReduceOp, u8), Vec<Request>)> = Vec::new();
-    for r in waiting {
-        let id = (r.op, r.data.kind());
-        match groups.iter_mut().find(|(g, _)| *g == id) {
-            Some((_, members)) => members.push(r),
-            None => groups.push((id, vec![r])),
-        }
-    }
-    let mut failed: Option<String> = None;
-    for ((op, _), members) in groups {
-        if let Some(why) = &failed {
-            members.into_iter().for_each(|r| drop(r.reply.send(Err(Error::Transport(why.clone())))));
-            continue;
-        }
-        macro_rules! batch {
-            ($variant:ident, $t:ty) => {{
-                let mut all: Vec<$t> = Vec::new();
-                let lens: Vec<usize> = members.iter().map(|r| match &r.data { Data::$variant(d) => { all.extend_from_slice(d); d.len() } _ => 0 }).collect();
-                match coll.reduce(op, Buffer::$variant(&mut all)) {
-                    Ok(()) => {
-                        let mut at = 0;
-                        for (r, len) in members.into_iter().zip(lens) {
-                            let _ = r.reply.send(Ok(Data::$variant(all[at..at + len].to_vec())));
-                            at += len;
-                        }
-                    }
-                    Err(e) => {
-                        failed = Some(e.to_string());
-                        members.into_iter().for_each(|r| drop(r.reply.send(Err(Error::Transport(e.to_string())))));
-                    }
-                }
-            }};
-        }
-        match members[0].data {
-            Data::F32(_) => batch!(F32, f32),
-            Data::U64(_) => batch!(U64, u64),
-        }
-    }
-}
+use crate::quant::scheme::{self, Ask, Encoder, Step};
 
 /// One tensor's encode: its context, gradient and state.
 pub type Job<'a> = (scheme::Ctx<'a>, &'a [f32], &'a mut scheme::State);
 
-/// Whether the scheme exchanges anything before its final part.
-fn exchanges(c: &Compression) -> bool {
-    matches!(c, Compression::Qsgd(_) | Compression::PowerSgd { .. })
+type Encoded = Result<(Vec<scheme::Part>, scheme::Part)>;
+
+/// Encodes every job (`scheme::encode`), the exchanges of each round
+/// joined per kind (`Ask::joins`) into one reduction through `coll`, in
+/// the order of each kind's first tensor. An exchange that fails ends
+/// every encode still waiting, with its error.
+pub fn encode(c: &Compression, jobs: Vec<Job>, coll: &mut dyn Collective) -> Vec<Encoded> {
+    let lanes_for = coll.lanes_for();
+    let (ctxs, rest): (Vec<scheme::Ctx>, Vec<(&[f32], &mut scheme::State)>) = jobs.into_iter().map(|(ctx, g, s)| (ctx, (g, s))).unzip();
+    let (grads, states): (Vec<&[f32]>, Vec<&mut scheme::State>) = rest.into_iter().unzip();
+    let mut encoders: Vec<Encoder> = ctxs
+        .into_iter()
+        .zip(grads.iter())
+        .zip(states)
+        .map(|((ctx, g), s)| Encoder::new(c, std::slice::from_mut(s), std::slice::from_ref(g), ctx, lanes_for))
+        .collect();
+    let mut results: Vec<Option<Encoded>> = (0..encoders.len()).map(|_| None).collect();
+    let mut asks: Vec<(usize, Ask)> = Vec::new();
+    for (slot, e) in encoders.iter_mut().enumerate() {
+        settle(slot, e.resume(None), &mut asks, &mut results);
+    }
+    while !asks.is_empty() {
+        let mut round = std::mem::take(&mut asks);
+        match serve(&mut round, coll) {
+            Ok(()) => {
+                for (slot, ask) in round {
+                    settle(slot, encoders[slot].resume(Some(ask)), &mut asks, &mut results);
+                }
+            }
+            Err(e) => {
+                let why = e.to_string();
+                round.into_iter().for_each(|(slot, _)| results[slot] = Some(Err(Error::Transport(why.clone()))));
+            }
+        }
+    }
+    results.into_iter().map(|r| r.unwrap_or_else(|| Err(Error::Internal("a tensor's encode ended without a result".into())))).collect()
 }
 
-/// Encodes every job (`scheme::encode`), each exchange through `coll`:
-/// on the caller's thread when the scheme exchanges nothing first or there
-/// is one job, else one scoped thread a job. (Not rayon's threads: an
-/// encode blocks on its batch, and a rayon worker waiting inside a kernel's
-/// parallel loop may pick up another encode and block under it.)
-pub fn encode(c: &Compression, jobs: Vec<Job>, coll: &mut Lanes<&mut dyn Engine>) -> Vec<Encoded> {
-    if jobs.len() <= 1 || !exchanges(c) {
-        return jobs.into_iter().map(|(ctx, grad, state)| scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, coll)).collect();
+/// Files an encode's step: its next ask, or its result.
+fn settle(slot: usize, step: Result<Step>, asks: &mut Vec<(usize, Ask)>, results: &mut [Option<Encoded>]) {
+    match step {
+        Ok(Step::Ask(ask)) => asks.push((slot, ask)),
+        Ok(Step::Done(exchanged, part)) => results[slot] = Some(Ok((exchanged, part))),
+        Err(e) => results[slot] = Some(Err(e)),
     }
-    let count = jobs.len();
-    let workers = coll.workers;
-    let (tx, rx) = channel::<Msg>();
-    let mut results: Vec<Option<Encoded>> = (0..count).map(|_| None).collect();
-    std::thread::scope(|s| {
-        for (slot, (ctx, grad, state)) in jobs.into_iter().enumerate() {
-            let tx = tx.clone();
-            s.spawn(move || {
-                let mut engine = Batched { tx: tx.clone(), slot };
-                let mut own = Lanes::new(&mut engine, workers);
-                let result = scheme::encode(c, std::slice::from_mut(state), &[grad], &ctx, &mut own);
-                let _ = tx.send(Msg::Done { slot, result });
-            });
-        }
-        drop(tx);
-        let (mut live, mut waiting) = (count, Vec::<Request>::new());
-        while live > 0 {
-            match rx.recv() {
-                Ok(Msg::Done { slot, result }) => {
-                    results[slot] = Some(result);
-                    live -= 1;
-                }
-                Ok(Msg::Reduce(r)) => waiting.push(r),
-                Err(_) => break, // every encode has ended
-            }
-            if live > 0 && waiting.len() == live {
-                waiting.sort_by_key(|r| r.slot);
-                serve(std::mem::take(&mut waiting), coll);
-            }
-        }
-    });
-    results.into_iter().map(|r| r.unwrap_or_else(|| Err(Error::Internal("a tensor's encode ended without a result".into())))).collect()
+}
+
+/// Runs a round's asks (in tensor order) as one reduction per kind, kinds
+/// in the order of their first ask.
+fn serve(round: &mut [(usize, Ask)], coll: &mut dyn Collective) -> Result<()> {
+    // Each ask's kind: the index of the first ask it joins.
+    let kinds: Vec<usize> = (0..round.len()).map(|i| (0..=i).find(|&j| round[j].1.joins(&round[i].1)).unwrap_or(i)).collect();
+    for kind in (0..round.len()).filter(|&i| kinds[i] == i) {
+        let mut picked: Vec<&mut Ask> = round.iter_mut().zip(&kinds).filter(|(_, &k)| k == kind).map(|((_, a), _)| a).collect();
+        Ask::run_joined(&mut picked, coll)?;
+    }
+    Ok(())
 }
