@@ -2,8 +2,8 @@
 (a program that prints figures, not a test):
 
   .venv/bin/python benches/torch_hooks.py                # loopback: the digits CNN and the 12.6M model
-  .venv/bin/python benches/torch_hooks.py --model digits --repeat 5   # every hook 5 times in
-        turn, each figure the median round's (this machine drifts by tens of percent)
+  .venv/bin/python benches/torch_hooks.py --model digits --repeat 5   # 5 rounds, each
+        figure the median round's
   .venv/bin/python benches/torch_hooks.py --netns 1gbit 10gbit   # as root: the ranks on two
         network namespaces joined by a veth pair limited with tc (tbf)
 
@@ -13,7 +13,9 @@ Each hook trains the same model from the same weights on the same shards:
           step handed to torch.distributed, test accuracy;
   big     an MLP of 12.6M parameters (3 layers of 2048 x 2048), batch 8
           of random data: ms per step over 10 steps after 3 of warm-up.
-Bytes are counted by wrapping torch.distributed.all_reduce, the one call
+Within a round every hook trains side by side, step by step (each hook's
+step i right after the previous hook's step i), so the machine's drift
+falls on every hook alike. Bytes are counted by wrapping torch.distributed.all_reduce, the one call
 every hook here (torch's and gradpack's) hands its tensors to. torch's
 powerSGD_hook runs with a single bucket (it aborts on gloo with more);
 --torch-powersgd-buckets shows that failure.
@@ -106,9 +108,9 @@ def rank_main(args):
     data = torch_ddp.digits()
     results = {}
     chosen = [h for h in HOOKS if not args.only or any(o in h[0] for o in args.only)]
-    # Every hook once per round, rounds one after another: a machine's
-    # drift reaches every hook alike, and each figure is its rounds' median.
-    for label, kind, spec in [h for _ in range(args.repeat) for h in chosen]:
+
+    def start(label, kind, spec):
+        """One hook's training run, ready for its first step."""
         one_bucket = kind == "torch" and spec.startswith("powersgd") and not args.torch_powersgd_buckets
         cap = 4096 if one_bucket else 25
         if args.model == "digits":
@@ -131,31 +133,44 @@ def rank_main(args):
             warm = 3
         ddp = DDP(model, bucket_cap_mb=cap)
         register(ddp, kind, spec, max(p.numel() for p in model.parameters()))
+        return {"label": label, "model": model, "opt": opt, "ddp": ddp, "batches": batches, "warm": warm,
+                "elapsed": 0.0, "counted": 0, "sent": 0}
+
+    # Each round runs every hook side by side, step by step (hook A's step
+    # i, then hook B's step i, ...): the machine's drift, which reaches tens
+    # of percent within a minute here, falls on every hook alike. Each
+    # figure is the median of its rounds.
+    for _ in range(args.repeat):
+        runs = [start(*h) for h in chosen]
         dist.barrier()
-        elapsed, counted = 0.0, 0
-        for i, b in enumerate(batches):
-            if i == warm:
+        for i in range(max(len(r["batches"]) for r in runs)):
+            for r in runs:
+                if i >= len(r["batches"]):
+                    continue
+                b, ddp, opt = r["batches"][i], r["ddp"], r["opt"]
                 sent[0] = 0
-            begin = time.perf_counter()
-            opt.zero_grad()
+                begin = time.perf_counter()
+                opt.zero_grad()
+                if args.model == "digits":
+                    loss = torch.nn.functional.cross_entropy(ddp(data[0][b]), data[1][b], reduction="sum")
+                else:
+                    loss = torch.nn.functional.mse_loss(ddp(b[0]), b[1])
+                loss.backward()
+                opt.step()
+                if i >= r["warm"]:
+                    r["elapsed"] += time.perf_counter() - begin
+                    r["counted"] += 1
+                    r["sent"] += sent[0]
+        for r in runs:
+            accuracy = None
             if args.model == "digits":
-                loss = torch.nn.functional.cross_entropy(ddp(xtr[b]), ytr[b], reduction="sum")
-            else:
-                loss = torch.nn.functional.mse_loss(ddp(b[0]), b[1])
-            loss.backward()
-            opt.step()
-            if i >= warm:
-                elapsed += time.perf_counter() - begin
-                counted += 1
-        accuracy = None
-        if args.model == "digits":
-            with torch.no_grad():
-                accuracy = (model(xte).argmax(1) == yte).float().mean().item()
-        r = results.setdefault(label, {"hook": label, "ms": []})
-        r["ms"].append(1000 * elapsed / counted)
-        r.update(ms_per_step=sorted(r["ms"])[len(r["ms"]) // 2], bytes_per_step=sent[0] / counted,
-                 accuracy=accuracy, steps=counted)
-        del ddp
+                with torch.no_grad():
+                    accuracy = (r["model"](data[2]).argmax(1) == data[3]).float().mean().item()
+            res = results.setdefault(r["label"], {"hook": r["label"], "ms": []})
+            res["ms"].append(1000 * r["elapsed"] / r["counted"])
+            res.update(ms_per_step=sorted(res["ms"])[len(res["ms"]) // 2], bytes_per_step=r["sent"] / r["counted"],
+                       accuracy=accuracy, steps=r["counted"])
+        del runs
         import gc
         gc.collect()
     if rank == 0:
@@ -208,7 +223,7 @@ def main():
     ap.add_argument("--only", action="append", default=[], help="hooks whose labels contain this (repeatable)")
     ap.add_argument("--netns", nargs="*", help="link rates for tc, e.g. 1gbit 10gbit (root)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="rounds of every hook, one after another; each figure is the median round's")
+                    help="rounds, one after another (every hook side by side in each); each figure is the median round's")
     ap.add_argument("--torch-powersgd-buckets", action="store_true",
                     help="run torch's powerSGD_hook with DDP's default buckets (it fails on gloo)")
     args = ap.parse_args()

@@ -51,6 +51,11 @@ use crate::store::checkpoint::{self, KeyState, Saved};
 use check::{Mine, Own, Verdict, TAIL_WORDS};
 pub use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
 
+/// The most values of a plain bucket of several tensors summed as a copy
+/// with its check at the end (`Group::tail_in_floats`): 1 MiB, DDP's first
+/// bucket; a larger one is summed in place.
+const PLAIN_COPY_MAX: usize = 1 << 18;
+
 /// One tensor of a bucket: its key, shape and float32 gradient.
 pub struct Tensor<'a> {
     pub key: Key,
@@ -518,7 +523,7 @@ impl Group {
                 _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
             }
         }
-        if self.tail_in_floats(plain, plan.shapes.len()) {
+        if self.tail_in_floats(plain, plan.shapes.len(), sizes.iter().sum()) {
             let mut bucket = if plain { zeros } else { floats };
             bucket.extend_from_slice(&check::tail_f32(&mine, self.rank));
             coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
@@ -536,13 +541,16 @@ impl Group {
 
     /// Whether a bucket's check ends its float32 sum instead of its words,
     /// when there would be no other words: a bucket of several tensors that
-    /// all go plainly (then summed as a copy, not in place), or a PowerSGD
-    /// bucket (Q is float32). One all-reduce fewer; the same on every rank
-    /// (the planned sizes decide). A lone plain tensor (`allreduce_`) is
-    /// summed in place, as torch sums it: with 3 or more ranks gloo's
-    /// float32 rounding depends on the buffer's length.
-    fn tail_in_floats(&self, plain: bool, tensors: usize) -> bool {
-        ((plain && tensors > 1) || matches!(self.compression, Compression::PowerSgd { .. })) && self.world <= check::FLOAT_TAIL_RANKS
+    /// all go plainly, up to `PLAIN_COPY_MAX` values (then summed as a
+    /// copy, not in place), or a PowerSGD bucket (Q is float32). One
+    /// all-reduce fewer; the same on every rank (the planned sizes decide).
+    /// A lone plain tensor (`allreduce_`) and a larger plain bucket are
+    /// summed in place, as torch sums them, with the check in words: with 3
+    /// or more ranks gloo's float32 rounding depends on the buffer's
+    /// length, and copying tens of megabytes twice costs more than a
+    /// second all-reduce of 39 words.
+    fn tail_in_floats(&self, plain: bool, tensors: usize, values: usize) -> bool {
+        ((plain && tensors > 1 && values <= PLAIN_COPY_MAX) || matches!(self.compression, Compression::PowerSgd { .. })) && self.world <= check::FLOAT_TAIL_RANKS
     }
 
     /// Runs the bucket's exchanges for real and builds its final parts,
@@ -574,7 +582,7 @@ impl Group {
             return Err(if v.clean() { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) } else { self.verdict_error(&v, tensors, steps) });
         }
         let plain = !compresses.iter().any(|&c| c);
-        let tail_in_floats = self.tail_in_floats(plain, tensors.len());
+        let tail_in_floats = self.tail_in_floats(plain, tensors.len(), tensors.iter().map(|t| t.grad.len()).sum());
         let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
         let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
         for (t, &compress) in tensors.iter().zip(&compresses) {

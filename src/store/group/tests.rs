@@ -369,3 +369,49 @@ fn large_tensors_with_exchanges_encode_side_by_side_without_waiting_on_each_othe
     });
     rx.recv_timeout(std::time::Duration::from_secs(300)).expect("the encodes of a bucket waited on each other for 5 minutes");
 }
+
+#[test]
+fn a_small_plain_bucket_is_summed_as_a_copy_with_its_check_and_a_large_one_in_place() {
+    let groups: Vec<Group> = (0..2).map(|r| Group::new(params(&[("compress", "none")]), r, 2, 0, 0.0).unwrap()).collect();
+    for (n, in_place) in [(PLAIN_COPY_MAX / 2, false), (PLAIN_COPY_MAX / 2 + 1, true)] {
+        let layout = [(format!("w{n}"), vec![n]), (format!("v{n}"), vec![n])];
+        for step in 0..3 {
+            let g = grads(2, 2 * n, step);
+            let threads = Threads::new(2);
+            let seen: Vec<(bool, usize, usize, Vec<f32>)> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..2)
+                    .map(|r| {
+                        let (groups, g, threads, layout) = (&groups, &g, &threads, &layout);
+                        s.spawn(move || {
+                            let tensors: Vec<Tensor> = layout.iter().enumerate().map(|(i, (k, shape))| Tensor { key: Key::Str(k.clone()), shape: shape.clone(), grad: &g[r][i * n..(i + 1) * n] }).collect();
+                            let mut engine = Rank { threads, rank: r };
+                            let mut pending = groups[r].encode(&tensors, 2 * n, true, &mut engine).unwrap();
+                            let facts = (pending.plain, pending.words.len(), pending.floats.len());
+                            let mut out = g[r].clone();
+                            if !pending.words.is_empty() {
+                                engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words)).unwrap();
+                            }
+                            if pending.plain {
+                                engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out)).unwrap();
+                            } else {
+                                engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut pending.floats)).unwrap();
+                            }
+                            groups[r].decode(pending, &mut out).unwrap();
+                            (facts.0, facts.1, facts.2, out)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let want: Vec<f32> = (0..2 * n).map(|i| (g[0][i] + g[1][i]) / 2.0).collect();
+            for (plain, words, floats, out) in seen {
+                assert_eq!(out, want, "{n} values a tensor, step {step}");
+                if in_place {
+                    assert_eq!((plain, words, floats), (true, TAIL_WORDS, 0), "{n} values a tensor: the bucket in place, its check in words");
+                } else {
+                    assert_eq!((plain, words, floats), (false, 0, 2 * n + check::TAIL_FLOATS), "{n} values a tensor: a copy ending with the check");
+                }
+            }
+        }
+    }
+}
