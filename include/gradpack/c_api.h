@@ -300,6 +300,10 @@ int gp_group_encode(const gp_group_t* group, uint64_t num, const char* const* ke
  * decodes into it). */
 int gp_pending_buffers(gp_pending_t* pending, uint64_t** words, uint64_t* num_words,
                        float** floats, uint64_t* num_floats, int* plain);
+/* Reads the check of a summed pending bucket, changing nothing: 0, or the
+ * error gp_group_decode would return before writing (the same on every
+ * rank). `pending` stays live: decode or free it next. */
+int gp_group_check(const gp_group_t* group, const gp_pending_t* pending);
 /* Writes the bucket's result into `bucket` (the one encoded; bucket_len
  * float32). Consumes `pending`, also on error. */
 int gp_group_decode(const gp_group_t* group, gp_pending_t* pending, float* bucket, uint64_t bucket_len);

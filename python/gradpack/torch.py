@@ -45,6 +45,7 @@ LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.PO
                                 ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
                                 ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
 LIB.gp_group_decode.argtypes = [_p, _p, _p, _u64]
+LIB.gp_group_check.argtypes = [_p, _p]
 LIB.gp_pending_free.argtypes = [_p]
 LIB.gp_pending_free.restype = None
 LIB.gp_group_stats.argtypes = [_p, ctypes.POINTER(_u64)]
@@ -58,6 +59,7 @@ _BUFFERS = {0: (torch.float32, ctypes.c_float), 1: (torch.int64, ctypes.c_int64)
 _OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.BOR}
 _WIDENED = (torch.float16, torch.bfloat16)
 _STATE_FORMAT = "gradpack.torch/1"
+_FAILURE_BYTES = 1024  # an error's text, shared within a node by the hierarchical exchange
 
 
 def _view(ptr, n, code):
@@ -105,7 +107,7 @@ class _Pending(NativeHandle):
         # The words (ending with the bucket's check) first, then the floats
         # or the bucket itself: the order every rank sums them in.
         sums = [_view(words, nwords, 1), flat if plain else _view(floats, nfloats, 0)]
-        group = state.process_group
+        group = state._comm
         self.futures = [dist.all_reduce(t, group=group, async_op=True).get_future()
                         for t in sums if t.numel() > 0]
         for k in keys:
@@ -132,6 +134,26 @@ class _Pending(NativeHandle):
                     self.state._pending.remove(self)
             if self._outcome is not None:
                 raise self._outcome
+
+    def check(self):
+        """Raises the error decode would raise, changing nothing (the sums
+        have arrived)."""
+        with self._lock:
+            if self.handle is None:
+                raise Error("a pending bucket checked after it was decoded")
+            check_call(LIB.gp_group_check(self.state._handle, self.handle))
+
+    def abandon(self):
+        """Drops the bucket undecoded: its keys' states stay as they were."""
+        with self._lock:
+            handle, self.handle = self.handle, None
+            for k in self.keys:
+                if self.state._open.get(k) is self:
+                    del self.state._open[k]
+            if self in self.state._pending:
+                self.state._pending.remove(self)
+        if handle is not None:
+            LIB.gp_pending_free(handle)
 
     def settle(self, raising=False):
         """Waits for the sums and finishes the bucket; its error is raised
@@ -163,6 +185,18 @@ class State(NativeHandle):
     shrink at least ``min_compression_rate`` times (smaller tensors, and
     vectors under PowerSGD, go as float32).
 
+    ``local_size`` (ranks a node) turns on the hierarchical exchange for a
+    job of several nodes: a bucket is summed in float32 inside each node
+    (``reduce_scatter``, each local rank owning 1/local_size of every
+    parameter), each local rank compresses its share across the nodes with
+    the ranks of its own local index, and the node gathers the result (``all_gather``). Left
+    as None it is torchrun's ``LOCAL_WORLD_SIZE`` when that is smaller than
+    the world (several nodes), else the flat exchange; 1 forces the flat
+    exchange. The hierarchical exchange needs the default process group and
+    ranks numbered node by node (torchrun's). Local rank j owns row block
+    j of every parameter, so its states (residuals, PowerSGD's Q) follow
+    the parameter through DDP's bucket rebuilds and checkpoints.
+
     A State owns native state: it cannot be copied or pickled; save it with
     ``state_dict()`` and resume a new State with ``load_state_dict()``.
     """
@@ -170,7 +204,7 @@ class State(NativeHandle):
     _instead = ("save it with state_dict() and load that into a new gradpack.torch.State with "
                 "load_state_dict()")
 
-    def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0):
+    def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0, local_size=None):
         if not isinstance(compress_params, dict):
             raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
         if not dist.is_available() or not dist.is_initialized():
@@ -181,6 +215,18 @@ class State(NativeHandle):
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        self.local_size = _local_size(local_size, compress_params, process_group, self.rank, self.world_size)
+        # The ranks a bucket's compressed exchanges run among: every rank, or
+        # (hierarchical) the ranks of this local index on every node.
+        self._comm, self._intra, self._intra_bytes = process_group, None, 0
+        inner_rank, inner_world = self.rank, self.world_size
+        if self.local_size > 1:
+            nodes, (node, local) = self.world_size // self.local_size, divmod(self.rank, self.local_size)
+            # Every rank creates every group, in one order (new_group is collective).
+            intra = [dist.new_group(list(range(n * self.local_size, (n + 1) * self.local_size))) for n in range(nodes)]
+            inter = [dist.new_group(list(range(j, self.world_size, self.local_size))) for j in range(self.local_size)]
+            self._intra, self._comm = intra[node], inter[local]
+            inner_rank, inner_world = node, nodes
         keys = [_c_text(k, "compress_params key") for k in compress_params]
         vals = [_c_text(v, "compress_params value") for v in compress_params.values()]
         handle = _p()
@@ -189,8 +235,8 @@ class State(NativeHandle):
         except (TypeError, ValueError, OverflowError):
             raise Error("min_compression_rate must be a finite number >= 0, got %r" % (min_compression_rate,))
         check_call(LIB.gp_group_new((ctypes.c_char_p * len(keys))(*keys),
-                                    (ctypes.c_char_p * len(vals))(*vals), len(keys), self.rank,
-                                    self.world_size, start_iter, rate, ctypes.byref(handle)))
+                                    (ctypes.c_char_p * len(vals))(*vals), len(keys), inner_rank,
+                                    inner_world, start_iter, rate, ctypes.byref(handle)))
         self._handle = handle.value
         self.compress_params = dict(compress_params)
         self._param_keys = {}  # id(parameter) -> key
@@ -216,7 +262,7 @@ class State(NativeHandle):
     def _reduce(self, _user, op, code, ptr, n):
         # Called by gradpack during encode, on the hook's thread.
         try:
-            dist.all_reduce(_view(ptr, n, code), op=_OPS[op], group=self.process_group)
+            dist.all_reduce(_view(ptr, n, code), op=_OPS[op], group=self._comm)
             return 0
         except BaseException as e:  # noqa: B902 - handed back to the caller below
             self._failure = e
@@ -304,7 +350,9 @@ class State(NativeHandle):
         out = (_u64 * 5)()
         check_call(LIB.gp_group_stats(self._handle, out))
         return {"bytes_sent": out[0], "bytes_uncompressed": out[1], "steps": out[2],
-                "compressed_steps": out[3], "agreements": out[4]}
+                "compressed_steps": out[3], "agreements": out[4],
+                "exchange": "hierarchical" if self.local_size > 1 else "flat", "local_size": self.local_size,
+                "bytes_within_node": self._intra_bytes}
 
     def state_dict(self):
         """Every tensor's compression state (residuals, PowerSGD's Q, push
@@ -317,7 +365,7 @@ class State(NativeHandle):
         finally:
             LIB.gp_buffer_free(data, n)
         # The blob names its compression, rank and world size; load_state_dict checks them there.
-        return {"format": _STATE_FORMAT, "states": blob}
+        return {"format": _STATE_FORMAT, "states": blob, "local_size": self.local_size, "world_size": self.world_size}
 
     def load_state_dict(self, state_dict):
         """Resumes from ``state_dict()``: another compression, rank, world
@@ -328,12 +376,133 @@ class State(NativeHandle):
         blob = state_dict.get("states")
         if not isinstance(blob, (bytes, bytearray)):
             raise Error("gradpack.torch state_dict: 'states' must be bytes")
+        saved = (state_dict.get("local_size", 1), state_dict.get("world_size", self.world_size))
+        if saved != (self.local_size, self.world_size) and max(saved[0], self.local_size) > 1:
+            # (Two flat layouts: the blob itself names the world that differs.)
+            raise Error("this state_dict was saved by %s; this State runs %s: its states (one per row block of a "
+                        "parameter under the hierarchical exchange, one per parameter under the flat one) do not carry over"
+                        % (_layout_text(*saved), _layout_text(self.local_size, self.world_size)))
         self._settle()
         check_call(LIB.gp_group_load(self._handle, bytes(blob), len(blob)))
 
 
 def _as_float32(t):
     return t if t.dtype == torch.float32 else t.float()
+
+
+def _layout_text(local_size, world):
+    if local_size > 1:
+        return "the hierarchical exchange over %d nodes of %d ranks" % (world // local_size, local_size)
+    return "the flat exchange over %d ranks" % world
+
+
+def _local_size(asked, compress_params, process_group, rank, world):
+    """The ranks a node (1: the flat exchange), checked with every rank: an
+    error names why the hierarchical exchange cannot run, on every rank."""
+    import os
+    auto = asked is None
+    if auto:
+        try:
+            asked = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            asked = 1
+        if process_group is not None or not 1 < asked < world:
+            asked = 1
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise Error("local_size must be a whole number of ranks a node (1 or more), got %r" % (asked,))
+    why = None
+    if asked > 1:
+        if process_group is not None:
+            why = "the hierarchical exchange (local_size=%d) needs the default process group" % asked
+        elif world % asked:
+            why = "local_size %d does not divide the world of %d ranks" % (asked, world)
+        elif auto and os.environ.get("LOCAL_RANK", str(rank % asked)) != str(rank % asked):
+            why = ("rank %d has LOCAL_RANK %s, not %d: the hierarchical exchange needs ranks numbered node by node "
+                   "(rank = node * local_size + local rank), as torchrun numbers them; pass local_size=1 for the "
+                   "flat exchange" % (rank, os.environ["LOCAL_RANK"], rank % asked))
+    # Every rank learns every rank's choice and refusal: the same error everywhere.
+    told = [None] * world
+    dist.all_gather_object(told, (asked, why), group=process_group)
+    sizes = sorted({t[0] for t in told})
+    if len(sizes) > 1:
+        other = next(i for i, t in enumerate(told) if t[0] != told[0][0])
+        raise Error("the ranks chose different local_size values: rank 0 chose %d, rank %d chose %d"
+                    % (told[0][0], other, told[other][0]))
+    refused = next((t[1] for t in told if t[1]), None)
+    if refused:
+        raise Error(refused)
+    return asked if asked < world else 1
+
+
+def _slices(shapes, size):
+    """Each tensor cut into `size` row blocks (a 1-d tensor into runs), the
+    last padded with zeros: (block shapes, block lengths, tensor lengths)."""
+    blocks, lengths, totals = [], [], []
+    for shape in shapes:
+        shape = tuple(shape) or (1,)
+        rows, rest = -(-shape[0] // size), 1
+        for d in shape[1:]:
+            rest *= d
+        blocks.append((rows,) + shape[1:])
+        lengths.append(rows * rest)
+        totals.append(shape[0] * rest)
+    return blocks, lengths, totals
+
+
+def _hierarchical(state, flat, keys, shapes, last):
+    """One bucket through the hierarchical exchange, in place in `flat`.
+    Local rank j owns row block j of every tensor (its key '<key>@j/size'),
+    so a tensor's residual stays with it whatever the bucket: a float32
+    reduce-scatter inside the node, this rank's blocks compressed across
+    the nodes, an all-gather inside the node. A failure on any rank of the
+    node (the same on every node) is raised on every rank with the text of
+    the lowest local rank that met it, before any state changes."""
+    size = state.local_size
+    blocks, lengths, totals = _slices(shapes, size)
+    parts, at = [], 0
+    for length, total in zip(lengths, totals):
+        t = flat[at:at + total]
+        at += total
+        if total < size * length:
+            t = torch.cat([t, t.new_zeros(size * length - total)])
+        parts.append(t.view(size, length))
+    whole = torch.cat(parts, dim=1)  # row j: local rank j's blocks, one after another
+    share = flat.new_empty(whole.shape[1])
+    dist.reduce_scatter_tensor(share, whole.view(-1), group=state._intra)
+    local = state.rank % size
+    pending, failure = None, b""
+    try:
+        pending = state._encode(share, ["%s@%d/%d" % (k, local, size) for k in keys], blocks, last)
+        for f in pending.futures:
+            f.wait()
+        pending.check()
+    except Error as e:
+        failure = (str(e).encode() or b"?")[:_FAILURE_BYTES - 1]
+    mine = torch.zeros(_FAILURE_BYTES, dtype=torch.uint8)
+    if failure:
+        mine[0] = 1
+        mine[1:1 + len(failure)] = torch.frombuffer(bytearray(failure), dtype=torch.uint8)
+    told = torch.empty(size * _FAILURE_BYTES, dtype=torch.uint8)
+    dist.all_gather_into_tensor(told, mine, group=state._intra)
+    state._intra_bytes += 4 * (whole.numel() + share.numel()) + _FAILURE_BYTES
+    for j in range(size):
+        t = told[j * _FAILURE_BYTES:(j + 1) * _FAILURE_BYTES]
+        if t[0]:
+            if pending is not None:
+                pending.abandon()
+            nodes = state.world_size // size
+            raise Error("%s (the hierarchical exchange across %d nodes of %d ranks: a rank named above is a node, "
+                        "node i being ranks i*%d to i*%d+%d; met by local rank %d)"
+                        % (bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace"), nodes, size, size, size,
+                           size - 1, j))
+    pending.decode()
+    share.div_(size)  # decode divided the nodes' sum by the node count
+    dist.all_gather_into_tensor(whole.view(-1), share, group=state._intra)
+    at = col = 0
+    for length, total in zip(lengths, totals):
+        flat[at:at + total].copy_(whole[:, col:col + length].reshape(-1)[:total])
+        at += total
+        col += length
 
 
 def hook(state, bucket):
@@ -350,6 +519,13 @@ def hook(state, bucket):
     keys = [state._key_of(p) for p in params]
     shapes = [tuple(p.shape) for p in params]
     flat = _as_float32(buf)  # float16/bfloat16 widened exactly
+    if state._intra is not None:
+        _hierarchical(state, flat, keys, shapes, bucket.is_last())
+        if flat is not buf:
+            buf.copy_(flat)
+        done = torch.futures.Future()
+        done.set_result(buf)
+        return done
     pending = state._encode(flat, keys, shapes, bucket.is_last())
     if bucket.is_last():
         state._finish_step()
@@ -384,6 +560,11 @@ def allreduce_(tensor, state, key):
     data = tensor.detach()
     flat = data.reshape(-1) if data.is_contiguous() and data.dtype == torch.float32 else \
         _as_float32(data).contiguous().reshape(-1)
+    if state._intra is not None:
+        _hierarchical(state, flat, [key], [tuple(tensor.shape)], True)
+        if flat.data_ptr() != data.data_ptr():
+            data.copy_(flat.view(data.shape))
+        return tensor
     pending = state._encode(flat, [key], [tuple(tensor.shape)], True)
     try:
         for f in pending.futures:

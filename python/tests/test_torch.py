@@ -322,3 +322,30 @@ def test_a_rank_that_departs_from_a_settled_job_fails_every_rank_alike(tmp_path)
             err = d["late nan " + name]
             assert err.startswith("gradpack.Error: gradpack: rank 2's") and "non-finite" in err, (name, err)
             assert d["late nan unchanged " + name], name
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_the_hierarchical_exchange_matches_its_parts_and_fails_alike(world, tmp_path):
+    # Nodes of 2 ranks grouped by rank number (2 x 2 and 4 x 2).
+    reports = ranks(world, ["hierarchical"], tmp_path, timeout=600)
+    for rep in reports:
+        h = rep["hierarchical"]
+        for scheme in SCHEMES:
+            facts = h[scheme]
+            assert facts["max_diff_vs_by_hand"] == 0.0, (scheme, facts)
+            # Float32 sums over more than 2 nodes round by gloo's buffer lengths,
+            # which differ between DDP's first buckets and its rebuilt ones.
+            limit = 0.0 if exact(world // 2, scheme) else 1e-6
+            assert facts["replicas_identical"] and facts["resume_diff"] <= limit, (scheme, facts)
+            s = facts["stats"]
+            assert s["exchange"] == "hierarchical" and s["local_size"] == 2 and s["bytes_within_node"] > 0, s
+        assert h["nan unchanged"], h
+        assert "layout" not in h["load flat"] and "saved by the hierarchical exchange over %d nodes of 2 ranks; this State runs the flat exchange over %d ranks" % (world // 2, world) in h["load flat"], h
+        assert "local_size %d does not divide the world of %d ranks" % (world - 1, world) in h["not dividing"], h
+        assert "needs the default process group" in h["subgroup"], h
+    for what in ("nan", "other sizes", "not dividing", "load flat"):
+        errors = {rep["hierarchical"][what] for rep in reports}
+        assert len(errors) == 1 and errors.pop().startswith("gradpack.Error"), (what, errors)
+    nan = reports[0]["hierarchical"]["nan"]
+    assert "non-finite" in nan and "nothing was applied" in nan, nan
+    assert "different local_size values" in reports[0]["hierarchical"]["other sizes"]

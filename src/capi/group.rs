@@ -263,3 +263,20 @@ pub unsafe extern "C" fn gp_group_load(g: *const gp_group_t, data: *const u8, le
         group(g)?.load(slice(data, len))
     })
 }
+
+/// Reads the check of a pending bucket whose buffers were summed on every
+/// rank, changing nothing: 0, or the error gp_group_decode would return
+/// before it writes (the same on every rank). `p` stays live: decode or
+/// free it next.
+///
+/// # Safety
+/// `p` is a live pending bucket of `g`.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_check(g: *const gp_group_t, p: *const gp_pending_t) -> c_int {
+    guard(|| {
+        if p.is_null() {
+            return Err(Error::NullPointer { what: "pending" });
+        }
+        group(g)?.check(&(*p).0)
+    })
+}

@@ -212,11 +212,11 @@ def scenario_start_and_rate():
     return out
 
 
-def train(params, steps, state_dict=None, stop_at=None):
+def train(params, steps, state_dict=None, stop_at=None, state_kw=None):
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    state = gpt.State(params, min_compression_rate=0)
+    state = gpt.State(params, **dict({"min_compression_rate": 0}, **(state_kw or {})))
     ddp.register_comm_hook(state, gpt.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     first = 0
@@ -496,6 +496,73 @@ def scenario_dead_rank():
         os._exit(0)
     ddp.zero_grad()
     return {"error": error_of(lambda: loss_of(ddp, 1, RANK).backward())}
+
+
+LOCAL = 2  # ranks a "node" in the hierarchical scenario (ranks grouped by number)
+
+
+def by_hand(x, key, state):
+    """The hierarchical exchange of `x` written out: rows cut into LOCAL
+    blocks (the last padded), the node's float32 reduce-scatter, this
+    rank's block through a flat State over the ranks of its local index
+    (`state`, key '<key>@<local>/<LOCAL>'), the node's all-gather."""
+    node, local = divmod(RANK, LOCAL)
+    rows = -(-x.shape[0] // LOCAL)
+    padded = torch.cat([x, x.new_zeros((rows * LOCAL - x.shape[0],) + tuple(x.shape[1:]))])
+    block = torch.empty((rows,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(block, padded.contiguous(), group=by_hand.intra[node])
+    gpt.allreduce_(block, state, key="%s@%d/%d" % (key, local, LOCAL))
+    block.div_(LOCAL)
+    dist.all_gather_into_tensor(padded, block, group=by_hand.intra[node])
+    return padded[:x.shape[0]]
+
+
+def scenario_hierarchical():
+    """Ranks in nodes of LOCAL (by rank number): allreduce_ against the
+    exchange written out by hand, DDP replicas, checkpoint resume, and
+    every refusal on every rank."""
+    out = {}
+    nodes = WORLD // LOCAL
+    # Groups made in one order on every rank (new_group is collective).
+    by_hand.intra = [dist.new_group(list(range(n * LOCAL, (n + 1) * LOCAL))) for n in range(nodes)]
+    inter = [dist.new_group(list(range(j, WORLD, LOCAL))) for j in range(LOCAL)]
+    for params in SCHEMES:
+        name = params["compress"]
+        state = gpt.State(params, min_compression_rate=0, local_size=LOCAL)
+        mirror = gpt.State(params, process_group=inter[RANK % LOCAL], min_compression_rate=0)
+        worst = 0.0
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * RANK + step)
+            x = torch.randn(9, 43, generator=g)  # 9 rows: the last block is padded
+            got = gpt.allreduce_(x.clone(), state, key="w")
+            worst = max(worst, float((got - by_hand(x, "w", mirror)).abs().max()))
+        facts = {"max_diff_vs_by_hand": worst, "stats": state.stats()}
+        # DDP through the hook: replicas identical, and a resumed run the same bits.
+        whole, saved = train(params, 6, stop_at=3, state_kw={"local_size": LOCAL})
+        resumed, _ = train(params, 6, state_dict=saved, state_kw={"local_size": LOCAL})
+        facts["replicas_identical"] = identical_everywhere(whole)
+        facts["resume_diff"] = float((whole - resumed).abs().max())
+        out[name] = facts
+    # A NaN on the last rank at the second step: the same error everywhere, nothing changed.
+    model, ref, ddp, state = make({"compress": "2bit", "threshold": 0.05}, state_kw={"local_size": LOCAL})
+    ddp.zero_grad()
+    loss_of(ddp, 0, RANK).backward()
+    before = state.state_dict()["states"]
+    ddp.zero_grad()
+    loss = loss_of(ddp, 1, RANK)
+    if RANK == WORLD - 1:
+        loss = loss * float("nan")
+    out["nan"] = error_of(lambda: loss.backward())
+    out["nan unchanged"] = state.state_dict()["states"] == before
+    del ddp
+    dist.barrier()
+    saved = state.state_dict()
+    flat = gpt.State({"compress": "2bit", "threshold": 0.05}, min_compression_rate=0, local_size=1)
+    out["load flat"] = error_of(lambda: flat.load_state_dict(saved))
+    out["other sizes"] = error_of(lambda: gpt.State(SCHEMES[2], local_size=LOCAL if RANK else WORLD))
+    out["not dividing"] = error_of(lambda: gpt.State(SCHEMES[2], local_size=WORLD - 1))
+    out["subgroup"] = error_of(lambda: gpt.State(SCHEMES[2], process_group=inter[RANK % LOCAL], local_size=LOCAL))
+    return out
 
 
 report = {"rank": RANK, "world": WORLD}

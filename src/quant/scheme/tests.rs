@@ -3,7 +3,7 @@ use super::*;
 use std::sync::Arc;
 use crate::codec;
 use crate::quant::compression::Compression;
-use crate::quant::{noise, onebit};
+use crate::quant::noise;
 use super::threads::run_group;
 use crate::quant::collective::InProcess;
 

@@ -619,23 +619,21 @@ impl Group {
         Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, tail_in_floats, doomed: None })
     }
 
-    /// Turns the sums of a bucket's final contributions into its result,
-    /// written to `bucket` (`plain`: the bucket already holds the float32
-    /// sum): the sum over ranks divided by the world size, every rank's
-    /// alike. Reads the bucket's check first: on any rank's difference or
-    /// non-finite gradient every rank returns the same error and every
-    /// state stays as it was. Consumes `pending`; its keys' states are
-    /// back either way.
-    pub fn decode(&self, mut pending: Pending, bucket: &mut [f32]) -> Result<()> {
-        if bucket.len() != pending.len {
-            return Err(Error::SizeMismatch { what: "bucket", expected: pending.len, got: bucket.len() });
-        }
+    /// Reads a bucket's check once its sums have arrived, changing
+    /// nothing: the error `decode` would return before it writes, the same
+    /// on every rank. A caller that must agree with others before any state
+    /// changes (the hierarchical exchange's node) checks first, then decodes.
+    pub fn check(&self, pending: &Pending) -> Result<()> {
         if !Arc::ptr_eq(&pending.keys, &self.keys) {
-            return Err(Error::Internal("a pending bucket decoded by another State".into()));
+            return Err(Error::Internal("a pending bucket checked by another State".into()));
         }
-        if let Some(err) = pending.doomed.take() {
-            return Err(err);
+        match &pending.doomed {
+            Some(err) => Err(err.clone()),
+            None => self.read_check(pending),
         }
+    }
+
+    fn read_check(&self, pending: &Pending) -> Result<()> {
         let v = if pending.tail_in_floats {
             let Some(at) = pending.floats.len().checked_sub(check::TAIL_FLOATS) else {
                 return Err(Error::Internal("a pending bucket without its tail".into()));
@@ -654,6 +652,27 @@ impl Group {
                 .error(|i| names.get(i).cloned(), |i| steps.get(i).copied().unwrap_or(0), self.fault_what())
                 .unwrap_or_else(|| Error::Store("gradpack: another rank sent stand-ins for this bucket; nothing was applied on any rank".into())));
         }
+        Ok(())
+    }
+
+    /// Turns the sums of a bucket's final contributions into its result,
+    /// written to `bucket` (`plain`: the bucket already holds the float32
+    /// sum): the sum over ranks divided by the world size, every rank's
+    /// alike. Reads the bucket's check first: on any rank's difference or
+    /// non-finite gradient every rank returns the same error and every
+    /// state stays as it was. Consumes `pending`; its keys' states are
+    /// back either way.
+    pub fn decode(&self, mut pending: Pending, bucket: &mut [f32]) -> Result<()> {
+        if bucket.len() != pending.len {
+            return Err(Error::SizeMismatch { what: "bucket", expected: pending.len, got: bucket.len() });
+        }
+        if !Arc::ptr_eq(&pending.keys, &self.keys) {
+            return Err(Error::Internal("a pending bucket decoded by another State".into()));
+        }
+        if let Some(err) = pending.doomed.take() {
+            return Err(err);
+        }
+        self.read_check(&pending)?;
         let world = self.world as f32;
         let (words, floats) = (std::mem::take(&mut pending.words), std::mem::take(&mut pending.floats));
         let mut compressed = false;

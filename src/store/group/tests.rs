@@ -346,7 +346,11 @@ fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize
     } else if !pending.floats.is_empty() {
         engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut pending.floats))?;
     }
-    group.decode(pending, &mut out)?;
+    // The check alone (the hierarchical exchange reads it first) says what decode will.
+    let checked = group.check(&pending).map_err(|e| e.to_string());
+    let decoded = group.decode(pending, &mut out);
+    assert_eq!(checked, decoded.as_ref().map(|_| ()).map_err(|e| e.to_string()), "check and decode disagree");
+    decoded?;
     Ok(out)
 }
 
