@@ -16,7 +16,10 @@ Each hook trains the same model from the same weights on the same shards:
 Within a round every hook trains side by side, step by step (each hook's
 step i right after the previous hook's step i), so the machine's drift
 falls on every hook alike. Bytes are counted by wrapping torch.distributed.all_reduce, the one call
-every hook here (torch's and gradpack's) hands its tensors to. torch's
+every hook here (torch's and gradpack's) hands its tensors to, apart from
+the hierarchical exchange's reduce-scatter and all-gather inside a node
+(--per-node: 2 nodes of that many ranks, LOCAL_WORLD_SIZE set as torchrun
+sets it; the flat rows pass local_size=1). torch's
 powerSGD_hook runs with a single bucket (it aborts on gloo with more);
 --torch-powersgd-buckets shows that failure.
 """
@@ -52,6 +55,10 @@ HOOKS = [
     ("gradpack powersgd r=1", "gradpack", {"compress": "powersgd", "rank": 1}),
     ("gradpack powersgd r=2", "gradpack", {"compress": "powersgd", "rank": 2}),
 ]
+# With --per-node above 1: every gradpack scheme again through the
+# hierarchical exchange (the rows above then run the flat one, local_size=1).
+HIERARCHICAL = [("gradpack hier " + label[len("gradpack "):], kind, dict(spec, local_size="node"))
+                for label, kind, spec in HOOKS if kind == "gradpack"]
 
 
 def rank_main(args):
@@ -71,14 +78,24 @@ def rank_main(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    sent = [0]
+    sent, inside = [0], [0]
     real_all_reduce = dist.all_reduce
+    real_reduce_scatter, real_all_gather = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
 
     def counting_all_reduce(tensor, *a, **kw):
         sent[0] += tensor.numel() * tensor.element_size()
         return real_all_reduce(tensor, *a, **kw)
 
+    def counting_reduce_scatter(output, input, *a, **kw):
+        inside[0] += input.numel() * input.element_size()
+        return real_reduce_scatter(output, input, *a, **kw)
+
+    def counting_all_gather(output, input, *a, **kw):
+        inside[0] += input.numel() * input.element_size()
+        return real_all_gather(output, input, *a, **kw)
+
     dist.all_reduce = counting_all_reduce
+    dist.reduce_scatter_tensor, dist.all_gather_into_tensor = counting_reduce_scatter, counting_all_gather
 
     def big_model():
         torch.manual_seed(0)
@@ -90,7 +107,8 @@ def rank_main(args):
             params = dict(spec)
             if params.get("k") == "quarter":
                 params["k"] = n_largest // 4
-            state = gpt.State(params)
+            local = args.per_node if params.pop("local_size", None) == "node" else 1
+            state = gpt.State(params, local_size=local)
             ddp.register_comm_hook(state, gpt.hook)
             return state
         if spec == "allreduce":
@@ -107,7 +125,8 @@ def rank_main(args):
 
     data = torch_ddp.digits()
     results = {}
-    chosen = [h for h in HOOKS if not args.only or any(o in h[0] for o in args.only)]
+    hooks = HOOKS + (HIERARCHICAL if args.per_node > 1 else [])
+    chosen = [h for h in hooks if not args.only or any(o in h[0] for o in args.only)]
 
     def start(label, kind, spec):
         """One hook's training run, ready for its first step."""
@@ -134,7 +153,7 @@ def rank_main(args):
         ddp = DDP(model, bucket_cap_mb=cap)
         register(ddp, kind, spec, max(p.numel() for p in model.parameters()))
         return {"label": label, "model": model, "opt": opt, "ddp": ddp, "batches": batches, "warm": warm,
-                "elapsed": 0.0, "counted": 0, "sent": 0}
+                "elapsed": 0.0, "counted": 0, "sent": 0, "inside": 0}
 
     # Each round runs every hook side by side, step by step (hook A's step
     # i, then hook B's step i, ...): the machine's drift, which reaches tens
@@ -148,7 +167,7 @@ def rank_main(args):
                 if i >= len(r["batches"]):
                     continue
                 b, ddp, opt = r["batches"][i], r["ddp"], r["opt"]
-                sent[0] = 0
+                sent[0] = inside[0] = 0
                 begin = time.perf_counter()
                 opt.zero_grad()
                 if args.model == "digits":
@@ -161,6 +180,7 @@ def rank_main(args):
                     r["elapsed"] += time.perf_counter() - begin
                     r["counted"] += 1
                     r["sent"] += sent[0]
+                    r["inside"] += inside[0]
         for r in runs:
             accuracy = None
             if args.model == "digits":
@@ -169,7 +189,7 @@ def rank_main(args):
             res = results.setdefault(r["label"], {"hook": r["label"], "ms": []})
             res["ms"].append(1000 * r["elapsed"] / r["counted"])
             res.update(ms_per_step=sorted(res["ms"])[len(res["ms"]) // 2], bytes_per_step=r["sent"] / r["counted"],
-                       accuracy=accuracy, steps=r["counted"])
+                       node_bytes_per_step=r["inside"] / r["counted"], accuracy=accuracy, steps=r["counted"])
         del runs
         import gc
         gc.collect()
@@ -180,21 +200,26 @@ def rank_main(args):
     dist.destroy_process_group()
 
 
-def run(model, link, only, torch_powersgd_buckets=False, repeat=1, timeout=3600):
-    """Starts 2 ranks (in the namespaces when `link` is a rate); rank 0's figures."""
+def run(model, link, only, torch_powersgd_buckets=False, repeat=1, per_node=1, timeout=3600):
+    """Starts 2 "nodes" of `per_node` ranks each (in the namespaces when
+    `link` is a rate: the ranks of a node share its namespace, and reach
+    each other over its loopback); rank 0's figures."""
     out = tempfile.mktemp(suffix=".json")
     port = str(20000 + int(time.time() * 1000) % 20000)
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1")
+    world = 2 * per_node
+    for rank in range(world):
+        node = rank // per_node
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1", LOCAL_RANK=str(rank % per_node),
+                   LOCAL_WORLD_SIZE=str(per_node))
         argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--model", model, "--out", out]
-        argv += sum((["--only", o] for o in only), []) + ["--repeat", str(repeat)]
+        argv += sum((["--only", o] for o in only), []) + ["--repeat", str(repeat), "--per-node", str(per_node)]
         if torch_powersgd_buckets:
             argv.append("--torch-powersgd-buckets")
         if link:
-            env["GLOO_SOCKET_IFNAME"] = "gptveth_" + "ab"[rank]
-            argv = ["ip", "netns", "exec", NS[rank]] + argv
+            env["GLOO_SOCKET_IFNAME"] = "gptveth_" + "ab"[node]
+            argv = ["ip", "netns", "exec", NS[node]] + argv
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     if any(p.returncode != 0 for p in procs):
@@ -203,16 +228,19 @@ def run(model, link, only, torch_powersgd_buckets=False, repeat=1, timeout=3600)
         return json.load(f), None
 
 
-def table(model, link, rows):
+def table(model, link, rows, per_node=1):
     base = next((r for r in rows if r["hook"] == "allreduce_hook"), None)
     rounds = len(rows[0]["ms"]) if rows else 0
-    print("\n%s model, 2 ranks, %s%s" % (model, link or "loopback", ", median of %d rounds" % rounds if rounds > 1 else ""))
-    print("| hook | ms per step | vs allreduce_hook | bytes per step | accuracy |")
-    print("|---|---|---|---|---|")
+    ranks = "2 ranks" if per_node == 1 else "2 nodes x %d ranks" % per_node
+    print("\n%s model, %s, %s%s" % (model, ranks, link or "loopback", ", median of %d rounds" % rounds if rounds > 1 else ""))
+    node = per_node > 1
+    print("| hook | ms per step | vs allreduce_hook | bytes per step |%s accuracy |" % (" bytes inside the node |" if node else ""))
+    print("|---|---|---|---|%s---|" % ("---|" if node else ""))
     for r in rows:
         speed = "%.2fx" % (base["ms_per_step"] / r["ms_per_step"]) if base else "-"
         acc = "%.2f%%" % (100 * r["accuracy"]) if r["accuracy"] is not None else "-"
-        print("| %s | %.1f | %s | %d | %s |" % (r["hook"], r["ms_per_step"], speed, r["bytes_per_step"], acc))
+        inside = " %d |" % r["node_bytes_per_step"] if node else ""
+        print("| %s | %.1f | %s | %d |%s %s |" % (r["hook"], r["ms_per_step"], speed, r["bytes_per_step"], inside, acc))
 
 
 def main():
@@ -224,6 +252,9 @@ def main():
     ap.add_argument("--netns", nargs="*", help="link rates for tc, e.g. 1gbit 10gbit (root)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds, one after another (every hook side by side in each); each figure is the median round's")
+    ap.add_argument("--per-node", type=int, default=1,
+                    help="ranks a node (the 2 nodes: the 2 namespaces under --netns); above 1, every gradpack "
+                         "scheme also runs the hierarchical exchange ('gradpack hier' rows)")
     ap.add_argument("--torch-powersgd-buckets", action="store_true",
                     help="run torch's powerSGD_hook with DDP's default buckets (it fails on gloo)")
     args = ap.parse_args()
@@ -237,11 +268,11 @@ def main():
             if link:
                 veth.up(NS, ("gptveth_a", "gptveth_b"), ADDR, link, burst="4mb")
             for model in models:
-                rows, failure = run(model, link, args.only, args.torch_powersgd_buckets, args.repeat)
+                rows, failure = run(model, link, args.only, args.torch_powersgd_buckets, args.repeat, args.per_node)
                 if rows is None:
                     print("\n%s model, %s: the job failed:\n%s" % (model, link or "loopback", failure))
                 else:
-                    table(model, link, rows)
+                    table(model, link, rows, args.per_node)
     finally:
         if args.netns:
             veth.down(NS)

@@ -453,8 +453,8 @@ def _hierarchical(state, flat, keys, shapes, last):
     """One bucket through the hierarchical exchange, in place in `flat`.
     Local rank j owns row block j of every tensor (its key '<key>@j/size'),
     so a tensor's residual stays with it whatever the bucket: a float32
-    reduce-scatter inside the node, this rank's blocks compressed across
-    the nodes, an all-gather inside the node. A failure on any rank of the
+    reduce-scatter inside the node, this rank's blocks (the node's mean)
+    compressed across the nodes, an all-gather inside the node. A failure on any rank of the
     node (the same on every node) is raised on every rank with the text of
     the lowest local rank that met it, before any state changes."""
     size = state.local_size
@@ -469,6 +469,9 @@ def _hierarchical(state, flat, keys, shapes, last):
     whole = torch.cat(parts, dim=1)  # row j: local rank j's blocks, one after another
     share = flat.new_empty(whole.shape[1])
     dist.reduce_scatter_tensor(share, whole.view(-1), group=state._intra)
+    # The node's mean: each node pushes as one worker would (2-bit's and
+    # 1-bit's thresholds, start_iter's plain sums keep their meaning).
+    share.div_(size)
     local = state.rank % size
     pending, failure = None, b""
     try:
@@ -495,8 +498,7 @@ def _hierarchical(state, flat, keys, shapes, last):
                         "node i being ranks i*%d to i*%d+%d; met by local rank %d)"
                         % (bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace"), nodes, size, size, size,
                            size - 1, j))
-    pending.decode()
-    share.div_(size)  # decode divided the nodes' sum by the node count
+    pending.decode()  # the nodes' sum of means, divided by the node count
     dist.all_gather_into_tensor(whole.view(-1), share, group=state._intra)
     at = col = 0
     for length, total in zip(lengths, totals):

@@ -504,15 +504,15 @@ LOCAL = 2  # ranks a "node" in the hierarchical scenario (ranks grouped by numbe
 def by_hand(x, key, state):
     """The hierarchical exchange of `x` written out: rows cut into LOCAL
     blocks (the last padded), the node's float32 reduce-scatter, this
-    rank's block through a flat State over the ranks of its local index
+    rank's block of the node's mean through a flat State over the ranks of its local index
     (`state`, key '<key>@<local>/<LOCAL>'), the node's all-gather."""
     node, local = divmod(RANK, LOCAL)
     rows = -(-x.shape[0] // LOCAL)
     padded = torch.cat([x, x.new_zeros((rows * LOCAL - x.shape[0],) + tuple(x.shape[1:]))])
     block = torch.empty((rows,) + tuple(x.shape[1:]))
     dist.reduce_scatter_tensor(block, padded.contiguous(), group=by_hand.intra[node])
+    block.div_(LOCAL)  # the node's mean, pushed as one worker's gradient
     gpt.allreduce_(block, state, key="%s@%d/%d" % (key, local, LOCAL))
-    block.div_(LOCAL)
     dist.all_gather_into_tensor(padded, block, group=by_hand.intra[node])
     return padded[:x.shape[0]]
 
