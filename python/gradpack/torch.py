@@ -59,7 +59,7 @@ _BUFFERS = {0: (torch.float32, ctypes.c_float), 1: (torch.int64, ctypes.c_int64)
 _OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.BOR}
 _WIDENED = (torch.float16, torch.bfloat16)
 _STATE_FORMAT = "gradpack.torch/1"
-_FAILURE_BYTES = 1024  # an error's text, shared within a node by the hierarchical exchange
+_TEXT_BYTES = 1024  # an error's text as every rank of a group learns it (`_gather_texts`)
 
 
 def _view(ptr, n, code):
@@ -421,14 +421,13 @@ def _local_size(asked, compress_params, process_group, rank, world):
                    "(rank = node * local_size + local rank), as torchrun numbers them; pass local_size=1 for the "
                    "flat exchange" % (rank, os.environ["LOCAL_RANK"], rank % asked))
     # Every rank learns every rank's choice and refusal: the same error everywhere.
-    told = [None] * world
-    dist.all_gather_object(told, (asked, why), group=process_group)
-    sizes = sorted({t[0] for t in told})
-    if len(sizes) > 1:
-        other = next(i for i, t in enumerate(told) if t[0] != told[0][0])
+    told = _gather_texts("%d %s" % (asked, why or ""), process_group, world)
+    chosen = [int(t.split(" ", 1)[0]) for t in told]
+    if len(set(chosen)) > 1:
+        other = next(i for i, c in enumerate(chosen) if c != chosen[0])
         raise Error("the ranks chose different local_size values: rank 0 chose %d, rank %d chose %d"
-                    % (told[0][0], other, told[other][0]))
-    refused = next((t[1] for t in told if t[1]), None)
+                    % (chosen[0], other, chosen[other]))
+    refused = next((t.split(" ", 1)[1] for t in told if t.split(" ", 1)[1]), None)
     if refused:
         raise Error(refused)
     return asked if asked < world else 1
@@ -447,6 +446,20 @@ def _slices(shapes, size):
         lengths.append(rows * rest)
         totals.append(shape[0] * rest)
     return blocks, lengths, totals
+
+
+def _gather_texts(text, group, size):
+    """Every rank's `text` (cut to _TEXT_BYTES - 1 bytes of UTF-8), on every
+    rank of `group`, through a uint8 all-gather (torch's object collectives
+    can abort a gloo process at exit)."""
+    data = text.encode()[:_TEXT_BYTES - 1]
+    mine = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    told = torch.empty(size * _TEXT_BYTES, dtype=torch.uint8)
+    dist.all_gather_into_tensor(told, mine, group=group)
+    return [bytes(told[j * _TEXT_BYTES:(j + 1) * _TEXT_BYTES].tolist()).split(b"\0", 1)[0].decode(errors="replace")
+            for j in range(size)]
 
 
 def _hierarchical(state, flat, keys, shapes, last):
@@ -473,31 +486,24 @@ def _hierarchical(state, flat, keys, shapes, last):
     # 1-bit's thresholds, start_iter's plain sums keep their meaning).
     share.div_(size)
     local = state.rank % size
-    pending, failure = None, b""
+    pending, failure = None, ""
     try:
         pending = state._encode(share, ["%s@%d/%d" % (k, local, size) for k in keys], blocks, last)
         for f in pending.futures:
             f.wait()
         pending.check()
     except Error as e:
-        failure = (str(e).encode() or b"?")[:_FAILURE_BYTES - 1]
-    mine = torch.zeros(_FAILURE_BYTES, dtype=torch.uint8)
-    if failure:
-        mine[0] = 1
-        mine[1:1 + len(failure)] = torch.frombuffer(bytearray(failure), dtype=torch.uint8)
-    told = torch.empty(size * _FAILURE_BYTES, dtype=torch.uint8)
-    dist.all_gather_into_tensor(told, mine, group=state._intra)
-    state._intra_bytes += 4 * (whole.numel() + share.numel()) + _FAILURE_BYTES
-    for j in range(size):
-        t = told[j * _FAILURE_BYTES:(j + 1) * _FAILURE_BYTES]
-        if t[0]:
+        failure = str(e) or "?"
+    told = _gather_texts(failure, state._intra, size)
+    state._intra_bytes += 4 * (whole.numel() + share.numel()) + _TEXT_BYTES
+    for j, text in enumerate(told):
+        if text:
             if pending is not None:
                 pending.abandon()
             nodes = state.world_size // size
             raise Error("%s (the hierarchical exchange across %d nodes of %d ranks: a rank named above is a node, "
                         "node i being ranks i*%d to i*%d+%d; met by local rank %d)"
-                        % (bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace"), nodes, size, size, size,
-                           size - 1, j))
+                        % (text, nodes, size, size, size, size - 1, j))
     pending.decode()  # the nodes' sum of means, divided by the node count
     dist.all_gather_into_tensor(whole.view(-1), share, group=state._intra)
     at = col = 0
