@@ -318,22 +318,30 @@ def error_of(fn):
     return None
 
 
+def nan_on_last_rank(params, state_kw=None):
+    """Two steps through the hook, the last rank's second loss NaN: the
+    error this rank saw, whether its states stayed as they were, and its
+    State."""
+    model, ref, ddp, state = make(params, state_kw=state_kw)
+    ddp.zero_grad()
+    loss_of(ddp, 0, RANK).backward()
+    before = state.state_dict()["states"]
+    ddp.zero_grad()
+    loss = loss_of(ddp, 1, RANK)
+    if RANK == WORLD - 1:
+        loss = loss * float("nan")
+    error = error_of(lambda: loss.backward())
+    unchanged = state.state_dict()["states"] == before
+    del ddp
+    dist.barrier()
+    return error, unchanged, state
+
+
 def scenario_faults():
     out = {}
     params = {"compress": "2bit", "threshold": 0.05}
     for scheme in (params, SCHEMES[2], SCHEMES[5], SCHEMES[7]):
-        model, ref, ddp, state = make(scheme)
-        ddp.zero_grad()
-        loss_of(ddp, 0, RANK).backward()
-        before = state.state_dict()["states"]
-        ddp.zero_grad()
-        loss = loss_of(ddp, 1, RANK)
-        if RANK == WORLD - 1:
-            loss = loss * float("nan")
-        out["nan " + scheme["compress"]] = error_of(lambda: loss.backward())
-        out["nan unchanged " + scheme["compress"]] = state.state_dict()["states"] == before
-        del ddp
-        dist.barrier()
+        out["nan " + scheme["compress"]], out["nan unchanged " + scheme["compress"]], _ = nan_on_last_rank(scheme)
     # Mismatched compress_params on the last rank.
     other = {"compress": "qsgd_mn", "bits": 4 if RANK == WORLD - 1 else 2}
     model, ref, ddp, state = make(other)
@@ -544,18 +552,7 @@ def scenario_hierarchical():
         facts["resume_diff"] = float((whole - resumed).abs().max())
         out[name] = facts
     # A NaN on the last rank at the second step: the same error everywhere, nothing changed.
-    model, ref, ddp, state = make({"compress": "2bit", "threshold": 0.05}, state_kw={"local_size": LOCAL})
-    ddp.zero_grad()
-    loss_of(ddp, 0, RANK).backward()
-    before = state.state_dict()["states"]
-    ddp.zero_grad()
-    loss = loss_of(ddp, 1, RANK)
-    if RANK == WORLD - 1:
-        loss = loss * float("nan")
-    out["nan"] = error_of(lambda: loss.backward())
-    out["nan unchanged"] = state.state_dict()["states"] == before
-    del ddp
-    dist.barrier()
+    out["nan"], out["nan unchanged"], state = nan_on_last_rank({"compress": "2bit", "threshold": 0.05}, {"local_size": LOCAL})
     saved = state.state_dict()
     flat = gpt.State({"compress": "2bit", "threshold": 0.05}, min_compression_rate=0, local_size=1)
     out["load flat"] = error_of(lambda: flat.load_state_dict(saved))

@@ -79,6 +79,11 @@ fn params(p: &[(&str, &str)]) -> Compression {
 /// Each rank pushes `grads[rank]` as one bucket of the given keys and
 /// shapes; the results (or errors) of every rank.
 fn push_all(groups: &[Group], keys: &[(&str, Vec<usize>)], grads: &[Vec<f32>]) -> Vec<Result<Vec<f32>>> {
+    push_all_seen(groups, keys, grads).into_iter().map(|r| r.map(|(out, _)| out)).collect()
+}
+
+/// `push_all`, with what each rank's pending bucket handed the engine.
+fn push_all_seen(groups: &[Group], keys: &[(&str, Vec<usize>)], grads: &[Vec<f32>]) -> Vec<Result<(Vec<f32>, Buffers)>> {
     let threads = Threads::new(groups.len());
     std::thread::scope(|s| {
         let handles: Vec<_> = groups
@@ -86,7 +91,7 @@ fn push_all(groups: &[Group], keys: &[(&str, Vec<usize>)], grads: &[Vec<f32>]) -
             .enumerate()
             .map(|(rank, g)| {
                 let (threads, grad) = (&threads, &grads[rank]);
-                s.spawn(move || one(threads, g, rank, keys, grad))
+                s.spawn(move || one_seen(threads, g, rank, keys, grad))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -324,6 +329,15 @@ fn a_settled_job_agrees_no_more_and_a_rank_that_departs_from_the_plan_fails_ever
 
 /// One rank's push of one bucket, reducing through `threads`.
 fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize>)], grad: &[f32]) -> Result<Vec<f32>> {
+    one_seen(threads, group, rank, layout, grad).map(|(out, _)| out)
+}
+
+/// What a pending bucket handed the engine: (the bucket summed in place,
+/// words, floats).
+type Buffers = (bool, usize, usize);
+
+/// `one`, with the pending bucket's buffers.
+fn one_seen(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize>)], grad: &[f32]) -> Result<(Vec<f32>, Buffers)> {
     let mut at = 0;
     let tensors: Vec<Tensor> = layout
         .iter()
@@ -335,6 +349,7 @@ fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize
         .collect();
     let mut engine = Rank { threads, rank };
     let mut pending = group.encode(&tensors, grad.len(), true, &mut engine)?;
+    let seen = (pending.plain, pending.words.len(), pending.floats.len());
     let mut out = grad.to_vec();
     // As gradpack.torch: empty buffers are not reduced (a rank that sent
     // stand-ins has nothing left to sum).
@@ -351,7 +366,7 @@ fn one(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<usize
     let decoded = group.decode(pending, &mut out);
     assert_eq!(checked, decoded.as_ref().map(|_| ()).map_err(|e| e.to_string()), "check and decode disagree");
     decoded?;
-    Ok(out)
+    Ok((out, seen))
 }
 
 #[test]
@@ -377,43 +392,18 @@ fn large_tensors_with_exchanges_encode_side_by_side_without_waiting_on_each_othe
 #[test]
 fn a_small_plain_bucket_is_summed_as_a_copy_with_its_check_and_a_large_one_in_place() {
     let groups: Vec<Group> = (0..2).map(|r| Group::new(params(&[("compress", "none")]), r, 2, 0, 0.0).unwrap()).collect();
-    for (n, in_place) in [(PLAIN_COPY_MAX / 2, false), (PLAIN_COPY_MAX / 2 + 1, true)] {
-        let layout = [(format!("w{n}"), vec![n]), (format!("v{n}"), vec![n])];
+    for (n, in_place, names) in [(PLAIN_COPY_MAX / 2, false, ["w", "v"]), (PLAIN_COPY_MAX / 2 + 1, true, ["wide", "vast"])] {
+        let layout = [(names[0], vec![n]), (names[1], vec![n])];
         for step in 0..3 {
             let g = grads(2, 2 * n, step);
-            let threads = Threads::new(2);
-            let seen: Vec<(bool, usize, usize, Vec<f32>)> = std::thread::scope(|s| {
-                let handles: Vec<_> = (0..2)
-                    .map(|r| {
-                        let (groups, g, threads, layout) = (&groups, &g, &threads, &layout);
-                        s.spawn(move || {
-                            let tensors: Vec<Tensor> = layout.iter().enumerate().map(|(i, (k, shape))| Tensor { key: Key::Str(k.clone()), shape: shape.clone(), grad: &g[r][i * n..(i + 1) * n] }).collect();
-                            let mut engine = Rank { threads, rank: r };
-                            let mut pending = groups[r].encode(&tensors, 2 * n, true, &mut engine).unwrap();
-                            let facts = (pending.plain, pending.words.len(), pending.floats.len());
-                            let mut out = g[r].clone();
-                            if !pending.words.is_empty() {
-                                engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words)).unwrap();
-                            }
-                            if pending.plain {
-                                engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out)).unwrap();
-                            } else {
-                                engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut pending.floats)).unwrap();
-                            }
-                            groups[r].decode(pending, &mut out).unwrap();
-                            (facts.0, facts.1, facts.2, out)
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            });
             let want: Vec<f32> = (0..2 * n).map(|i| (g[0][i] + g[1][i]) / 2.0).collect();
-            for (plain, words, floats, out) in seen {
+            for seen in push_all_seen(&groups, &layout, &g) {
+                let (out, buffers) = seen.unwrap();
                 assert_eq!(out, want, "{n} values a tensor, step {step}");
                 if in_place {
-                    assert_eq!((plain, words, floats), (true, TAIL_WORDS, 0), "{n} values a tensor: the bucket in place, its check in words");
+                    assert_eq!(buffers, (true, TAIL_WORDS, 0), "{n} values a tensor: the bucket in place, its check in words");
                 } else {
-                    assert_eq!((plain, words, floats), (false, 0, 2 * n + check::TAIL_FLOATS), "{n} values a tensor: a copy ending with the check");
+                    assert_eq!(buffers, (false, 0, 2 * n + check::TAIL_FLOATS), "{n} values a tensor: a copy ending with the check");
                 }
             }
         }
