@@ -126,9 +126,7 @@ class _Pending(NativeHandle):
                     self._outcome = None
                 except Error as e:
                     self._outcome = e
-                for k in self.keys:
-                    if self.state._open.get(k) is self:
-                        del self.state._open[k]
+                self._release_keys()
                 if self._outcome is None and self in self.state._pending:
                     # A failed bucket stays listed, for the step's last hook to raise.
                     self.state._pending.remove(self)
@@ -147,13 +145,17 @@ class _Pending(NativeHandle):
         """Drops the bucket undecoded: its keys' states stay as they were."""
         with self._lock:
             handle, self.handle = self.handle, None
-            for k in self.keys:
-                if self.state._open.get(k) is self:
-                    del self.state._open[k]
+            self._release_keys()
             if self in self.state._pending:
                 self.state._pending.remove(self)
         if handle is not None:
             LIB.gp_pending_free(handle)
+
+    def _release_keys(self):
+        """Its keys are no longer in flight (under the lock)."""
+        for k in self.keys:
+            if self.state._open.get(k) is self:
+                del self.state._open[k]
 
     def settle(self, raising=False):
         """Waits for the sums and finishes the bucket; its error is raised
@@ -215,7 +217,7 @@ class State(NativeHandle):
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.local_size = _local_size(local_size, compress_params, process_group, self.rank, self.world_size)
+        self.local_size = _local_size(local_size, process_group, self.rank, self.world_size)
         # The ranks a bucket's compressed exchanges run among: every rank, or
         # (hierarchical) the ranks of this local index on every node.
         self._comm, self._intra, self._intra_bytes = process_group, None, 0
@@ -396,7 +398,7 @@ def _layout_text(local_size, world):
     return "the flat exchange over %d ranks" % world
 
 
-def _local_size(asked, compress_params, process_group, rank, world):
+def _local_size(asked, process_group, rank, world):
     """The ranks a node (1: the flat exchange), checked with every rank: an
     error names why the hierarchical exchange cannot run, on every rank."""
     import os
@@ -529,30 +531,25 @@ def hook(state, bucket):
     flat = _as_float32(buf)  # float16/bfloat16 widened exactly
     if state._intra is not None:
         _hierarchical(state, flat, keys, shapes, bucket.is_last())
-        if flat is not buf:
-            buf.copy_(flat)
-        done = torch.futures.Future()
-        done.set_result(buf)
-        return done
-    pending = state._encode(flat, keys, shapes, bucket.is_last())
-    if bucket.is_last():
+    else:
+        pending = state._encode(flat, keys, shapes, bucket.is_last())
+        if not bucket.is_last():
+            def decode(fut):
+                fut.wait()  # raises torch's error when a sum failed
+                for f in fut.value():
+                    f.wait()
+                pending.decode()
+                if flat is not buf:
+                    buf.copy_(flat)
+                return buf
+
+            return torch.futures.collect_all(pending.futures).then(decode)
         state._finish_step()
-        if flat is not buf:
-            buf.copy_(flat)
-        done = torch.futures.Future()
-        done.set_result(buf)
-        return done
-
-    def decode(fut):
-        fut.wait()  # raises torch's error when a sum failed
-        for f in fut.value():
-            f.wait()
-        pending.decode()
-        if flat is not buf:
-            buf.copy_(flat)
-        return buf
-
-    return torch.futures.collect_all(pending.futures).then(decode)
+    if flat is not buf:
+        buf.copy_(flat)
+    done = torch.futures.Future()
+    done.set_result(buf)
+    return done
 
 
 def allreduce_(tensor, state, key):
@@ -570,17 +567,15 @@ def allreduce_(tensor, state, key):
         _as_float32(data).contiguous().reshape(-1)
     if state._intra is not None:
         _hierarchical(state, flat, [key], [tuple(tensor.shape)], True)
-        if flat.data_ptr() != data.data_ptr():
-            data.copy_(flat.view(data.shape))
-        return tensor
-    pending = state._encode(flat, [key], [tuple(tensor.shape)], True)
-    try:
-        for f in pending.futures:
-            f.wait()
-        pending.decode()
-    finally:
-        if pending in state._pending:
-            state._pending.remove(pending)
+    else:
+        pending = state._encode(flat, [key], [tuple(tensor.shape)], True)
+        try:
+            for f in pending.futures:
+                f.wait()
+            pending.decode()
+        finally:
+            if pending in state._pending:
+                state._pending.remove(pending)
     if flat.data_ptr() != data.data_ptr():
         data.copy_(flat.view(data.shape))
     return tensor
