@@ -267,10 +267,14 @@ int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
 typedef struct gp_group_t gp_group_t;
 typedef struct gp_pending_t gp_pending_t;
 
-/* A blocking all-reduce, the same on every rank in the same order: `op` 0
- * SUM, 1 MAX, 2 bitwise OR; `dtype` 0 float32, 1 64-bit words (summed as
- * int64, wrapping); `data` holds `len` elements, valid only
- * during the call. Returns 0, or nonzero when the reduction failed (the
+/* A blocking collective, the same on every rank in the same order: `op` 0
+ * SUM, 1 MAX, 2 bitwise OR, all-reduced in place; `dtype` 0 float32, 1
+ * 64-bit words (summed as int64, wrapping); `data` holds `len` elements,
+ * valid only during the call. The owners exchange adds two ops on words:
+ * 3 all-to-all (`data`: `len` words to send, cut in `world` equal chunks,
+ * chunk r to rank r, then `len` words that receive, chunk j from rank j)
+ * and 4 all-gather (`data`: `world` chunks of `len / world` words, this
+ * rank's filled at its rank). Returns 0, or nonzero when it failed (the
  * call then fails with a transport error; the caller keeps its own). */
 typedef int (*gp_reduce_fn)(void* user, int op, int dtype, void* data, uint64_t len);
 
@@ -279,10 +283,14 @@ typedef int (*gp_reduce_fn)(void* user, int op, int dtype, void* data, uint64_t 
  * and compressed only when that makes them `min_compression_rate` times
  * smaller. 2bit and 1bit sum every rank's codes in 32-bit lanes: a world
  * of more ranks than that holds (2bit: 46340) is an error naming both.
- * `*out` owns the handle: gp_group_free. */
+ * `exchange`, "lanes", "owners" or "auto" (NULL: "auto"), says how
+ * compressed buckets travel: one all-reduce of lanes for every rank's sum
+ * (exact), or the owners exchange (all-to-all, each rank rounding the mean
+ * of its share of the codes, all-gather: bytes that do not grow with the
+ * world), docs/torch.md. `*out` owns the handle: gp_group_free. */
 int gp_group_new(const char* const* keys, const char* const* vals, int num, uint64_t rank,
                  uint64_t world, uint64_t start_iter, double min_compression_rate,
-                 gp_group_t** out);
+                 const char* exchange, gp_group_t** out);
 void gp_group_free(gp_group_t* group);
 /* `num` tensors lie one after another in `bucket` (`bucket_len` float32,
  * read only): tensor i has key `keys[i]` and `ndims[i]` dimensions, taken in
@@ -295,7 +303,8 @@ int gp_group_encode(const gp_group_t* group, uint64_t num, const char* const* ke
                     gp_pending_t** out, uint64_t** words, uint64_t* num_words,
                     float** floats, uint64_t* num_floats, int* plain);
 /* The buffers to SUM on every rank, in this order, owned by the pending
- * bucket: *words (int64) and *floats (float32), each only when not empty;
+ * bucket: *words (int64; none after the owners exchange) and *floats
+ * (float32), each only when not empty;
  * *plain 1 when the caller SUMs its bucket itself instead of *floats (then
  * decodes into it). */
 int gp_pending_buffers(gp_pending_t* pending, uint64_t** words, uint64_t* num_words,
@@ -309,9 +318,9 @@ int gp_group_check(const gp_group_t* group, const gp_pending_t* pending);
 int gp_group_decode(const gp_group_t* group, gp_pending_t* pending, float* bucket, uint64_t bucket_len);
 /* Drops a pending bucket undecoded (its keys' states return to the group). */
 void gp_pending_free(gp_pending_t* pending);
-/* out[0..5]: bytes handed to `reduce` and the final sums, bytes a float32
+/* out[0..6]: bytes handed to `reduce` and the final sums, bytes a float32
  * all-reduce would have moved, steps, compressed steps, blocking agreement
- * rounds. */
+ * rounds, 1 when compressed buckets take the owners exchange. */
 int gp_group_stats(const gp_group_t* group, uint64_t* out);
 /* Every key's state (residuals, PowerSGD's Q, push counts) in a new buffer
  * (gp_buffer_free); loading checks compression, rank, world size and shapes

@@ -37,7 +37,7 @@ _u64 = ctypes.c_uint64
 _REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, _p, ctypes.c_int, ctypes.c_int, _p, _u64)
 _strs = ctypes.POINTER(ctypes.c_char_p)
 LIB.gp_group_new.argtypes = [_strs, _strs, ctypes.c_int, _u64, _u64, _u64, ctypes.c_double,
-                             ctypes.POINTER(_p)]
+                             ctypes.c_char_p, ctypes.POINTER(_p)]
 LIB.gp_group_free.argtypes = [_p]
 LIB.gp_group_free.restype = None
 LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _p,
@@ -187,6 +187,16 @@ class State(NativeHandle):
     shrink at least ``min_compression_rate`` times (smaller tensors, and
     vectors under PowerSGD, go as float32).
 
+    ``exchange`` says how compressed codes reach every rank: 'lanes', one
+    all-reduce of lanes wide enough for every rank's sum (exact: the device
+    store's bits; the bytes grow with the ranks), 'owners', an all_to_all
+    that gives each rank 1/world of every rank's codes, which it sums and
+    rounds (at random, unbiased) back to one rank's codes, then an
+    all_gather (bytes bounded at any world size), or 'auto' (the default):
+    'owners' for 2bit, 1bit and the QSGD family from 4 ranks where the lanes
+    would take at least 1.5 times one rank's bits a value, else 'lanes'.
+    PowerSGD and 'none' send float32 and always take 'lanes'.
+
     ``local_size`` (ranks a node) turns on the hierarchical exchange for a
     job of several nodes: a bucket is summed in float32 inside each node
     (``reduce_scatter``, each local rank owning 1/local_size of every
@@ -206,7 +216,8 @@ class State(NativeHandle):
     _instead = ("save it with state_dict() and load that into a new gradpack.torch.State with "
                 "load_state_dict()")
 
-    def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0, local_size=None):
+    def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0, local_size=None,
+                 exchange="auto"):
         if not isinstance(compress_params, dict):
             raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
         if not dist.is_available() or not dist.is_initialized():
@@ -229,6 +240,7 @@ class State(NativeHandle):
             inter = [dist.new_group(list(range(j, self.world_size, self.local_size))) for j in range(self.local_size)]
             self._intra, self._comm = intra[node], inter[local]
             inner_rank, inner_world = node, nodes
+        self._comm_rank = inner_rank
         keys = [_c_text(k, "compress_params key") for k in compress_params]
         vals = [_c_text(v, "compress_params value") for v in compress_params.values()]
         handle = _p()
@@ -238,7 +250,8 @@ class State(NativeHandle):
             raise Error("min_compression_rate must be a finite number >= 0, got %r" % (min_compression_rate,))
         check_call(LIB.gp_group_new((ctypes.c_char_p * len(keys))(*keys),
                                     (ctypes.c_char_p * len(vals))(*vals), len(keys), inner_rank,
-                                    inner_world, start_iter, rate, ctypes.byref(handle)))
+                                    inner_world, start_iter, rate, _c_text(exchange, "exchange"),
+                                    ctypes.byref(handle)))
         self._handle = handle.value
         self.compress_params = dict(compress_params)
         self._param_keys = {}  # id(parameter) -> key
@@ -264,7 +277,16 @@ class State(NativeHandle):
     def _reduce(self, _user, op, code, ptr, n):
         # Called by gradpack during encode, on the hook's thread.
         try:
-            dist.all_reduce(_view(ptr, n, code), op=_OPS[op], group=self._comm)
+            if op == 3:  # all-to-all: n words to send, then n that receive
+                both = _view(ptr, 2 * n, code)
+                dist.all_to_all_single(both[n:], both[:n], group=self._comm)
+            elif op == 4:  # all-gather: this rank's chunk lies at its rank
+                out = _view(ptr, n, code)
+                chunk = n // dist.get_world_size(self._comm)
+                mine = out[self._comm_rank * chunk:(self._comm_rank + 1) * chunk].clone()
+                dist.all_gather_into_tensor(out, mine, group=self._comm)
+            else:
+                dist.all_reduce(_view(ptr, n, code), op=_OPS[op], group=self._comm)
             return 0
         except BaseException as e:  # noqa: B902 - handed back to the caller below
             self._failure = e
@@ -349,11 +371,11 @@ class State(NativeHandle):
         all-reduces of the same tensors would have), steps, compressed steps,
         and the blocking agreement rounds run (the first bucket, a bucket
         not seen before after the previous one, a failure)."""
-        out = (_u64 * 5)()
+        out = (_u64 * 6)()
         check_call(LIB.gp_group_stats(self._handle, out))
         return {"bytes_sent": out[0], "bytes_uncompressed": out[1], "steps": out[2],
-                "compressed_steps": out[3], "agreements": out[4],
-                "exchange": "hierarchical" if self.local_size > 1 else "flat", "local_size": self.local_size,
+                "compressed_steps": out[3], "agreements": out[4], "exchange": "owners" if out[5] else "lanes",
+                "hierarchical": self.local_size > 1, "local_size": self.local_size,
                 "bytes_within_node": self._intra_bytes}
 
     def state_dict(self):

@@ -338,7 +338,7 @@ def test_the_hierarchical_exchange_matches_its_parts_and_fails_alike(world, tmp_
             limit = 0.0 if exact(world // 2, scheme) else 1e-6
             assert facts["replicas_identical"] and facts["resume_diff"] <= limit, (scheme, facts)
             s = facts["stats"]
-            assert s["exchange"] == "hierarchical" and s["local_size"] == 2 and s["bytes_within_node"] > 0, s
+            assert s["hierarchical"] and s["local_size"] == 2 and s["bytes_within_node"] > 0, s
         assert h["nan unchanged"], h
         assert "layout" not in h["load flat"] and "saved by the hierarchical exchange over %d nodes of 2 ranks; this State runs the flat exchange over %d ranks" % (world // 2, world) in h["load flat"], h
         assert "local_size %d does not divide the world of %d ranks" % (world - 1, world) in h["not dividing"], h

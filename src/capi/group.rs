@@ -7,7 +7,7 @@ use super::{cstr, guard, params};
 use crate::boundary::{slice, slice_mut, Raw};
 use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
-use crate::store::group::{Buffer, Engine, Group, Pending, ReduceOp, Tensor};
+use crate::store::group::{Buffer, Engine, Exchange, Group, Pending, ReduceOp, Tensor};
 use crate::key::Key;
 
 /// A process group's compression on one rank (`group::Group`).
@@ -18,16 +18,24 @@ pub struct gp_group_t(Group);
 #[allow(non_camel_case_types)]
 pub struct gp_pending_t(Pending);
 
-/// The caller's blocking all-reduce: `op` 0 SUM, 1 MAX, 2 bitwise OR;
-/// `dtype` 0 float32, 1 64-bit words (summed as int64: a wrapping sum is
-/// exact); `data` holds `len` elements, valid only during the call. Returns
-/// 0, or nonzero when the reduction failed (the caller keeps its own error).
+/// The caller's blocking collective over the group: `op` 0 SUM, 1 MAX, 2
+/// bitwise OR, all-reduced in place; `dtype` 0 float32, 1 64-bit words
+/// (summed as int64: a wrapping sum is exact); `data` holds `len`
+/// elements, valid only during the call. Ops on words only (the owners
+/// exchange): 3, all-to-all: `data` holds `len` words to send, cut in
+/// `world` equal chunks (chunk r to rank r), followed by `len` words that
+/// receive (chunk j from rank j); 4, all-gather: `data` holds `world`
+/// chunks of `len / world` words, this rank's filled at its rank, the others
+/// filled by the call. Returns 0, or nonzero when the collective failed
+/// (the caller keeps its own error).
 #[allow(non_camel_case_types)]
 pub type gp_reduce_fn = Option<unsafe extern "C" fn(user: *mut c_void, op: c_int, dtype: c_int, data: *mut c_void, len: u64) -> c_int>;
 
 struct Callback {
     f: unsafe extern "C" fn(*mut c_void, c_int, c_int, *mut c_void, u64) -> c_int,
     user: *mut c_void,
+    /// This rank in the group (where its all-gather chunk lies).
+    rank: usize,
 }
 
 impl Engine for Callback {
@@ -51,6 +59,39 @@ impl Engine for Callback {
         }
         Ok(())
     }
+
+    fn all_to_all(&mut self, send: &[u64], recv: &mut [u64]) -> Result<()> {
+        // The callback takes one buffer: what is sent, then what arrives.
+        let mut both = Vec::with_capacity(2 * send.len());
+        both.extend_from_slice(send);
+        both.resize(2 * send.len(), 0);
+        self.words(3, &mut both, send.len(), "all-to-all")?;
+        recv.copy_from_slice(&both[send.len()..]);
+        Ok(())
+    }
+
+    fn all_gather(&mut self, mine: &[u64], out: &mut [u64]) -> Result<()> {
+        if mine.is_empty() || !out.len().is_multiple_of(mine.len()) {
+            return Err(Error::Internal(format!("an all-gather of {} words into {}", mine.len(), out.len())));
+        }
+        let (rank, len) = (self.rank, out.len());
+        out.iter_mut().for_each(|w| *w = 0);
+        out.get_mut(rank * mine.len()..(rank + 1) * mine.len()).ok_or_else(|| Error::Internal(format!("rank {rank} of an all-gather into {len} words")))?.copy_from_slice(mine);
+        self.words(4, out, len, "all-gather")
+    }
+}
+
+impl Callback {
+    /// Hands the caller an op on words: `len` as the op's contract says.
+    fn words(&mut self, op: c_int, data: &mut [u64], len: usize, what: &str) -> Result<()> {
+        // SAFETY: `data` is a live mutable slice for the whole call, as long
+        // as op `op` reads and writes (`gp_reduce_fn`'s contract).
+        let status = unsafe { (self.f)(self.user, op, 1, data.as_mut_ptr().cast::<c_void>(), len as u64) };
+        if status != 0 {
+            return Err(Error::Transport(format!("the caller's {what} failed (status {status})")));
+        }
+        Ok(())
+    }
 }
 
 unsafe fn group<'a>(g: *const gp_group_t) -> Result<&'a Group> {
@@ -61,19 +102,24 @@ unsafe fn group<'a>(g: *const gp_group_t) -> Result<&'a Group> {
 /// (`num` key/value strings, as gp_kvstore_set_compress takes them):
 /// tensors are summed plainly for their first `start_iter` pushes, and a
 /// tensor is compressed only when its bytes shrink at least
-/// `min_compression_rate` times. `*out` owns the handle (gp_group_free).
+/// `min_compression_rate` times. `exchange` ("lanes", "owners" or "auto";
+/// NULL: "auto") says how compressed buckets travel (`group::Exchange`).
+/// `*out` owns the handle (gp_group_free).
 ///
 /// # Safety
-/// `keys`/`vals` point to `num` NUL-terminated strings each; `out` is writable.
+/// `keys`/`vals` point to `num` NUL-terminated strings each; `exchange` is
+/// NULL or NUL-terminated; `out` is writable.
 #[no_mangle]
-pub unsafe extern "C" fn gp_group_new(keys: *const *const c_char, vals: *const *const c_char, num: c_int, rank: u64, world: u64, start_iter: u64, min_compression_rate: f64, out: *mut *mut gp_group_t) -> c_int {
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gp_group_new(keys: *const *const c_char, vals: *const *const c_char, num: c_int, rank: u64, world: u64, start_iter: u64, min_compression_rate: f64, exchange: *const c_char, out: *mut *mut gp_group_t) -> c_int {
     guard(|| {
         if out.is_null() {
             return Err(Error::NullPointer { what: "out" });
         }
         let compression = Compression::from_params(params(keys, vals, num)?.iter().copied())?;
+        let exchange = if exchange.is_null() { Exchange::Auto } else { Exchange::parse(cstr(exchange, "exchange")?)? };
         let (rank, world) = (usize::try_from(rank).unwrap_or(usize::MAX), usize::try_from(world).unwrap_or(usize::MAX));
-        let g = Group::new(compression, rank, world, start_iter, min_compression_rate)?;
+        let g = Group::new(compression, rank, world, start_iter, min_compression_rate)?.with_exchange(exchange)?;
         *out = Box::into_raw(Box::new(gp_group_t(g)));
         Ok(())
     })
@@ -98,7 +144,8 @@ pub unsafe extern "C" fn gp_group_free(g: *mut gp_group_t) {
 /// `bucket_len` float32 elements in all. `last`: the bucket ends a step
 /// (counted in the stats). On success `*out` owns the pending bucket and
 /// `*words`.. `*plain` show its buffers, as gp_pending_buffers does: SUM them
-/// on every rank (words first), then gp_group_decode. On error no state
+/// on every rank (words first), then gp_group_decode. (After the owners
+/// exchange, which ran here, no words are left to sum.) On error no state
 /// changed.
 ///
 /// # Safety
@@ -150,9 +197,10 @@ pub unsafe extern "C" fn gp_group_encode(
             tensors.push(Tensor { key, shape, grad: &bucket[at..at + n] });
             at += n;
         }
-        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket.len(), last != 0, &mut Callback { f, user })?));
+        let rank = group.rank();
+        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket.len(), last != 0, &mut Callback { f, user, rank })?));
         let p = &mut pending.0;
-        (*words, *num_words) = (p.words.as_mut_ptr(), p.words.len() as u64);
+        (*words, *num_words) = (p.words.as_mut_ptr(), p.words_to_sum().len() as u64);
         (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);
         *plain = p.plain as c_int;
         *out = Box::into_raw(pending);
@@ -174,7 +222,7 @@ pub unsafe extern "C" fn gp_pending_buffers(p: *mut gp_pending_t, words: *mut *m
         if words.is_null() || num_words.is_null() || floats.is_null() || num_floats.is_null() || plain.is_null() {
             return Err(Error::NullPointer { what: "an output" });
         }
-        (*words, *num_words) = (p.words.as_mut_ptr(), p.words.len() as u64);
+        (*words, *num_words) = (p.words.as_mut_ptr(), p.words_to_sum().len() as u64);
         (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);
         *plain = p.plain as c_int;
         Ok(())
@@ -218,17 +266,18 @@ pub unsafe extern "C" fn gp_pending_free(p: *mut gp_pending_t) {
     }
 }
 
-/// `out[0..5]`: bytes sent, bytes a float32 all-reduce would have sent,
-/// steps, compressed steps, blocking agreement rounds.
+/// `out[0..6]`: bytes sent, bytes a float32 all-reduce would have sent,
+/// steps, compressed steps, blocking agreement rounds, and 1 when
+/// compressed buckets take the owners exchange (0: lanes).
 ///
 /// # Safety
-/// `out` is writable for 5 values.
+/// `out` is writable for 6 values.
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_stats(g: *const gp_group_t, out: *mut u64) -> c_int {
     guard(|| {
         let s = group(g)?.stats();
-        Raw::new("out", out, 5)?;
-        slice_mut(out, 5).copy_from_slice(&[s.bytes_sent, s.bytes_uncompressed, s.steps, s.compressed_steps, s.agreements]);
+        Raw::new("out", out, 6)?;
+        slice_mut(out, 6).copy_from_slice(&[s.bytes_sent, s.bytes_uncompressed, s.steps, s.compressed_steps, s.agreements, s.owners as u64]);
         Ok(())
     })
 }

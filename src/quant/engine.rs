@@ -37,10 +37,23 @@ impl Buffer<'_> {
     }
 }
 
-/// A transport's collective engine: each call is one blocking all-reduce
+/// A transport's collective engine: each call is one blocking collective
 /// issued by every rank in the same order.
 pub trait Engine {
     fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()>;
+    /// Every rank's `send`, cut in `world` equal chunks, chunk `r` to rank
+    /// `r`: `recv`'s chunk `j` is rank `j`'s chunk for this rank (the
+    /// owners exchange, `store::group::owners`). An engine without it says so.
+    fn all_to_all(&mut self, send: &[u64], recv: &mut [u64]) -> Result<()> {
+        let _ = (send, recv);
+        Err(Error::Internal("this transport has no all_to_all".into()))
+    }
+    /// Every rank's `mine` into `out` (`world` chunks of `mine.len()`
+    /// words), rank `j`'s at chunk `j`.
+    fn all_gather(&mut self, mine: &[u64], out: &mut [u64]) -> Result<()> {
+        let _ = (mine, out);
+        Err(Error::Internal("this transport has no all_gather".into()))
+    }
     /// Whether the engine reduces `ReduceOp::LaneMin` (MPI, through user
     /// operations); without it scale indices travel as thermometer codes
     /// under a bitwise OR.
@@ -53,6 +66,12 @@ impl<E: Engine + ?Sized> Engine for &mut E {
     fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
         (**self).all_reduce(op, buf)
     }
+    fn all_to_all(&mut self, send: &[u64], recv: &mut [u64]) -> Result<()> {
+        (**self).all_to_all(send, recv)
+    }
+    fn all_gather(&mut self, mine: &[u64], out: &mut [u64]) -> Result<()> {
+        (**self).all_gather(mine, out)
+    }
     fn lane_min(&self) -> bool {
         (**self).lane_min()
     }
@@ -64,22 +83,38 @@ pub struct Lanes<E> {
     pub engine: E,
     pub workers: usize,
     pub sent: u64,
+    /// Members whose codes a final contribution's lanes hold: `workers`,
+    /// or 1 when the final codes are summed apart (the owners exchange).
+    pub lanes_for: usize,
 }
 
 impl<E: Engine> Lanes<E> {
     pub fn new(engine: E, workers: usize) -> Lanes<E> {
-        Lanes { engine, workers, sent: 0 }
+        Lanes { engine, workers, sent: 0, lanes_for: workers }
     }
 
     pub fn reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
         self.sent += buf.bytes();
         self.engine.all_reduce(op, buf)
     }
+
+    pub fn all_to_all(&mut self, send: &[u64], recv: &mut [u64]) -> Result<()> {
+        self.sent += 8 * send.len() as u64;
+        self.engine.all_to_all(send, recv)
+    }
+
+    pub fn all_gather(&mut self, mine: &[u64], out: &mut [u64]) -> Result<()> {
+        self.sent += 8 * mine.len() as u64;
+        self.engine.all_gather(mine, out)
+    }
 }
 
 impl<E: Engine> Collective for Lanes<E> {
     fn workers(&self) -> usize {
         self.workers
+    }
+    fn lanes_for(&self) -> usize {
+        self.lanes_for
     }
     fn max_f32(&mut self, x: &mut [f32]) -> Result<()> {
         self.reduce(ReduceOp::Max, Buffer::F32(x))

@@ -171,6 +171,19 @@ pub fn slice_align(c: &Compression) -> usize {
     lanes::GROUP * (64 / lanes::width_for((hi - lo) as u64)) as usize
 }
 
+/// The range of one member's final codes, for the schemes whose final
+/// contribution is integer codes (`None`: PowerSGD and `none`, float32),
+/// as a final part whose lanes hold `members` members' sums writes them:
+/// 2-bit's neg code `b` is one above the members.
+pub fn final_codes(c: &Compression, members: usize) -> Option<(i32, i32)> {
+    match c {
+        Compression::Qsgd(q) => Some(qsgd_codes(q)),
+        Compression::OneBit { .. } => Some(ONE_BIT_CODES),
+        Compression::TwoBit(_) => Some((0, i32::try_from(members).ok()?.checked_add(1)?)),
+        _ => None,
+    }
+}
+
 /// The range of each member's final QSGD codes: `[-s_0, s_0]`.
 pub(in crate::quant::scheme) fn qsgd_codes(q: &Qsgd) -> (i32, i32) {
     let s0 = q.levels()[0] as i32;

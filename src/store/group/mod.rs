@@ -34,6 +34,7 @@
 
 mod batch;
 mod check;
+mod owners;
 #[cfg(test)]
 mod tests;
 
@@ -50,6 +51,7 @@ use crate::store::checkpoint::{self, KeyState, Saved};
 
 use check::{Mine, Own, Verdict, TAIL_WORDS};
 pub use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
+pub use owners::Exchange;
 
 /// The most values of a plain bucket of several tensors summed as a copy
 /// with its check at the end (`Group::tail_in_floats`): 1 MiB, DDP's first
@@ -76,6 +78,8 @@ pub struct Stats {
     pub compressed_steps: u64,
     /// Blocking agreement rounds run (the first call, new buckets, failures).
     pub agreements: u64,
+    /// Compressed buckets go through the owners exchange (`owners`), not lanes.
+    pub owners: bool,
 }
 
 /// A key's state: its shape and the scheme's state (its push count included).
@@ -140,6 +144,8 @@ pub struct Group {
     plans: Mutex<Plans>,
     /// `compressed_bytes` by shape.
     wire: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Compressed buckets take the owners exchange (`with_exchange`).
+    owners: bool,
 }
 
 /// How one tensor of a pending bucket travels.
@@ -153,6 +159,8 @@ enum Route {
 }
 
 enum Final {
+    /// Codes in lanes for every rank's sum, or (owners exchange) for one
+    /// member: every rank's codes as the owners rounded them.
     Packed { words: Range<usize>, n: usize, lo: i32, hi: i32, width: u32 },
     F32(Range<usize>),
 }
@@ -190,6 +198,9 @@ pub struct Pending {
     pub floats: Vec<f32>,
     /// Nothing compressed: the caller sums its bucket in place instead of `floats`.
     pub plain: bool,
+    /// `words` arrived whole already (the owners exchange, then the tails'
+    /// sum): the caller sums only `floats`.
+    pub summed: bool,
     /// The tail ends `floats` instead (`words` empty): a bucket of plain
     /// tensors, sent whole as float32 in one all-reduce.
     tail_in_floats: bool,
@@ -207,6 +218,7 @@ struct Built {
     words: Vec<u64>,
     floats: Vec<f32>,
     plain: bool,
+    summed: bool,
     tail_in_floats: bool,
     doomed: Option<Error>,
 }
@@ -214,7 +226,7 @@ struct Built {
 impl Built {
     /// A bucket whose stand-ins were summed already: nothing left to sum.
     fn doomed(err: Error, tensors: usize) -> Built {
-        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, tail_in_floats: false, doomed: Some(err) }
+        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, summed: false, tail_in_floats: false, doomed: Some(err) }
     }
 }
 
@@ -275,11 +287,35 @@ impl Group {
         }
         let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
         let settings = crate::hash::fingerprint(&format!("{world} {start_iter} {min_rate}"));
-        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), wire: Mutex::default() })
+        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), wire: Mutex::default(), owners: false })
+    }
+
+    /// The group with its compressed buckets sent as `exchange` says
+    /// (`Exchange::choose`); every rank must choose alike (their settings
+    /// are compared at the first bucket).
+    pub fn with_exchange(mut self, exchange: Exchange) -> Result<Group> {
+        self.owners = exchange.choose(&self.compression, self.world)?;
+        self.settings = crate::hash::fingerprint(&format!("{} {} {} {}", self.world, self.start_iter, self.min_rate, self.owners));
+        self.wire = Mutex::default();
+        lock(&self.keys).stats.owners = self.owners;
+        Ok(self)
     }
 
     pub fn stats(&self) -> Stats {
         lock(&self.keys).stats
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// A collective over `engine` whose final lanes hold this group's sums.
+    fn lanes<'e>(&self, engine: &'e mut dyn Engine) -> Lanes<&'e mut dyn Engine> {
+        let mut coll = Lanes::new(engine, self.world);
+        if self.owners {
+            coll.lanes_for = 1;
+        }
+        coll
     }
 
     /// Whether a push of a key with `pushes` pushes so far is compressed.
@@ -312,8 +348,11 @@ impl Group {
         }
         let zeros = vec![0f32; shape.iter().product()];
         let mut state = scheme::State::default();
-        let mut coll = Lanes::new(Counting, self.world);
+        let mut counting = Counting;
+        let mut coll = self.lanes(&mut counting);
         let bytes = match scheme::encode(&self.compression, std::slice::from_mut(&mut state), &[&zeros], &self.ctx(0, shape, 0), &mut coll) {
+            // (the owners exchange: the codes once and a 1/world share again)
+            Ok((_, scheme::Part::Packed { words, .. })) if self.owners => coll.sent + (8 * words.len() as u64).div_ceil(self.world as u64) * (self.world as u64 + 1),
             Ok((_, scheme::Part::Packed { words, .. })) => coll.sent + 8 * words.len() as u64,
             Ok((_, scheme::Part::F32(x))) => coll.sent + collective::f32_bytes(x.len()),
             _ => u64::MAX,
@@ -419,17 +458,18 @@ impl Group {
         };
         let steps: Vec<u64> = if own.is_some() { vec![0; tensors.len()] } else { entries.iter().map(|e| e.state.step).collect() };
         let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, self.settings], flagged: false, own, fault: None };
-        let mut coll = Lanes::new(engine, self.world);
+        let mut coll = self.lanes(engine);
         let built = self.exchange(tensors, &mut entries, &steps, mine, &mut coll);
         let mut keys = lock(&self.keys);
         keys.stats.bytes_sent += coll.sent;
         match built {
             Ok(b) => {
-                let final_bytes = 8 * b.words.len() as u64 + if b.plain { collective::f32_bytes(bucket_len) } else { 4 * b.floats.len() as u64 };
+                // (summed words were counted as the exchange handed them over)
+                let final_bytes = 8 * b.words.len() as u64 * !b.summed as u64 + if b.plain { collective::f32_bytes(bucket_len) } else { 4 * b.floats.len() as u64 };
                 keys.stats.bytes_sent += final_bytes;
                 keys.stats.bytes_uncompressed += collective::f32_bytes(bucket_len) * b.doomed.is_none() as u64;
                 drop(keys);
-                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed };
+                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, summed: b.summed, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed };
                 let mut at = 0;
                 for (((t, entry), route), origin) in tensors.iter().zip(entries).zip(b.routes).zip(origins) {
                     let n = t.grad.len();
@@ -511,14 +551,17 @@ impl Group {
             return Ok(Err(check::agree(coll, &mine, self.rank)?));
         }
         let parts: Vec<scheme::Part> = encoded.into_iter().map(|r| r.map(|(_, part)| part)).collect::<Result<_>>()?;
-        let (mut words, mut floats) = (Vec::new(), Vec::new());
+        let (mut words, mut floats, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         let mut parts = parts.into_iter();
         let plain = !compresses.iter().any(|&c| c);
-        for (&c, &n) in compresses.iter().zip(&sizes) {
+        for ((&c, &n), &step) in compresses.iter().zip(&sizes).zip(&plan.steps) {
             match (c, if c { parts.next() } else { None }) {
                 (false, _) if !plain => floats.extend(std::iter::repeat_n(0f32, n)),
                 (false, _) => {}
-                (true, Some(scheme::Part::Packed { words: w, .. })) => words.extend_from_slice(&w),
+                (true, Some(scheme::Part::Packed { words: w, n, width, .. })) => {
+                    spans.push(owners::Span { words: words.len()..words.len() + w.len(), n, width, step, key_hash: 0 });
+                    words.extend_from_slice(&w);
+                }
                 (true, Some(scheme::Part::F32(x))) => floats.extend_from_slice(&x),
                 _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
             }
@@ -531,7 +574,11 @@ impl Group {
         }
         let codes = words.len();
         words.extend_from_slice(&check::tail(&mine, self.rank));
-        coll.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
+        if let Some(order) = self.order(plain) {
+            words = owners::exchange(coll, order, &spans, &words[..codes], &words[codes..], self.rank)?;
+        } else {
+            coll.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
+        }
         let mut bucket = if plain { zeros } else { floats };
         if !bucket.is_empty() {
             coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
@@ -549,6 +596,12 @@ impl Group {
     /// or more ranks gloo's float32 rounding depends on the buffer's
     /// length, and copying tens of megabytes twice costs more than a
     /// second all-reduce of 39 words.
+    /// The order of the codes the owners exchange rounds, when a bucket
+    /// takes it (something compressed, the group chose it).
+    fn order(&self, plain: bool) -> Option<owners::Order> {
+        if self.owners && !plain { owners::Order::of(&self.compression) } else { None }
+    }
+
     fn tail_in_floats(&self, plain: bool, tensors: usize, values: usize) -> bool {
         ((plain && tensors > 1 && values <= PLAIN_COPY_MAX) || matches!(self.compression, Compression::PowerSgd { .. })) && self.world <= check::FLOAT_TAIL_RANKS
     }
@@ -583,9 +636,9 @@ impl Group {
         }
         let plain = !compresses.iter().any(|&c| c);
         let tail_in_floats = self.tail_in_floats(plain, tensors.len(), tensors.iter().map(|t| t.grad.len()).sum());
-        let (mut words, mut floats, mut routes) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()));
+        let (mut words, mut floats, mut routes, mut spans) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()), Vec::new());
         let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
-        for (t, &compress) in tensors.iter().zip(&compresses) {
+        for ((t, &compress), &step) in tensors.iter().zip(&compresses).zip(steps) {
             if !compress {
                 let at = floats.len();
                 if !plain || tail_in_floats {
@@ -599,6 +652,7 @@ impl Group {
                 scheme::Part::Packed { words: w, n, lo, hi, width, .. } => {
                     let at = words.len();
                     words.extend_from_slice(&w);
+                    spans.push(owners::Span { words: at..words.len(), n, width, step, key_hash: t.key.stable_hash() });
                     Final::Packed { words: at..words.len(), n, lo, hi, width }
                 }
                 scheme::Part::F32(x) => {
@@ -610,13 +664,18 @@ impl Group {
             };
             routes.push(Route::Compressed { exchanged, last });
         }
+        let codes = words.len();
         if tail_in_floats {
             floats.extend_from_slice(&check::tail_f32(&mine, self.rank));
         } else {
             words.extend_from_slice(&check::tail(&mine, self.rank));
         }
         lock(&self.plans).record(&Plan { layout: mine.fields[0], shapes: tensors.iter().map(|t| t.shape.clone()).collect(), steps: steps.to_vec() });
-        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, tail_in_floats, doomed: None })
+        let order = self.order(plain);
+        if let Some(order) = order {
+            words = owners::exchange(coll, order, &spans, &words[..codes], &words[codes..], self.rank)?;
+        }
+        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, summed: order.is_some(), tail_in_floats, doomed: None })
     }
 
     /// Reads a bucket's check once its sums have arrived, changing
@@ -674,11 +733,14 @@ impl Group {
         }
         self.read_check(&pending)?;
         let world = self.world as f32;
+        // The owners exchange's codes are one member's: their value is the mean.
+        let (members, summed) = if pending.summed { (1, true) } else { (self.world, false) };
         let (words, floats) = (std::mem::take(&mut pending.words), std::mem::take(&mut pending.floats));
         let mut compressed = false;
         let mut result = Ok(());
         for t in pending.tensors.iter_mut() {
             let out = &mut bucket[t.at.clone()];
+            let mut mean = false;
             match &mut t.route {
                 Route::Plain(r) => {
                     if !pending.plain {
@@ -689,10 +751,11 @@ impl Group {
                 Route::Compressed { exchanged, last } => {
                     compressed = true;
                     let part = match last {
-                        Final::Packed { words: w, n, lo, hi, width } => scheme::Part::Packed { words: words[w.clone()].to_vec(), n: *n, lo: *lo, hi: *hi, count: self.world as u32, width: *width },
+                        Final::Packed { words: w, n, lo, hi, width } => scheme::Part::Packed { words: words[w.clone()].to_vec(), n: *n, lo: *lo, hi: *hi, count: members as u32, width: *width },
                         Final::F32(r) => scheme::Part::F32(floats[r.clone()].to_vec()),
                     };
-                    let ctx = self.ctx(t.key.stable_hash(), &t.entry.shape, t.entry.state.step);
+                    mean = summed && matches!(last, Final::Packed { .. });
+                    let ctx = scheme::Ctx { workers: if mean { 1 } else { self.world }, ..self.ctx(t.key.stable_hash(), &t.entry.shape, t.entry.state.step) };
                     if let Err(err) = scheme::decode(&self.compression, exchanged, &part, &ctx, out) {
                         result = Err(err);
                         break;
@@ -702,7 +765,9 @@ impl Group {
                     scheme::recycle(states, std::mem::take(exchanged));
                 }
             }
-            crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= world));
+            if !mean {
+                crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= world));
+            }
         }
         if result.is_ok() {
             pending.tensors.iter_mut().for_each(|t| t.origin = Origin::Idle);
@@ -782,6 +847,14 @@ fn max_ranks(fits: impl Fn(usize) -> bool) -> usize {
 /// A key's shape as saved (a fresh group checks its keys at their first push).
 fn saved_shape(saved: &Saved, key: &Key) -> Vec<usize> {
     saved.keys.iter().find(|k| k.key == *key).map_or_else(Vec::new, |k| k.shape.clone())
+}
+
+impl Pending {
+    /// What the caller sums of `words`: all of them, or none when they
+    /// arrived whole (`summed`).
+    pub fn words_to_sum(&mut self) -> &mut [u64] {
+        if self.summed { &mut [] } else { &mut self.words }
+    }
 }
 
 impl Drop for Pending {

@@ -8,7 +8,7 @@ use std::sync::{Barrier, Condvar};
 /// rank order (float32 sums in rank order, as a device store folds;
 /// words as wrapping 64-bit sums). Values travel as bit patterns.
 struct Threads {
-    posted: Mutex<(u64, Vec<Option<Vec<u64>>>, Option<Vec<u64>>)>,
+    posted: Mutex<(u64, Vec<Option<Vec<u64>>>, Option<Vec<Vec<u64>>>)>,
     ready: Condvar,
     done: Barrier,
 }
@@ -42,32 +42,54 @@ fn fold(op: ReduceOp, float: bool, a: u64, b: u64) -> u64 {
     }
 }
 
-impl Engine for Rank<'_> {
-    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
-        let (mine, float): (Vec<u64>, bool) = match &buf {
-            Buffer::F32(x) => (x.iter().map(|v| v.to_bits() as u64).collect(), true),
-            Buffer::U64(x) => (x.to_vec(), false),
-        };
+impl Rank<'_> {
+    /// Every rank's `mine`, in rank order, on every rank.
+    fn everyone(&self, mine: Vec<u64>) -> Vec<Vec<u64>> {
         let t = self.threads;
         let mut g = t.posted.lock().unwrap();
         g.1[self.rank] = Some(mine);
         if g.1.iter().all(Option::is_some) {
-            let all: Vec<Vec<u64>> = g.1.iter_mut().map(|x| x.take().unwrap()).collect();
-            let folded = all[1..].iter().fold(all[0].clone(), |acc, x| acc.iter().zip(x).map(|(&a, &b)| fold(op, float, a, b)).collect());
-            g.2 = Some(folded);
+            g.2 = Some(g.1.iter_mut().map(|x| x.take().unwrap()).collect());
             g.0 += 1;
             t.ready.notify_all();
         } else {
             let round = g.0;
             g = t.ready.wait_while(g, |g| g.0 == round).unwrap();
         }
-        let result = g.2.clone().unwrap();
+        let all = g.2.clone().unwrap();
         drop(g);
+        t.done.wait(); // every rank has read the result before the next round
+        all
+    }
+}
+
+impl Engine for Rank<'_> {
+    fn all_to_all(&mut self, send: &[u64], recv: &mut [u64]) -> Result<()> {
+        let all = self.everyone(send.to_vec());
+        let c = send.len() / all.len();
+        for (j, theirs) in all.iter().enumerate() {
+            recv[j * c..(j + 1) * c].copy_from_slice(&theirs[self.rank * c..(self.rank + 1) * c]);
+        }
+        Ok(())
+    }
+
+    fn all_gather(&mut self, mine: &[u64], out: &mut [u64]) -> Result<()> {
+        let all = self.everyone(mine.to_vec());
+        out.copy_from_slice(&all.concat());
+        Ok(())
+    }
+
+    fn all_reduce(&mut self, op: ReduceOp, buf: Buffer<'_>) -> Result<()> {
+        let (mine, float): (Vec<u64>, bool) = match &buf {
+            Buffer::F32(x) => (x.iter().map(|v| v.to_bits() as u64).collect(), true),
+            Buffer::U64(x) => (x.to_vec(), false),
+        };
+        let all = self.everyone(mine);
+        let result: Vec<u64> = all[1..].iter().fold(all[0].clone(), |acc, x| acc.iter().zip(x).map(|(&a, &b)| fold(op, float, a, b)).collect());
         match buf {
             Buffer::F32(x) => x.iter_mut().zip(&result).for_each(|(x, &r)| *x = f32::from_bits(r as u32)),
             Buffer::U64(x) => x.copy_from_slice(&result),
         }
-        t.done.wait(); // every rank has read the result before the next round
         Ok(())
     }
 }
@@ -353,8 +375,8 @@ fn one_seen(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<
     let mut out = grad.to_vec();
     // As gradpack.torch: empty buffers are not reduced (a rank that sent
     // stand-ins has nothing left to sum).
-    if !pending.words.is_empty() {
-        engine.all_reduce(ReduceOp::Sum, Buffer::U64(&mut pending.words))?;
+    if !pending.words_to_sum().is_empty() {
+        engine.all_reduce(ReduceOp::Sum, Buffer::U64(pending.words_to_sum()))?;
     }
     if pending.plain {
         engine.all_reduce(ReduceOp::Sum, Buffer::F32(&mut out))?;
@@ -408,4 +430,130 @@ fn a_small_plain_bucket_is_summed_as_a_copy_with_its_check_and_a_large_one_in_pl
             }
         }
     }
+}
+
+/// Groups of `world` ranks taking `exchange`.
+fn groups_of(c: Compression, world: usize, exchange: Exchange) -> Vec<Group> {
+    (0..world).map(|r| Group::new(c, r, world, 0, 0.0).unwrap().with_exchange(exchange).unwrap()).collect()
+}
+
+#[test]
+fn the_owners_exchange_gives_every_rank_one_neighbour_of_the_exact_mean_and_the_lanes_bits_where_the_mean_is_a_code() {
+    // Tensors of several lane groups, so that their codes fall to several owners.
+    let shapes = [("a", vec![40, 75]), ("b", vec![7]), ("c", vec![2100])];
+    let n: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    for (c, unit) in [
+        (params(&[("compress", "2bit"), ("threshold", "0.25")]), Some(0.25f32)),
+        (params(&[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "3")]), None),
+        (params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "900")]), None),
+        (params(&[("compress", "qsgd_mn_ms"), ("bits", "[1,3,5,8]")]), None),
+        (params(&[("compress", "1bit")]), Some(2.0)),
+    ] {
+        for world in [2, 3, 5] {
+            let (lanes, owners) = (groups_of(c, world, Exchange::Lanes), groups_of(c, world, Exchange::Owners));
+            assert!(owners[0].stats().owners && !lanes[0].stats().owners);
+            // The same gradient (and residual) on every rank: each mean is a code,
+            // kept as it is (QSGD's rounding noise is each rank's own, so its
+            // codes differ between ranks even then).
+            for step in (0..3).filter(|_| !matches!(c, Compression::Qsgd(_))) {
+                let same = vec![grads(1, n, step).remove(0); world];
+                let (l, o) = (push_all(&lanes, &shapes, &same), push_all(&owners, &shapes, &same));
+                for r in 0..world {
+                    assert!(o[r].as_ref().unwrap() == l[0].as_ref().unwrap(), "{c:?} world {world} step {step} rank {r}");
+                }
+            }
+            let (lanes, owners) = (groups_of(c, world, Exchange::Lanes), groups_of(c, world, Exchange::Owners));
+            for step in 0..3 {
+                // Gradients of their own: the same bits on every rank, each value
+                // the exact mean's code or its neighbour, unbiased over the values.
+                let own = grads(world, n, step + 10);
+                let (l, o) = (push_all(&lanes, &shapes, &own), push_all(&owners, &shapes, &own));
+                let (exact, got) = (l[0].as_ref().unwrap(), o[0].as_ref().unwrap());
+                assert!(o.iter().all(|r| r.as_ref().unwrap() == got), "{c:?} world {world}: replicas differ");
+                let diff: Vec<f64> = exact.iter().zip(got).map(|(&e, &g)| (g - e) as f64).collect();
+                let moved = diff.iter().filter(|d| **d != 0.0).count();
+                assert!(moved > 0, "{c:?} world {world}: some mean falls between two codes");
+                if let Some(unit) = unit {
+                    assert!(diff.iter().all(|d| d.abs() <= unit as f64 * (1.0 + 1e-6)), "{c:?} world {world}: a value moved past a neighbouring code");
+                }
+                let bias = diff.iter().sum::<f64>() / moved as f64;
+                let spread = (diff.iter().map(|d| d * d).sum::<f64>() / moved as f64).sqrt();
+                assert!(bias.abs() < 4.0 * spread / (moved as f64).sqrt() + 1e-9, "{c:?} world {world}: mean shift {bias} over {moved} rounded values (spread {spread})");
+            }
+            // Residuals are each rank's own quantization error: the same under both.
+            for (a, b) in lanes.iter().zip(&owners) {
+                assert_eq!(a.save().unwrap(), b.save().unwrap(), "{c:?} world {world}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_owners_exchange_hands_each_rank_its_codes_once_and_a_share_again_at_any_world() {
+    let c = params(&[("compress", "2bit"), ("threshold", "0.5")]);
+    let shapes = [("w", vec![10_000]), ("v", vec![300])];
+    for world in [2, 4, 8, 16] {
+        let groups = groups_of(c, world, Exchange::Owners);
+        // (The first two pushes agree first: no plan yet.)
+        for step in 0..2 {
+            push_all(&groups, &shapes, &grads(world, 10_300, step));
+        }
+        let first = groups[0].stats().bytes_sent;
+        push_all(&groups, &shapes, &grads(world, 10_300, 2));
+        // 2 bits a value: 313 and 10 words, each tensor from a whole group
+        // of 8 words; runs of whole groups; then the check's 39 words.
+        let words = 320 + 16;
+        let run = (words as usize).div_ceil(world).next_multiple_of(8);
+        assert_eq!(groups[0].stats().bytes_sent - first, 8 * (world * run + run + 39) as u64, "world {world}");
+    }
+    // What `auto` chooses: owners from 4 ranks where lanes would take 1.5 times the bits.
+    let choose = |p: &[(&str, &str)], world| Exchange::Auto.choose(&params(p), world).unwrap();
+    assert!(!choose(&[("compress", "2bit"), ("threshold", "0.5")], 2) && choose(&[("compress", "2bit"), ("threshold", "0.5")], 4));
+    assert!(!choose(&[("compress", "1bit")], 2) && choose(&[("compress", "1bit")], 4));
+    assert!(!choose(&[("compress", "qsgd_mn"), ("bits", "2")], 3) && choose(&[("compress", "qsgd_mn"), ("bits", "2")], 4));
+    assert!(!choose(&[("compress", "qsgd_mn"), ("bits", "8")], 8) && choose(&[("compress", "qsgd_mn"), ("bits", "8")], 16));
+    assert!(!choose(&[("compress", "powersgd")], 1024) && !choose(&[("compress", "none")], 1024));
+    let err = Exchange::Owners.choose(&params(&[("compress", "powersgd")]), 4).unwrap_err().to_string();
+    assert!(err.contains("'owners' sums integer codes; powersgd sends float32"), "{err}");
+    assert!(Exchange::parse("ring").unwrap_err().to_string().contains("must be 'lanes', 'owners' or 'auto'"));
+}
+
+#[test]
+fn under_the_owners_exchange_a_fault_or_a_departure_fails_every_rank_alike_and_changes_nothing() {
+    for c in [params(&[("compress", "2bit"), ("threshold", "0.25")]), params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,4]")]), params(&[("compress", "1bit")])] {
+        let groups = groups_of(c, 3, Exchange::Owners);
+        two_buckets(&groups, 0, 3);
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let mut bad = grads(3, 20, 5);
+        bad[2][11] = f32::NAN;
+        let errors: Vec<String> = push_all(&groups, &[("c", vec![20])], &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's") && errors[0].contains("key 'c'"), "{c:?}: {errors:?}");
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+        two_buckets(&groups, 6, 2); // the job goes on
+        let (g, threads) = (grads(3, 24, 9), Threads::new(3));
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3)
+                .map(|r| {
+                    let (groups, g, threads) = (&groups, &g, &threads);
+                    s.spawn(move || {
+                        let layout: &[(&str, Vec<usize>)] = if r == 1 { &[("a", vec![5, 4]), ("b", vec![4])] } else { &[("a", vec![4, 5]), ("b", vec![4])] };
+                        one(threads, &groups[r], r, layout, &g[r])
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap().unwrap_err().to_string()).collect()
+        });
+        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+        two_buckets(&groups, 10, 3); // and goes on again
+        let settled = groups[0].stats().agreements;
+        two_buckets(&groups, 13, 2);
+        assert_eq!(groups[0].stats().agreements, settled, "{c:?}: settled again");
+    }
+    // Ranks that chose differently meet at the first bucket.
+    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+    let mixed = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(c, 1, 2, 0, 0.0).unwrap().with_exchange(Exchange::Owners).unwrap()];
+    let errors: Vec<String> = push_all(&mixed, &[("w", vec![20])], &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert!(errors[0] == errors[1] && errors[0].contains("disagree"), "{errors:?}");
 }
