@@ -42,19 +42,23 @@ def main():
     parser.add_argument("--epochs", type=int, default=None, help="default: 5 per rank")
     parser.add_argument("--check", type=float, default=None)
     parser.add_argument("--only", default=None, help="schemes whose names contain this, beside 'none'")
+    parser.add_argument("--exchange", default="lanes", choices=["auto", "lanes", "owners"],
+                        help="State(exchange=) for the integer schemes (PowerSGD and 'none' take lanes)")
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     data = torch_ddp.digits()
     epochs = args.epochs or 5 * dist.get_world_size()
     schemes = [(p, lr) for p, lr in SCHEMES if p["compress"] == "none" or args.only is None or args.only in p["compress"]]
-    rows = [(p, torch_ddp.train(p, epochs=epochs, lr=lr, momentum=0.0, data=data, min_compression_rate=1.0))
+    float_final = ("none", "powersgd")
+    rows = [(p, torch_ddp.train(p, epochs=epochs, lr=lr, momentum=0.0, data=data, min_compression_rate=1.0,
+                                exchange="lanes" if p["compress"] in float_final else args.exchange))
             for p, lr in schemes]
     failed = []
     if dist.get_rank() == 0:
         base = rows[0][1]["accuracy"]
-        print("digits CNN, %d ranks, %d epochs, %d steps; bytes and ms per step of rank 0" % (
-            dist.get_world_size(), epochs, rows[0][1]["steps"]))
+        print("digits CNN, %d ranks, %d epochs, %d steps, exchange %s; bytes and ms per step of rank 0" % (
+            dist.get_world_size(), epochs, rows[0][1]["steps"], args.exchange))
         print("%-40s %9s %8s %12s %9s" % ("compress_params", "accuracy", "vs none", "bytes/step", "ms/step"))
         for p, r in rows:
             diff = 100 * (r["accuracy"] - base)

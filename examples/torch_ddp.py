@@ -53,7 +53,7 @@ def digits():
 
 
 def train(compress_params, epochs=10, batch=32, lr=0.05, momentum=0.9, start_iter=0, min_compression_rate=2.0,
-          data=None, group=None):
+          data=None, group=None, exchange="lanes"):
     """Trains on this rank's shard; returns accuracy, bytes, time per step.
     The loss is summed over the batch and the learning rate given per
     sample (lr / batch), as Gluon's Trainer.step(batch) does: the hook
@@ -67,7 +67,7 @@ def train(compress_params, epochs=10, batch=32, lr=0.05, momentum=0.9, start_ite
     state = None
     if compress_params is not None:
         state = gpt.State(compress_params, process_group=group, start_iter=start_iter,
-                          min_compression_rate=min_compression_rate)
+                          min_compression_rate=min_compression_rate, exchange=exchange)
         ddp.register_comm_hook(state, gpt.hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr / batch, momentum=momentum)
     mine = torch.arange(rank, len(ytr), world)

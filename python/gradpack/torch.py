@@ -187,15 +187,16 @@ class State(NativeHandle):
     shrink at least ``min_compression_rate`` times (smaller tensors, and
     vectors under PowerSGD, go as float32).
 
-    ``exchange`` says how compressed codes reach every rank: 'lanes', one
-    all-reduce of lanes wide enough for every rank's sum (exact: the device
-    store's bits; the bytes grow with the ranks), 'owners', an all_to_all
-    that gives each rank 1/world of every rank's codes, which it sums and
-    rounds (at random, unbiased) back to one rank's codes, then an
-    all_gather (bytes bounded at any world size), or 'auto' (the default):
-    'owners' for 2bit, 1bit and the QSGD family from 4 ranks where the lanes
-    would take at least 1.5 times one rank's bits a value, else 'lanes'.
-    PowerSGD and 'none' send float32 and always take 'lanes'.
+    ``exchange`` says how compressed codes reach every rank: 'lanes' (the
+    default), one all-reduce of lanes wide enough for every rank's sum
+    (exact: the device store's bits; the bytes grow with the ranks),
+    'owners', an all_to_all that gives each rank 1/world of every rank's
+    codes, which it sums and rounds (at random, unbiased) back to one
+    rank's codes, then an all_gather (bytes bounded at any world size, at
+    a cost in accuracy: docs/torch.md), or 'auto': 'owners' for 2bit, 1bit
+    and the QSGD family from 4 ranks where the lanes would take at least
+    1.5 times one rank's bits a value, else 'lanes'. PowerSGD and 'none'
+    send float32 and always take 'lanes'.
 
     ``local_size`` (ranks a node) turns on the hierarchical exchange for a
     job of several nodes: a bucket is summed in float32 inside each node
@@ -217,7 +218,7 @@ class State(NativeHandle):
                 "load_state_dict()")
 
     def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0, local_size=None,
-                 exchange="auto"):
+                 exchange="lanes"):
         if not isinstance(compress_params, dict):
             raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
         if not dist.is_available() or not dist.is_initialized():

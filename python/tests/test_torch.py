@@ -349,3 +349,65 @@ def test_the_hierarchical_exchange_matches_its_parts_and_fails_alike(world, tmp_
     nan = reports[0]["hierarchical"]["nan"]
     assert "non-finite" in nan and "nothing was applied" in nan, nan
     assert "different local_size values" in reports[0]["hierarchical"]["other sizes"]
+
+
+def owners_bytes(world, width, wide, n=1 << 20):
+    """Bytes a rank hands torch a step for one tensor of `n` codes of
+    `width` bits under the owners exchange: its codes (whole lane groups
+    of 8 words) in `world` runs, then its run's sums again in lanes of
+    `wide` bits, and the check's 39 words."""
+    per = 64 // width
+    words = -(-n // per)
+    run = -(-(-(-words // 8) * 8) // world)
+    run = -(-run // 8) * 8
+    counts = [max(0, min(n, (r + 1) * run * per) - r * run * per) for r in range(world)]
+    return 8 * (world * run + max(-(-c // (64 // wide)) for c in counts) + 39)
+
+
+def width_for(v):
+    return max(1, v.bit_length())
+
+
+@pytest.fixture(scope="module")
+def owners_runs(tmp_path_factory):
+    return {world: ranks(world, ["owners"], tmp_path_factory.mktemp("owners%d" % world), timeout=900)
+            for world in (2, 4, 8, 16)}
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_the_owners_exchange_keeps_replicas_identical_and_fails_alike(owners_runs, world):
+    for rep in owners_runs[world]:
+        o = rep["owners"]
+        for key, facts in o.items():
+            if isinstance(facts, dict) and "bytes_per_step" in facts:
+                assert facts["identical"] and facts["exchange"] == key.split()[-1], (world, key, facts)
+        lanes, owners = o["2bit reference lanes"], o["2bit reference owners"]
+        assert lanes["max_diff"] == 0.0 and lanes["identical"], lanes  # the exact sum
+        assert owners["identical"], owners
+        if world <= 8:  # the owners' exact sums: the lanes' bits
+            assert owners["max_diff"] == 0.0, owners
+        else:  # the mean to an eighth of a code step (+pos and neg apart), unbiased
+            assert 0 < owners["max_diff"] <= 2 * 0.5 / 8 and owners["moved"] > 100, owners
+            assert abs(owners["mean_shift"]) < 0.01, owners
+        for scheme in ("2bit", "qsgd_mn_ts"):
+            d = o["ddp " + scheme]
+            assert d["identical"] and d["resume_diff"] == 0.0, (scheme, d)
+        assert o["nan unchanged"] and "rank %d's" % (world - 1) in o["nan"] and "non-finite" in o["nan"], o["nan"]
+        assert "'owners' sums integer codes; powersgd sends float32" in o["powersgd owners"], o
+        assert "must be 'lanes', 'owners' or 'auto'" in o["bad exchange"], o
+    assert len({rep["owners"]["nan"] for rep in owners_runs[world]}) == 1  # the same text everywhere
+
+
+def test_the_owners_exchange_hands_torch_bytes_that_do_not_grow_with_the_ranks(owners_runs):
+    per = {w: owners_runs[w][0]["owners"] for w in owners_runs}
+    # 2-bit's and 1-bit's codes are all they send: the formula exactly.
+    for w in per:
+        d = min(w, 8)  # the owners send sums of up to 8 members' codes
+        assert per[w]["2bit owners"]["bytes_per_step"] == owners_bytes(w, 2, width_for(d * (d + 1))), w
+        assert per[w]["1bit owners"]["bytes_per_step"] == owners_bytes(w, 1, width_for(d)), w
+    for scheme in ("2bit", "1bit", "qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts"):
+        two = per[2][scheme + " lanes"]["bytes_per_step"]
+        # The goal: at 16 ranks within 1.25x of the lanes' 2-rank bytes...
+        assert per[16][scheme + " owners"]["bytes_per_step"] <= 1.25 * two, (scheme, per[16][scheme + " owners"], two)
+        # ...where the lanes grow past it.
+        assert per[16][scheme + " lanes"]["bytes_per_step"] > 1.25 * two, scheme

@@ -103,7 +103,7 @@ unsafe fn group<'a>(g: *const gp_group_t) -> Result<&'a Group> {
 /// tensors are summed plainly for their first `start_iter` pushes, and a
 /// tensor is compressed only when its bytes shrink at least
 /// `min_compression_rate` times. `exchange` ("lanes", "owners" or "auto";
-/// NULL: "auto") says how compressed buckets travel (`group::Exchange`).
+/// NULL: "lanes") says how compressed buckets travel (`group::Exchange`).
 /// `*out` owns the handle (gp_group_free).
 ///
 /// # Safety
@@ -117,7 +117,7 @@ pub unsafe extern "C" fn gp_group_new(keys: *const *const c_char, vals: *const *
             return Err(Error::NullPointer { what: "out" });
         }
         let compression = Compression::from_params(params(keys, vals, num)?.iter().copied())?;
-        let exchange = if exchange.is_null() { Exchange::Auto } else { Exchange::parse(cstr(exchange, "exchange")?)? };
+        let exchange = if exchange.is_null() { Exchange::Lanes } else { Exchange::parse(cstr(exchange, "exchange")?)? };
         let (rank, world) = (usize::try_from(rank).unwrap_or(usize::MAX), usize::try_from(world).unwrap_or(usize::MAX));
         let g = Group::new(compression, rank, world, start_iter, min_compression_rate)?.with_exchange(exchange)?;
         *out = Box::into_raw(Box::new(gp_group_t(g)));

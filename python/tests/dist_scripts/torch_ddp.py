@@ -562,6 +562,59 @@ def scenario_hierarchical():
     return out
 
 
+INTEGER = [p for p in SCHEMES if p["compress"] not in ("none", "powersgd")]
+BIG = 1 << 20  # the values of the tensor whose bytes per step are reported
+
+
+def scenario_owners():
+    """The owners exchange beside lanes at this world size: bytes per step
+    of a 1M-value tensor through allreduce_ for every integer scheme, the
+    same bits on every rank, 2-bit against its exact sum written here (the
+    lanes' bits; the owners' too up to 8 ranks, beyond an unbiased
+    neighbour on a grid of 1/8 code step), DDP through the hook
+    with a checkpoint resumed, and a NaN on the last rank."""
+    out = {}
+    for params in INTEGER:
+        name = params["compress"]
+        if "k" in params:
+            params = dict(params, k=BIG // 4)  # a quarter of the values, as the bytes goal has it
+        for exchange in ("lanes", "owners"):
+            state = gpt.State(params, min_compression_rate=0, exchange=exchange)
+            g = torch.Generator().manual_seed(RANK)
+            identical = True
+            for step in range(3):  # the third is planned: no agreement round
+                before = state.stats()["bytes_sent"]
+                got = gpt.allreduce_(torch.randn(BIG, generator=g), state, key="w")
+                identical = identical and identical_everywhere(got)
+            st = state.stats()
+            out["%s %s" % (name, exchange)] = {"bytes_per_step": st["bytes_sent"] - before, "identical": identical,
+                                               "exchange": st["exchange"]}
+    # 2-bit's first push (no residual yet) summed here: every rank's codes.
+    th = 0.5
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(7 + RANK))
+    xs = [torch.empty_like(x) for _ in range(WORLD)]
+    dist.all_gather(xs, x)
+    xs = torch.stack(xs)
+    pos, neg = (xs >= th).sum(0).float(), (xs <= -th).sum(0).float()
+    exact = (pos * th + neg * -th) / WORLD
+    for exchange in ("lanes", "owners"):
+        state = gpt.State({"compress": "2bit", "threshold": th}, min_compression_rate=0, exchange=exchange)
+        got = gpt.allreduce_(x.clone(), state, key="r")
+        diff = got - exact
+        out["2bit reference " + exchange] = {
+            "max_diff": float(diff.abs().max()), "moved": int((diff != 0).sum()), "mean_shift": float(diff.sum() / max(1, int((diff != 0).sum()))),
+            "identical": identical_everywhere(got)}
+    for params in (SCHEMES[1], SCHEMES[3]):
+        whole, saved = train(params, 6, stop_at=3, state_kw={"exchange": "owners"})
+        resumed, _ = train(params, 6, state_dict=saved, state_kw={"exchange": "owners"})
+        out["ddp " + params["compress"]] = {"identical": identical_everywhere(whole),
+                                            "resume_diff": float((whole - resumed).abs().max())}
+    out["nan"], out["nan unchanged"], _ = nan_on_last_rank({"compress": "2bit", "threshold": 0.05}, {"exchange": "owners"})
+    out["powersgd owners"] = error_of(lambda: gpt.State(SCHEMES[7], exchange="owners"))
+    out["bad exchange"] = error_of(lambda: gpt.State(SCHEMES[1], exchange="ring"))
+    return out
+
+
 report = {"rank": RANK, "world": WORLD}
 for name in sys.argv[1:]:
     report[name] = globals()["scenario_" + name]()

@@ -201,6 +201,9 @@ pub struct Pending {
     /// `words` arrived whole already (the owners exchange, then the tails'
     /// sum): the caller sums only `floats`.
     pub summed: bool,
+    /// Members whose sums the final codes hold once summed: the world, or
+    /// (the owners exchange) `owners::RESOLUTION` at most.
+    members: usize,
     /// The tail ends `floats` instead (`words` empty): a bucket of plain
     /// tensors, sent whole as float32 in one all-reduce.
     tail_in_floats: bool,
@@ -219,6 +222,8 @@ struct Built {
     floats: Vec<f32>,
     plain: bool,
     summed: bool,
+    /// Members whose sums the final codes hold (`Pending::members`).
+    members: usize,
     tail_in_floats: bool,
     doomed: Option<Error>,
 }
@@ -226,7 +231,7 @@ struct Built {
 impl Built {
     /// A bucket whose stand-ins were summed already: nothing left to sum.
     fn doomed(err: Error, tensors: usize) -> Built {
-        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, summed: false, tail_in_floats: false, doomed: Some(err) }
+        Built { routes: (0..tensors).map(|_| Route::Plain(0..0)).collect(), words: Vec::new(), floats: Vec::new(), plain: false, summed: false, members: 0, tail_in_floats: false, doomed: Some(err) }
     }
 }
 
@@ -351,8 +356,8 @@ impl Group {
         let mut counting = Counting;
         let mut coll = self.lanes(&mut counting);
         let bytes = match scheme::encode(&self.compression, std::slice::from_mut(&mut state), &[&zeros], &self.ctx(0, shape, 0), &mut coll) {
-            // (the owners exchange: the codes once and a 1/world share again)
-            Ok((_, scheme::Part::Packed { words, .. })) if self.owners => coll.sent + (8 * words.len() as u64).div_ceil(self.world as u64) * (self.world as u64 + 1),
+            // (the owners exchange: the codes once and a 1/world share of the sums again)
+            Ok((_, scheme::Part::Packed { words, n, .. })) if self.owners => coll.sent + 8 * words.len() as u64 + 8 * owners::sums_words(&self.compression, n, self.world).div_ceil(self.world) as u64,
             Ok((_, scheme::Part::Packed { words, .. })) => coll.sent + 8 * words.len() as u64,
             Ok((_, scheme::Part::F32(x))) => coll.sent + collective::f32_bytes(x.len()),
             _ => u64::MAX,
@@ -469,7 +474,7 @@ impl Group {
                 keys.stats.bytes_sent += final_bytes;
                 keys.stats.bytes_uncompressed += collective::f32_bytes(bucket_len) * b.doomed.is_none() as u64;
                 drop(keys);
-                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, summed: b.summed, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed };
+                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, summed: b.summed, members: b.members, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed };
                 let mut at = 0;
                 for (((t, entry), route), origin) in tensors.iter().zip(entries).zip(b.routes).zip(origins) {
                     let n = t.grad.len();
@@ -572,10 +577,11 @@ impl Group {
             coll.reduce(ReduceOp::Sum, Buffer::F32(&mut bucket))?;
             return Ok(Ok(check::read_tail_f32(&bucket[bucket.len() - check::TAIL_FLOATS..], self.world)?));
         }
-        let codes = words.len();
+        let mut codes = words.len();
         words.extend_from_slice(&check::tail(&mine, self.rank));
-        if let Some(order) = self.order(plain) {
-            words = owners::exchange(coll, order, &spans, &words[..codes], &words[codes..], self.rank)?;
+        if self.owned(plain) {
+            words = owners::exchange(coll, &self.compression, &spans, &words[..codes], &words[codes..], self.rank)?.words;
+            codes = words.len() - TAIL_WORDS;
         } else {
             coll.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
         }
@@ -596,10 +602,10 @@ impl Group {
     /// or more ranks gloo's float32 rounding depends on the buffer's
     /// length, and copying tens of megabytes twice costs more than a
     /// second all-reduce of 39 words.
-    /// The order of the codes the owners exchange rounds, when a bucket
-    /// takes it (something compressed, the group chose it).
-    fn order(&self, plain: bool) -> Option<owners::Order> {
-        if self.owners && !plain { owners::Order::of(&self.compression) } else { None }
+    /// Whether a bucket takes the owners exchange: something compressed,
+    /// and the group chose it.
+    fn owned(&self, plain: bool) -> bool {
+        self.owners && !plain
     }
 
     fn tail_in_floats(&self, plain: bool, tensors: usize, values: usize) -> bool {
@@ -671,11 +677,19 @@ impl Group {
             words.extend_from_slice(&check::tail(&mine, self.rank));
         }
         lock(&self.plans).record(&Plan { layout: mine.fields[0], shapes: tensors.iter().map(|t| t.shape.clone()).collect(), steps: steps.to_vec() });
-        let order = self.order(plain);
-        if let Some(order) = order {
-            words = owners::exchange(coll, order, &spans, &words[..codes], &words[codes..], self.rank)?;
+        let mut members = self.world;
+        if self.owned(plain) {
+            let owned = owners::exchange(coll, &self.compression, &spans, &words[..codes], &words[codes..], self.rank)?;
+            // The codes now are sums of `members` members', in lanes of their own.
+            let mut at = owned.spans.into_iter();
+            for route in routes.iter_mut() {
+                if let Route::Compressed { last: Final::Packed { words: w, hi, width, .. }, .. } = route {
+                    (*w, *width, *hi) = at.next().ok_or_else(|| Error::Internal("a span missing from the owners exchange".into()))?;
+                }
+            }
+            (words, members) = (owned.words, owned.members);
         }
-        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, summed: order.is_some(), tail_in_floats, doomed: None })
+        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, summed: self.owned(plain), members, tail_in_floats, doomed: None })
     }
 
     /// Reads a bucket's check once its sums have arrived, changing
@@ -733,8 +747,8 @@ impl Group {
         }
         self.read_check(&pending)?;
         let world = self.world as f32;
-        // The owners exchange's codes are one member's: their value is the mean.
-        let (members, summed) = if pending.summed { (1, true) } else { (self.world, false) };
+        // The owners exchange's codes are sums of `members` members': divided by that.
+        let members = pending.members;
         let (words, floats) = (std::mem::take(&mut pending.words), std::mem::take(&mut pending.floats));
         let mut compressed = false;
         let mut result = Ok(());
@@ -754,8 +768,8 @@ impl Group {
                         Final::Packed { words: w, n, lo, hi, width } => scheme::Part::Packed { words: words[w.clone()].to_vec(), n: *n, lo: *lo, hi: *hi, count: members as u32, width: *width },
                         Final::F32(r) => scheme::Part::F32(floats[r.clone()].to_vec()),
                     };
-                    mean = summed && matches!(last, Final::Packed { .. });
-                    let ctx = scheme::Ctx { workers: if mean { 1 } else { self.world }, ..self.ctx(t.key.stable_hash(), &t.entry.shape, t.entry.state.step) };
+                    mean = matches!(last, Final::Packed { .. }) && members != self.world;
+                    let ctx = scheme::Ctx { workers: if mean { members } else { self.world }, ..self.ctx(t.key.stable_hash(), &t.entry.shape, t.entry.state.step) };
                     if let Err(err) = scheme::decode(&self.compression, exchanged, &part, &ctx, out) {
                         result = Err(err);
                         break;
@@ -765,9 +779,8 @@ impl Group {
                     scheme::recycle(states, std::mem::take(exchanged));
                 }
             }
-            if !mean {
-                crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= world));
-            }
+            let by = if mean { members as f32 } else { world };
+            crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= by));
         }
         if result.is_ok() {
             pending.tensors.iter_mut().for_each(|t| t.origin = Origin::Idle);

@@ -7,21 +7,26 @@
 //! words are cut into `world` equal runs. Then:
 //!
 //! 1. `all_to_all`: rank `r` receives run `r` of every rank's codes;
-//! 2. rank `r`, the run's owner, sums them exactly in integers and rounds
-//!    the mean code to one of its two nearest codes at random, up with
-//!    probability the mean's fraction: unbiased, and never outside the
-//!    codes a member may send. The noise is keyed by the tensor's push
-//!    count, key and code index, not by the owner, so the result does not
-//!    depend on how the runs fall;
+//! 2. rank `r`, the run's owner, sums them exactly in integers and writes
+//!    the mean as the codes of `D = min(world, RESOLUTION)` members (lanes
+//!    for `D` members' sums): `D / world` times the sum, exact when `D` is
+//!    the world, else rounded to one of its two nearest integers at random,
+//!    up with probability its fraction (unbiased, never outside the sums
+//!    `D` members may send). The noise is keyed by the tensor's push count,
+//!    key and code index, not by the owner, so the result does not depend
+//!    on how the runs fall;
 //! 3. `all_gather`: every rank receives every run, and every rank's check
 //!    tail, summed here as an all-reduce would have summed it; every rank
-//!    decodes the same codes as one member's, so replicas stay identical.
+//!    decodes the same sums of `D` members, divided by `D`, so replicas
+//!    stay identical, and up to `RESOLUTION` ranks the result is the lanes'
+//!    bits.
 //!
 //! A rank hands the transport its codes once, a `1/world` share of them
-//! again and a check tail, at any world size. The owner keeps no state: a
-//! checkpoint is the flat exchange's, whatever the world. Owns: the
-//! layout of the runs, the owner's sum and rounding. Knows nothing of
-//! torch, nor of a scheme's algebra beyond the order of its codes.
+//! again in lanes for `D` members, and a check tail: bounded at any world
+//! size. The owner keeps no state: a checkpoint is the lanes' one, whatever
+//! the world. Owns: the layout of the runs, the owner's sum and rounding.
+//! Knows nothing of torch, nor of a scheme's algebra beyond the form of its
+//! codes' lanes.
 
 use std::ops::Range;
 
@@ -81,47 +86,54 @@ pub fn lane_bits(c: &Compression, members: usize) -> f64 {
     64.0 / (64 / width) as f64
 }
 
-/// The order of one member's codes in its lanes: lane value to rank `k`
-/// among the codes by value (`0..=top`), and back.
+/// Up to this many ranks the owners send their exact sums; beyond, sums
+/// scaled to this many members' (the mean to an eighth of a code step).
+pub const RESOLUTION: usize = 8;
+
+/// The form of a scheme's codes in lanes: what a member sends, summed per
+/// component (`components`), and a sum of `D` members' components as the
+/// scheme's lanes for `D` members.
 #[derive(Clone, Copy, Debug)]
-pub enum Order {
-    /// Lanes hold `code - lo`, in order already (QSGD, 1-bit).
+enum Form {
+    /// Lanes hold `code - lo` (QSGD, 1-bit), at most `top`.
     Linear { top: u32 },
-    /// 2-bit's lanes for one member: 0 zero, 1 +pos, 2 neg.
+    /// 2-bit: lanes hold `pos + b neg` with `b` one above the members (for
+    /// one member: 0 zero, 1 +pos, 2 neg); the +pos and neg counts are its
+    /// two components, rounded each on its own (unequal thresholds keep
+    /// their own weights).
     TwoBit,
 }
 
-const TWO_BIT_RANK: [u32; 3] = [1, 2, 0];
-const TWO_BIT_LANE: [u64; 3] = [2, 0, 1];
-
-impl Order {
-    pub fn of(c: &Compression) -> Option<Order> {
+impl Form {
+    fn of(c: &Compression) -> Option<Form> {
         match c {
-            Compression::TwoBit(_) => Some(Order::TwoBit),
-            _ => scheme::final_codes(c, 1).map(|(lo, hi)| Order::Linear { top: (hi - lo) as u32 }),
+            Compression::TwoBit(_) => Some(Form::TwoBit),
+            _ => scheme::final_codes(c, 1).map(|(lo, hi)| Form::Linear { top: (hi - lo) as u32 }),
         }
     }
 
-    fn top(self) -> u32 {
+    fn components(self) -> usize {
         match self {
-            Order::Linear { top } => top,
-            Order::TwoBit => 2,
+            Form::Linear { .. } => 1,
+            Form::TwoBit => 2,
         }
     }
 
-    /// A lane's rank; a lane no member sends (a faulty peer's) counts as
-    /// the top code, so every rank still decodes the same codes.
-    fn rank(self, lane: u64) -> u32 {
+    /// Component `j` of one member's lane; a lane no member sends (a faulty
+    /// peer's) counts as the nearest one that a member does, so every rank
+    /// still decodes the same codes.
+    fn component(self, lane: u64, j: usize) -> u32 {
         match self {
-            Order::Linear { top } => lane.min(top as u64) as u32,
-            Order::TwoBit => TWO_BIT_RANK.get(lane as usize).copied().unwrap_or(0),
+            Form::Linear { top } => lane.min(top as u64) as u32,
+            Form::TwoBit => (lane == 1 + j as u64) as u32,
         }
     }
 
-    fn lane(self, rank: u32) -> u64 {
+    /// The lane of `D` members whose components sum to `sums`.
+    fn lane(self, sums: [u64; 2], members: usize) -> u64 {
         match self {
-            Order::Linear { .. } => rank as u64,
-            Order::TwoBit => TWO_BIT_LANE[rank as usize],
+            Form::Linear { .. } => sums[0],
+            Form::TwoBit => sums[0] + (members as u64 + 1) * sums[1],
         }
     }
 }
@@ -137,11 +149,30 @@ pub struct Span {
     pub key_hash: u64,
 }
 
-/// Where each span's words start in the runs (whole lane groups), and the
-/// words of one run.
+/// What came back: every tensor's codes as sums of `members` members (its
+/// `words` in `words`, lanes of `width` bits holding `code sum - lo *
+/// members`, codes up to `hi`), then the ranks' check tails summed.
+pub struct Owned {
+    pub words: Vec<u64>,
+    pub spans: Vec<(Range<usize>, u32, i32)>,
+    pub members: usize,
+}
+
+/// A tensor's codes in one run: the span, its codes `first..first +
+/// count`, and the run's words that hold them.
+struct Piece {
+    span: usize,
+    first: usize,
+    count: usize,
+    in_run: Range<usize>,
+}
+
+/// Where each span's words start in the runs (whole lane groups), the
+/// words of one run, and each run's pieces.
 struct Layout {
     starts: Vec<usize>,
     run: usize,
+    pieces: Vec<Vec<Piece>>,
 }
 
 fn layout(spans: &[Span], world: usize) -> Layout {
@@ -151,84 +182,135 @@ fn layout(spans: &[Span], world: usize) -> Layout {
         starts.push(at);
         at += s.words.len().next_multiple_of(lanes::GROUP);
     }
-    Layout { starts, run: at.div_ceil(world).next_multiple_of(lanes::GROUP) }
+    let run = at.div_ceil(world).next_multiple_of(lanes::GROUP);
+    let pieces = (0..world)
+        .map(|r| {
+            let (first_word, end_word) = (r * run, (r + 1) * run);
+            spans
+                .iter()
+                .zip(&starts)
+                .enumerate()
+                .filter_map(|(t, (s, &start))| {
+                    let (a, b) = (start.max(first_word), (start + s.words.len()).min(end_word));
+                    // `a - start` is a whole number of groups, so words a..b hold
+                    // their codes as a packing of those codes alone would.
+                    let per = (64 / s.width) as usize;
+                    let first = (a - start) * per;
+                    (a < b).then(|| Piece { span: t, first, count: ((b - start) * per).min(s.n) - first, in_run: a - first_word..b - first_word })
+                })
+                .collect()
+        })
+        .collect();
+    Layout { starts, run, pieces }
+}
+
+/// The words that `n` codes' sums take in the owners' lanes over `world`
+/// ranks (the sums of `min(world, RESOLUTION)` members).
+pub fn sums_words(c: &Compression, n: usize, world: usize) -> usize {
+    let members = world.min(RESOLUTION);
+    let width = scheme::final_codes(c, members).and_then(|(lo, hi)| collective::sum_width(lo, hi, members)).unwrap_or(64);
+    lanes::words_for(n, width)
 }
 
 /// The noise stream of a tensor's rounding: the same on every rank.
 const ROUNDING: u64 = 0x6f77_6e65_7273; // "owners"
 
 /// Runs the exchange for the codes `words` (laid out as `spans` say) and
-/// this rank's check `tail`: returns every rank's codes as the owners
-/// rounded them, in `words`' layout, followed by the tails' wrapping sum.
-pub fn exchange(coll: &mut Lanes<&mut dyn Engine>, order: Order, spans: &[Span], words: &[u64], tail: &[u64], rank: usize) -> Result<Vec<u64>> {
+/// this rank's check `tail`, of compression `c`.
+pub fn exchange(coll: &mut Lanes<&mut dyn Engine>, c: &Compression, spans: &[Span], words: &[u64], tail: &[u64], rank: usize) -> Result<Owned> {
     let world = coll.workers;
+    let form = Form::of(c).ok_or_else(|| Error::Internal(format!("the owners exchange of {}, which sends float32", c.name())))?;
     if let Some(s) = spans.iter().find(|s| s.words.end > words.len() || s.words.len() != lanes::words_for(s.n, s.width)) {
         return Err(Error::Internal(format!("a span {s:?} of {} words", words.len())));
     }
-    let Layout { starts, run } = layout(spans, world);
+    let members = world.min(RESOLUTION);
+    let (lo, hi) = scheme::final_codes(c, members).ok_or_else(|| Error::Internal("no codes".into()))?;
+    let wide = collective::sum_width(lo, hi, members).ok_or_else(|| Error::Internal(format!("{members} members' sums of {lo}..={hi}")))?;
+    let Layout { starts, run, pieces } = layout(spans, world);
     let mut send = vec![0u64; world * run];
     for (s, &at) in spans.iter().zip(&starts) {
         send[at..at + s.words.len()].copy_from_slice(&words[s.words.clone()]);
     }
     let mut recv = vec![0u64; world * run];
     coll.all_to_all(&send, &mut recv)?;
-    let mut mine = vec![0u64; run + tail.len()];
-    own(order, spans, &starts, run, &recv, rank, world, &mut mine[..run])?;
-    mine[run..].copy_from_slice(tail);
-    let mut gathered = send; // the same length plus the tails
-    gathered.resize(world * (run + tail.len()), 0);
+    drop(send);
+    // Each run's sums, every piece packed on its own; runs padded alike.
+    let sizes: Vec<usize> = pieces.iter().map(|p| p.iter().map(|p| lanes::words_for(p.count, wide)).sum()).collect();
+    let chunk = sizes.iter().copied().max().unwrap_or(0) + tail.len();
+    let mut mine = vec![0u64; chunk];
+    own(form, spans, &pieces[rank], &recv, run, world, members, wide, &mut mine);
+    mine[chunk - tail.len()..].copy_from_slice(tail);
+    drop(recv);
+    let mut gathered = vec![0u64; world * chunk];
     coll.all_gather(&mine, &mut gathered)?;
-    let chunk = run + tail.len();
-    let global = |i: usize| gathered[(i / run) * chunk + i % run];
-    let mut out = vec![0u64; words.len() + tail.len()];
-    for (s, &at) in spans.iter().zip(&starts) {
-        out[s.words.clone()].iter_mut().enumerate().for_each(|(i, w)| *w = global(at + i));
+    // Every tensor's sums, from the runs' pieces.
+    let mut sums: Vec<Vec<u64>> = spans.iter().map(|s| vec![0u64; s.n]).collect();
+    for (r, run_pieces) in pieces.iter().enumerate() {
+        let mut at = r * chunk;
+        for p in run_pieces {
+            let len = lanes::words_for(p.count, wide);
+            lanes::unpack_into(&gathered[at..at + len], wide, &mut sums[p.span][p.first..p.first + p.count], |v| v)?;
+            at += len;
+        }
     }
-    for j in 0..world {
-        let theirs = &gathered[j * chunk + run..(j + 1) * chunk];
-        out[words.len()..].iter_mut().zip(theirs).for_each(|(o, &t)| *o = o.wrapping_add(t));
+    let mut out = Owned { words: Vec::new(), spans: Vec::with_capacity(spans.len()), members };
+    for s in &sums {
+        let at = out.words.len();
+        out.words.resize(at + lanes::words_for(s.len(), wide), 0);
+        lanes::pack_slice_into_words(s, wide, |v| v, &mut out.words[at..]);
+        out.spans.push((at..out.words.len(), wide, hi));
+    }
+    let at = out.words.len();
+    out.words.extend_from_slice(&gathered[chunk - tail.len()..chunk]);
+    for j in 1..world {
+        let theirs = &gathered[(j + 1) * chunk - tail.len()..(j + 1) * chunk];
+        out.words[at..].iter_mut().zip(theirs).for_each(|(o, &t)| *o = o.wrapping_add(t));
     }
     Ok(out)
 }
 
-/// The owner's work on run `rank` (`recv`: every rank's run, one after
-/// another): each code the rounded mean of the ranks' codes, into `out`.
+/// The owner's work on its run's `pieces` (`recv`: every rank's run, one
+/// after another): each piece's sums over the ranks, as `members` members'
+/// (`D / world` times the sum, rounded at random where not whole), packed
+/// in lanes of `wide` bits one piece after another into `out`.
 #[allow(clippy::too_many_arguments)]
-fn own(order: Order, spans: &[Span], starts: &[usize], run: usize, recv: &[u64], rank: usize, world: usize, out: &mut [u64]) -> Result<()> {
-    let (first_word, end_word) = (rank * run, (rank + 1) * run);
-    let (mut sum, mut one) = (Vec::new(), Vec::new());
-    for (s, &start) in spans.iter().zip(starts) {
-        let (a, b) = (start.max(first_word), (start + s.words.len()).min(end_word));
-        if a >= b {
-            continue;
-        }
-        // `a - start` is a whole number of groups, so these words hold codes
-        // `first..last` as a packing of those codes alone would.
-        let per = (64 / s.width) as usize;
-        let first = (a - start) * per;
-        let count = ((b - start) * per).min(s.n) - first;
-        sum.clear();
-        sum.resize(count, 0u32);
-        one.resize(count, 0u32);
+fn own(form: Form, spans: &[Span], pieces: &[Piece], recv: &[u64], run: usize, world: usize, members: usize, wide: u32, out: &mut [u64]) {
+    let (w, d) = (world as u64, members as u64);
+    let mut at = 0;
+    let mut one = Vec::new();
+    for p in pieces {
+        let s = &spans[p.span];
+        let mut total = vec![[0u32; 2]; p.count];
+        one.resize(p.count, 0u64);
         for j in 0..world {
-            let at = j * run + (a - first_word);
-            lanes::unpack_into(&recv[at..at + (b - a)], s.width, &mut one, |v| order.rank(v))?;
-            sum.iter_mut().zip(&one).for_each(|(t, &k)| *t += k);
+            // The piece lies at the same place in every rank's run, in whole
+            // words for its codes (`layout`): unpacking cannot fail.
+            let theirs = &recv[j * run + p.in_run.start..j * run + p.in_run.end];
+            let _ = lanes::unpack_into(theirs, s.width, &mut one, |v| v);
+            for (t, &lane) in total.iter_mut().zip(&one) {
+                for (c, sum) in t.iter_mut().enumerate().take(form.components()) {
+                    *sum += form.component(lane, c);
+                }
+            }
         }
         let seed = noise::stream_seed(ROUNDING, s.step, s.key_hash, u64::MAX - 1);
-        let w = world as u64;
-        let rounded: Vec<u64> = sum
+        let scaled: Vec<u64> = total
             .iter()
             .enumerate()
-            .map(|(i, &total)| {
-                let i = (first + i) as u64;
-                // a uniform draw in 0..world (bias below world / 2^32)
-                let x = (noise::bits(noise::Keys::new(seed, i >> 32), i as u32) as u64 * w) >> 32;
-                let (q, r) = (total as u64 / w, total as u64 % w);
-                order.lane((q + (x < r) as u64).min(order.top() as u64) as u32)
+            .map(|(i, t)| {
+                let mut sums = [0u64; 2];
+                for (c, sum) in sums.iter_mut().enumerate().take(form.components()) {
+                    let i = (form.components() * (p.first + i) + c) as u64;
+                    let (q, r) = ((t[c] as u64 * d) / w, (t[c] as u64 * d) % w);
+                    // a uniform draw in 0..world (bias below world / 2^32)
+                    let x = (noise::bits(noise::Keys::new(seed, i >> 32), i as u32) as u64 * w) >> 32;
+                    *sum = q + (x < r) as u64;
+                }
+                form.lane(sums, members)
             })
             .collect();
-        lanes::pack_slice_into_words(&rounded, s.width, |v| v, &mut out[a - first_word..b - first_word]);
+        let len = lanes::words_for(p.count, wide);
+        lanes::pack_slice_into_words(&scaled, wide, |v| v, &mut out[at..at + len]);
+        at += len;
     }
-    Ok(())
 }
