@@ -15,11 +15,13 @@ Each hook trains the same model from the same weights on the same shards:
           of random data: ms per step over 10 steps after 3 of warm-up.
 Within a round every hook trains side by side, step by step (each hook's
 step i right after the previous hook's step i), so the machine's drift
-falls on every hook alike. Bytes are counted by wrapping torch.distributed.all_reduce, the one call
-every hook here (torch's and gradpack's) hands its tensors to, apart from
+falls on every hook alike. Bytes are counted by wrapping the calls every
+hook here (torch's and gradpack's) hands its tensors to: all_reduce, the
+owners exchange's all_to_all_single and all_gather_into_tensor, apart from
 the hierarchical exchange's reduce-scatter and all-gather inside a node
 (--per-node: 2 nodes of that many ranks, LOCAL_WORLD_SIZE set as torchrun
-sets it; the flat rows pass local_size=1). torch's
+sets it; the flat rows pass local_size=1; the 'gradpack owners' rows run
+every integer scheme flat over the 2N ranks with exchange='owners'). torch's
 powerSGD_hook runs with a single bucket (it aborts on gloo with more);
 --torch-powersgd-buckets shows that failure.
 """
@@ -59,6 +61,9 @@ HOOKS = [
 # hierarchical exchange (the rows above then run the flat one, local_size=1).
 HIERARCHICAL = [("gradpack hier " + label[len("gradpack "):], kind, dict(spec, local_size="node"))
                 for label, kind, spec in HOOKS if kind == "gradpack"]
+# ...and every integer scheme flat through the owners exchange (exchange='owners').
+OWNERS = [("gradpack owners " + label[len("gradpack "):], kind, dict(spec, exchange="owners"))
+          for label, kind, spec in HOOKS if kind == "gradpack" and spec["compress"] not in ("none", "powersgd")]
 
 
 def rank_main(args):
@@ -81,6 +86,7 @@ def rank_main(args):
     sent, inside = [0], [0]
     real_all_reduce = dist.all_reduce
     real_reduce_scatter, real_all_gather = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
+    real_all_to_all = dist.all_to_all_single
 
     def counting_all_reduce(tensor, *a, **kw):
         sent[0] += tensor.numel() * tensor.element_size()
@@ -91,11 +97,18 @@ def rank_main(args):
         return real_reduce_scatter(output, input, *a, **kw)
 
     def counting_all_gather(output, input, *a, **kw):
-        inside[0] += input.numel() * input.element_size()
+        # inside a node (the hierarchical exchange's group), or across the
+        # world (the owners exchange, on the default group)
+        (sent if kw.get("group") is None else inside)[0] += input.numel() * input.element_size()
         return real_all_gather(output, input, *a, **kw)
+
+    def counting_all_to_all(output, input, *a, **kw):
+        sent[0] += input.numel() * input.element_size()
+        return real_all_to_all(output, input, *a, **kw)
 
     dist.all_reduce = counting_all_reduce
     dist.reduce_scatter_tensor, dist.all_gather_into_tensor = counting_reduce_scatter, counting_all_gather
+    dist.all_to_all_single = counting_all_to_all
 
     def big_model():
         torch.manual_seed(0)
@@ -108,7 +121,7 @@ def rank_main(args):
             if params.get("k") == "quarter":
                 params["k"] = n_largest // 4
             local = args.per_node if params.pop("local_size", None) == "node" else 1
-            state = gpt.State(params, local_size=local)
+            state = gpt.State(params, local_size=local, exchange=params.pop("exchange", "lanes"))
             ddp.register_comm_hook(state, gpt.hook)
             return state
         if spec == "allreduce":
@@ -125,7 +138,7 @@ def rank_main(args):
 
     data = torch_ddp.digits()
     results = {}
-    hooks = HOOKS + (HIERARCHICAL if args.per_node > 1 else [])
+    hooks = HOOKS + (HIERARCHICAL + OWNERS if args.per_node > 1 else [])
     chosen = [h for h in hooks if not args.only or any(o in h[0] for o in args.only)]
 
     def start(label, kind, spec):

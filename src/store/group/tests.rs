@@ -329,25 +329,31 @@ fn a_settled_job_agrees_no_more_and_a_rank_that_departs_from_the_plan_fails_ever
         assert_eq!(groups[2].stats().agreements, settled, "{c:?}");
         let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
         // Rank 1 pushes another bucket where the plan has (a, b): every rank fails alike.
-        let (g, threads) = (grads(3, 24, 9), Threads::new(3));
-        let errors: Vec<String> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..3)
-                .map(|r| {
-                    let (groups, g, threads) = (&groups, &g, &threads);
-                    s.spawn(move || {
-                        let layout: &[(&str, Vec<usize>)] = if r == 1 { &[("a", vec![5, 4]), ("b", vec![4])] } else { &[("a", vec![4, 5]), ("b", vec![4])] };
-                        one(threads, &groups[r], r, layout, &g[r])
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap().unwrap_err().to_string()).collect()
-        });
+        let errors = rank_one_departs(&groups);
         assert!(errors.iter().all(|e| *e == errors[0]), "{c:?}: {errors:?}");
         assert!(errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {}", errors[0]);
         assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
         // The job goes on: the next steps stand in once and settle again.
         two_buckets(&groups, 10, 3);
     }
+}
+
+/// Three ranks push bucket (a, b), rank 1 with another shape of `a`
+/// where every rank's plan has (a, b): each rank's error.
+fn rank_one_departs(groups: &[Group]) -> Vec<String> {
+    let (g, threads) = (grads(3, 24, 9), Threads::new(3));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                let (g, threads) = (&g, &threads);
+                s.spawn(move || {
+                    let layout: &[(&str, Vec<usize>)] = if r == 1 { &[("a", vec![5, 4]), ("b", vec![4])] } else { &[("a", vec![4, 5]), ("b", vec![4])] };
+                    one(threads, &groups[r], r, layout, &g[r])
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap().unwrap_err().to_string()).collect()
+    })
 }
 
 /// One rank's push of one bucket, reducing through `threads`.
@@ -547,20 +553,8 @@ fn under_the_owners_exchange_a_fault_or_a_departure_fails_every_rank_alike_and_c
         assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's") && errors[0].contains("key 'c'"), "{c:?}: {errors:?}");
         assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
         two_buckets(&groups, 6, 2); // the job goes on
-        let (g, threads) = (grads(3, 24, 9), Threads::new(3));
         let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
-        let errors: Vec<String> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..3)
-                .map(|r| {
-                    let (groups, g, threads) = (&groups, &g, &threads);
-                    s.spawn(move || {
-                        let layout: &[(&str, Vec<usize>)] = if r == 1 { &[("a", vec![5, 4]), ("b", vec![4])] } else { &[("a", vec![4, 5]), ("b", vec![4])] };
-                        one(threads, &groups[r], r, layout, &g[r])
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap().unwrap_err().to_string()).collect()
-        });
+        let errors = rank_one_departs(&groups);
         assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
         assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
         two_buckets(&groups, 10, 3); // and goes on again
