@@ -340,6 +340,8 @@ def test_the_hierarchical_exchange_matches_its_parts_and_fails_alike(world, tmp_
             s = facts["stats"]
             assert s["hierarchical"] and s["local_size"] == 2 and s["bytes_within_node"] > 0, s
         assert h["nan unchanged"], h
+        assert h["owners across nodes"] == 0.0 and h["stats owners"]["exchange"] == "owners", h["stats owners"]
+        assert h["stats owners"]["hierarchical"] and h["stats lanes"]["exchange"] == "lanes", h["stats lanes"]
         assert "layout" not in h["load flat"] and "saved by the hierarchical exchange over %d nodes of 2 ranks; this State runs the flat exchange over %d ranks" % (world // 2, world) in h["load flat"], h
         assert "local_size %d does not divide the world of %d ranks" % (world - 1, world) in h["not dividing"], h
         assert "needs the default process group" in h["subgroup"], h

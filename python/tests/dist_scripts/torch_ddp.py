@@ -551,6 +551,14 @@ def scenario_hierarchical():
         facts["replicas_identical"] = identical_everywhere(whole)
         facts["resume_diff"] = float((whole - resumed).abs().max())
         out[name] = facts
+    # The owners exchange across the nodes: the lanes' bits (up to 8 nodes).
+    x = torch.randn(9, 43, generator=torch.Generator().manual_seed(RANK))
+    got = {}
+    for exchange in ("lanes", "owners"):
+        st = gpt.State({"compress": "2bit", "threshold": 0.05}, min_compression_rate=0, local_size=LOCAL, exchange=exchange)
+        got[exchange] = gpt.allreduce_(x.clone(), st, key="o")
+        out["stats " + exchange] = st.stats()
+    out["owners across nodes"] = float((got["lanes"] - got["owners"]).abs().max())
     # A NaN on the last rank at the second step: the same error everywhere, nothing changed.
     out["nan"], out["nan unchanged"], state = nan_on_last_rank({"compress": "2bit", "threshold": 0.05}, {"local_size": LOCAL})
     saved = state.state_dict()
