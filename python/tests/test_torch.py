@@ -3,49 +3,19 @@ ranks (separate processes started as torchrun starts them), against
 allreduce_ on the same gradients and against the 'device' store with one
 device per rank; DDP's options; start_iter and min_compression_rate;
 checkpoints; faults. The ranks are dist_scripts/torch_ddp.py."""
-import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from torch_ranks import free_port, ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMES = ["none", "2bit", "qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts", "powersgd", "1bit"]
 # Float32 sums (no compression, PowerSGD's factors) are gloo's: with 3 ranks
 # their rounding depends on where a tensor sits in the buffer summed.
 FLOAT_SUMMED = ("none", "powersgd")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ranks(world, scenarios, tmp_path, timeout=240, expect_exit=None, **env):
-    """Starts `world` ranks with torchrun's variables; returns each rank's
-    report (None for a rank that wrote none)."""
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                GRADPACK_TEST_OUT=str(tmp_path), **env)
-    script = os.path.join(HERE, "dist_scripts", "torch_ddp.py")
-    procs = [subprocess.Popen([sys.executable, script] + scenarios, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, (r, out[-4000:])
-    reports = []
-    for r in range(world):
-        path = tmp_path / ("rank%d.json" % r)
-        reports.append(json.loads(path.read_text()) if path.exists() else None)
-    return reports
 
 
 @pytest.fixture(scope="module", params=[2, 3])

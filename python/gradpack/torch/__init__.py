@@ -28,7 +28,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .base import LIB, Error, NativeHandle, check_call
+from ..base import LIB, Error, NativeHandle, check_call
 
 __all__ = ["State", "hook", "allreduce_"]
 

@@ -1,0 +1,194 @@
+"""A rank of test_torch_fsdp.py, started as torchrun starts one: a small
+CNN under FSDP2's fully_shard (one unit per layer and the root) with
+gradpack.torch.fsdp.compress, against gradpack.torch.allreduce_ of the
+same gradients under the same keys (each rank's shard must be the
+matching rows, bit for bit). Runs the scenarios named in argv and writes
+rank<r>.json with what it saw."""
+import copy
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import gradpack
+import gradpack.torch as gpt
+import gradpack.torch.fsdp as gpf
+
+SCHEMES = [
+    {"compress": "none"},
+    {"compress": "2bit", "threshold": 0.05},
+    {"compress": "qsgd_mn", "bits": 2, "seed": 4},
+    {"compress": "qsgd_mn_ts", "bits": [2, 6]},
+    {"compress": "qsgd_mn_ms", "bits": [1, 3, 8]},
+    {"compress": "grandk_mn", "bits": 4, "k": 40},
+    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 60},
+    {"compress": "powersgd", "rank": 2},
+    {"compress": "1bit", "threshold": 0.01},
+]
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.fc1 = torch.nn.Linear(4 * 6 * 6, 33)  # 33 rows: padded shards at 2 and 4 ranks
+        self.fc2 = torch.nn.Linear(33, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def loss_of(model, step, rank):
+    x, y = batch(step, rank)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def sharded(params, reduce_dtype=None):
+    """The model under fully_shard (a unit per layer, then the root), a
+    plain copy from the same weights, and gradpack's state."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    kw = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype else {}
+    for layer in (model.conv, model.fc1, model.fc2):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model, ref, gpf.compress(model, params, min_compression_rate=0)
+
+
+def slice_diff(model, ref, mirror, reduce_dtype=None):
+    """The largest difference between each rank's gradient shard and its
+    rows of allreduce_ of the plain copy's gradient under the same key."""
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = q.grad.clone() if reduce_dtype is None else q.grad.to(reduce_dtype)
+        full = gpt.allreduce_(grad, mirror, key=name).float()
+        rows = -(-full.shape[0] // WORLD)
+        mine, local = full[RANK * rows:(RANK + 1) * rows], p.grad.to_local()
+        if local.numel():
+            worst = max(worst, float((local - mine).abs().max()))
+    return worst
+
+
+def gathered(model):
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def identical_everywhere(t):
+    everyone = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(everyone, t)
+    return all(torch.equal(everyone[0], x) for x in everyone)
+
+
+def train(model, ref, state, mirror, steps, first=0, accumulate=1, reduce_dtype=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(first, first + steps):
+        for micro in range(accumulate):
+            model.set_requires_gradient_sync(micro == accumulate - 1)
+            loss_of(model, step * accumulate + micro, RANK).backward()
+            loss_of(ref, step * accumulate + micro, RANK).backward()
+        worst = max(worst, slice_diff(model, ref, mirror, reduce_dtype))
+        opt.step()
+        opt.zero_grad()
+        # The plain copy takes the step the shards took.
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.copy_(p.full_tensor())
+        ref_opt.zero_grad()
+    return worst
+
+
+def scenario_schemes():
+    out = {}
+    for params in SCHEMES:
+        model, ref, state = sharded(params)
+        mirror = gpt.State(params, min_compression_rate=0)
+        worst = train(model, ref, state, mirror, 3)
+        out[params["compress"]] = {"max_diff_vs_allreduce": worst, "identical": identical_everywhere(gathered(model)),
+                                   "stats": state.stats()}
+    return out
+
+
+def scenario_options():
+    out = {}
+    for params in (SCHEMES[1], SCHEMES[3]):
+        name = params["compress"]
+        # bfloat16 reduce_dtype: the gradients widened exactly, the shard rounded back.
+        model, ref, state = sharded(params, torch.bfloat16)
+        mirror = gpt.State(params, min_compression_rate=0)
+        out[name + " bf16"] = train(model, ref, state, mirror, 2, reduce_dtype=torch.bfloat16)
+        # Accumulation: no reduce-scatter until the last micro-batch.
+        model, ref, state = sharded(params)
+        mirror = gpt.State(params, min_compression_rate=0)
+        out[name + " accumulate"] = train(model, ref, state, mirror, 2, accumulate=3)
+        out[name + " accumulate steps"] = state.stats()["steps"]
+        # Resume: the state saved after 2 steps continues bit for bit.
+        model, ref, state = sharded(params)
+        mirror = gpt.State(params, min_compression_rate=0)
+        train(model, ref, state, mirror, 2)
+        saved = copy.deepcopy(state.state_dict()), copy.deepcopy(mirror.state_dict())
+        weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        train(model, ref, state, mirror, 2, first=2)
+        whole = gathered(model)
+        model2, ref2, state2 = sharded(params)
+        with torch.no_grad():
+            for k, v in model2.state_dict().items():
+                v.copy_(torch.distributed.tensor.distribute_tensor(weights[k], v.device_mesh, v.placements))
+            for q, w in zip(ref2.parameters(), weights.values()):
+                q.copy_(w)
+        state2.load_state_dict(saved[0])
+        mirror2 = gpt.State(params, min_compression_rate=0)
+        mirror2.load_state_dict(saved[1])
+        train(model2, ref2, state2, mirror2, 2, first=2)
+        out[name + " resume"] = float((whole - gathered(model2)).abs().max())
+    # A NaN on the last rank: the same error everywhere, nothing changed.
+    model, ref, state = sharded(SCHEMES[1])
+    loss_of(model, 0, RANK).backward()
+    before = state.state_dict()["gradpack"]["states"]
+    for p in model.parameters():
+        p.grad = None
+    loss = loss_of(model, 1, RANK)
+    if RANK == WORLD - 1:
+        loss = loss * float("nan")
+    out["nan"] = error_of(lambda: loss.backward())
+    out["nan unchanged"] = state.state_dict()["gradpack"]["states"] == before
+    # Refusals.
+    out["not fsdp"] = error_of(lambda: gpf.compress(Net(), SCHEMES[1]))
+    out["load other"] = error_of(lambda: sharded(SCHEMES[3])[2].load_state_dict(sharded(SCHEMES[1])[2].state_dict()))
+    out["load ddp"] = error_of(lambda: sharded(SCHEMES[1])[2].load_state_dict(gpt.State(SCHEMES[1]).state_dict()))
+    return out
+
+
+def error_of(fn):
+    try:
+        fn()
+    except gradpack.Error as e:
+        return "gradpack.Error: " + str(e)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return "%s: %s" % (type(e).__name__, e)
+    return None
+
+
+report = {"rank": RANK, "world": WORLD}
+for name in sys.argv[1:]:
+    report[name] = globals()["scenario_" + name]()
+with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % RANK), "w") as f:
+    json.dump(report, f)
+sys.stdout.flush()
+dist.barrier()
+dist.destroy_process_group()

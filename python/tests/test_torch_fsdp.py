@@ -1,0 +1,57 @@
+"""gradpack.torch.fsdp: every scheme in FSDP2's reduce-scatter on real
+gloo ranks (separate processes started as torchrun starts them), a small
+CNN with one FSDP unit per layer and the root; each rank's gradient shard
+against its rows of gradpack.torch.allreduce_ on the same gradients under
+the same keys; bf16 reduce_dtype, accumulation, resume, a NaN on one rank,
+refusals. The ranks are dist_scripts/torch_fsdp.py."""
+import pytest
+
+from torch_ranks import ranks
+
+SCHEMES = ["none", "2bit", "qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts", "powersgd", "1bit"]
+# Float32 sums (no compression, PowerSGD's factors) are gloo's: beyond 2
+# ranks their rounding depends on where a tensor sits in the buffer summed.
+FLOAT_SUMMED = ("none", "powersgd")
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def schemes_run(request, tmp_path_factory):
+    world = request.param
+    return world, ranks(world, ["schemes"], tmp_path_factory.mktemp("fsdp%d" % world), timeout=600,
+                        script="torch_fsdp.py")
+
+
+def test_every_scheme_gives_each_rank_its_rows_of_allreduce(schemes_run):
+    world, reports = schemes_run
+    for rep in reports:
+        assert sorted(rep["schemes"]) == sorted(SCHEMES)
+        for name, s in rep["schemes"].items():
+            assert s["identical"], (world, name)
+            limit = 0.0 if world == 2 or name not in FLOAT_SUMMED else 1e-6
+            assert s["max_diff_vs_allreduce"] <= limit, (world, name, s)
+            st = s["stats"]
+            # Three FSDP units with parameters (conv, fc1, fc2; the root holds none), 3 steps.
+            assert st["steps"] == 9, (name, st)
+            if name == "none":
+                assert st["compressed_steps"] == 0, st
+            else:
+                assert st["compressed_steps"] == 9 and st["bytes_sent"] * 2 < st["bytes_uncompressed"], (name, st)
+
+
+def test_options_resume_faults_and_refusals(tmp_path):
+    reports = ranks(2, ["options"], tmp_path, timeout=600, script="torch_fsdp.py")
+    errors = set()
+    for rep in reports:
+        o = rep["options"]
+        for name in ("2bit", "qsgd_mn_ts"):
+            assert o[name + " bf16"] == 0.0, (name, o)
+            assert o[name + " accumulate"] == 0.0, (name, o)
+            assert o[name + " accumulate steps"] == 2 * 3, (name, o)
+            assert o[name + " resume"] == 0.0, (name, o)
+        assert o["nan"] and o["nan"].startswith("gradpack.Error") and "NaN" in o["nan"], o["nan"]
+        errors.add(o["nan"])
+        assert o["nan unchanged"] is True
+        assert "holds no fully_shard module" in o["not fsdp"], o["not fsdp"]
+        assert o["load other"].startswith("gradpack.Error"), o["load other"]
+        assert "not a gradpack.torch.fsdp state_dict" in o["load ddp"], o["load ddp"]
+    assert len(errors) == 1, errors
