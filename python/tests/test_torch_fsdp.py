@@ -30,6 +30,7 @@ def test_every_scheme_gives_each_rank_its_rows_of_allreduce(schemes_run):
             limit = 0.0 if world == 2 or name not in FLOAT_SUMMED else 1e-6
             assert s["max_diff_vs_allreduce"] <= limit, (world, name, s)
             st = s["stats"]
+            assert st["exchange"] == "scatter", st
             # Three FSDP units with parameters (conv, fc1, fc2; the root holds none), 3 steps.
             assert st["steps"] == 9, (name, st)
             if name == "none":

@@ -218,7 +218,10 @@ class State(NativeHandle):
                 "load_state_dict()")
 
     def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0, local_size=None,
-                 exchange="lanes"):
+                 exchange="lanes", *, _fsdp=False):
+        if exchange == "scatter" and not _fsdp:
+            raise Error("exchange='scatter' is gradpack.torch.fsdp's reduce-scatter (each rank decodes only its own "
+                        "rows); DDP's hook and allreduce_ take 'lanes', 'owners' or 'auto'")
         if not isinstance(compress_params, dict):
             raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
         if not dist.is_available() or not dist.is_initialized():
@@ -242,6 +245,7 @@ class State(NativeHandle):
             self._intra, self._comm = intra[node], inter[local]
             inner_rank, inner_world = node, nodes
         self._comm_rank = inner_rank
+        self._scatter = exchange == "scatter"
         keys = [_c_text(k, "compress_params key") for k in compress_params]
         vals = [_c_text(v, "compress_params value") for v in compress_params.values()]
         handle = _p()
@@ -375,7 +379,7 @@ class State(NativeHandle):
         out = (_u64 * 6)()
         check_call(LIB.gp_group_stats(self._handle, out))
         return {"bytes_sent": out[0], "bytes_uncompressed": out[1], "steps": out[2],
-                "compressed_steps": out[3], "agreements": out[4], "exchange": "owners" if out[5] else "lanes",
+                "compressed_steps": out[3], "agreements": out[4], "exchange": "scatter" if self._scatter else "owners" if out[5] else "lanes",
                 "hierarchical": self.local_size > 1, "local_size": self.local_size,
                 "bytes_within_node": self._intra_bytes}
 

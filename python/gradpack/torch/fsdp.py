@@ -156,7 +156,7 @@ def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0):
                     "1-d fully_shard (not HSDP)" % sorted(mesh))
     pg = groups[0][1].mesh_info.mesh.get_group()
     state = State(compress_params, process_group=pg, start_iter=start_iter,
-                  min_compression_rate=min_compression_rate, local_size=1)
+                  min_compression_rate=min_compression_rate, local_size=1, exchange="scatter", _fsdp=True)
     names = {id(p): n for n, p in model.named_parameters()}
     for m, g in groups:
         m.set_custom_reduce_scatter(_ReduceScatter(state, g.fsdp_params, names))

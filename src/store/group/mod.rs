@@ -35,6 +35,7 @@
 mod batch;
 mod check;
 mod owners;
+mod scatter;
 #[cfg(test)]
 mod tests;
 
@@ -108,6 +109,9 @@ struct Plan {
     layout: u64,
     shapes: Vec<Vec<usize>>,
     steps: Vec<u64>,
+    /// The keys' stable hashes (a random-K selection's pieces under the
+    /// reduce-scatter follow them).
+    keys: Vec<u64>,
 }
 
 /// What every rank knows alike: the last bucket run and the plan after each.
@@ -146,6 +150,8 @@ pub struct Group {
     wire: Mutex<HashMap<Vec<usize>, u64>>,
     /// Compressed buckets take the owners exchange (`with_exchange`).
     owners: bool,
+    /// Each rank decodes only its rows of each tensor (`Exchange::Scatter`).
+    scatter: bool,
 }
 
 /// How one tensor of a pending bucket travels.
@@ -153,9 +159,10 @@ enum Route {
     /// Summed as float32 values: `floats[range]`, or the caller's bucket
     /// itself when the whole bucket is plain.
     Plain(Range<usize>),
-    /// Compressed: the exchanged values, and where its final contribution
-    /// lies (packed words or float32 values).
-    Compressed { exchanged: Vec<scheme::Part>, last: Final },
+    /// Compressed: the exchanged values, where its final contribution lies
+    /// (packed words or float32 values), and (the reduce-scatter) the
+    /// elements this rank decodes, its rows (`scatter::rows`).
+    Compressed { exchanged: Vec<scheme::Part>, last: Final, rows: Option<Range<usize>> },
 }
 
 enum Final {
@@ -292,7 +299,7 @@ impl Group {
         }
         let fingerprint = crate::hash::fingerprint(&format!("{compression:?}"));
         let settings = crate::hash::fingerprint(&format!("{world} {start_iter} {min_rate}"));
-        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), wire: Mutex::default(), owners: false })
+        Ok(Group { compression, fingerprint, settings, rank, world, start_iter, min_rate, keys: Arc::default(), plans: Mutex::default(), wire: Mutex::default(), owners: false, scatter: false })
     }
 
     /// The group with its compressed buckets sent as `exchange` says
@@ -300,7 +307,8 @@ impl Group {
     /// are compared at the first bucket).
     pub fn with_exchange(mut self, exchange: Exchange) -> Result<Group> {
         self.owners = exchange.choose(&self.compression, self.world)?;
-        self.settings = crate::hash::fingerprint(&format!("{} {} {} {}", self.world, self.start_iter, self.min_rate, self.owners));
+        self.scatter = exchange == Exchange::Scatter;
+        self.settings = crate::hash::fingerprint(&format!("{} {} {} {} {}", self.world, self.start_iter, self.min_rate, self.owners, self.scatter));
         self.wire = Mutex::default();
         lock(&self.keys).stats.owners = self.owners;
         Ok(self)
@@ -317,7 +325,7 @@ impl Group {
     /// A collective over `engine` whose final lanes hold this group's sums.
     fn lanes<'e>(&self, engine: &'e mut dyn Engine) -> Lanes<&'e mut dyn Engine> {
         let mut coll = Lanes::new(engine, self.world);
-        if self.owners {
+        if self.owners || self.scatter {
             coll.lanes_for = 1;
         }
         coll
@@ -357,6 +365,8 @@ impl Group {
         let mut coll = self.lanes(&mut counting);
         let bytes = match scheme::encode(&self.compression, std::slice::from_mut(&mut state), &[&zeros], &self.ctx(0, shape, 0), &mut coll) {
             // (the owners exchange: the codes once and a 1/world share of the sums again)
+            // (the reduce-scatter: every code once, in lanes for one member)
+            Ok((_, scheme::Part::Packed { words, .. })) if self.scatter => coll.sent + 8 * words.len() as u64,
             Ok((_, scheme::Part::Packed { words, n, .. })) if self.owners => coll.sent + 8 * words.len() as u64 + 8 * owners::sums_words(&self.compression, n, self.world).div_ceil(self.world) as u64,
             Ok((_, scheme::Part::Packed { words, .. })) => coll.sent + 8 * words.len() as u64,
             Ok((_, scheme::Part::F32(x))) => coll.sent + collective::f32_bytes(x.len()),
@@ -541,9 +551,9 @@ impl Group {
         let compresses: Vec<bool> = plan.shapes.iter().zip(&plan.steps).map(|(s, &p)| self.compresses(s, p)).collect();
         let mut at = 0;
         let mut jobs = Vec::new();
-        for (((shape, &n), state), &c) in plan.shapes.iter().zip(&sizes).zip(states.iter_mut()).zip(&compresses) {
+        for ((((shape, &n), state), &c), &key) in plan.shapes.iter().zip(&sizes).zip(states.iter_mut()).zip(&compresses).zip(&plan.keys) {
             if c {
-                jobs.push((self.ctx(0, shape, state.step), &zeros[at..at + n], state));
+                jobs.push((self.ctx(key, shape, state.step), &zeros[at..at + n], state));
             }
             at += n;
         }
@@ -556,15 +566,19 @@ impl Group {
             return Ok(Err(check::agree(coll, &mine, self.rank)?));
         }
         let parts: Vec<scheme::Part> = encoded.into_iter().map(|r| r.map(|(_, part)| part)).collect::<Result<_>>()?;
-        let (mut words, mut floats, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut words, mut floats, mut spans, mut scattered) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut parts = parts.into_iter();
         let plain = !compresses.iter().any(|&c| c);
-        for ((&c, &n), &step) in compresses.iter().zip(&sizes).zip(&plan.steps) {
+        for ((((&c, &n), &step), shape), &key) in compresses.iter().zip(&sizes).zip(&plan.steps).zip(&plan.shapes).zip(&plan.keys) {
             match (c, if c { parts.next() } else { None }) {
                 (false, _) if !plain => floats.extend(std::iter::repeat_n(0f32, n)),
                 (false, _) => {}
                 (true, Some(scheme::Part::Packed { words: w, n, width, .. })) => {
-                    spans.push(owners::Span { words: words.len()..words.len() + w.len(), n, width, step, key_hash: 0 });
+                    let at = words.len()..words.len() + w.len();
+                    if self.scatter {
+                        scattered.push(self.scatter_span(at.clone(), n, width, shape, step, key));
+                    }
+                    spans.push(owners::Span { words: at, n, width, step, key_hash: 0 });
                     words.extend_from_slice(&w);
                 }
                 (true, Some(scheme::Part::F32(x))) => floats.extend_from_slice(&x),
@@ -581,6 +595,9 @@ impl Group {
         words.extend_from_slice(&check::tail(&mine, self.rank));
         if self.owned(plain) {
             words = owners::exchange(coll, &self.compression, &spans, &words[..codes], &words[codes..], self.rank)?.words;
+            codes = words.len() - TAIL_WORDS;
+        } else if self.scattered(plain) {
+            words = scatter::exchange(coll, &self.compression, &scattered, &words[..codes], &words[codes..], self.rank)?.words;
             codes = words.len() - TAIL_WORDS;
         } else {
             coll.reduce(ReduceOp::Sum, Buffer::U64(&mut words))?;
@@ -606,6 +623,19 @@ impl Group {
     /// and the group chose it.
     fn owned(&self, plain: bool) -> bool {
         self.owners && !plain
+    }
+
+    /// Whether a bucket's words take the reduce-scatter: something
+    /// compressed to integer codes (PowerSGD's final part is float32,
+    /// summed whole, its tail among the floats), and the group chose it.
+    fn scattered(&self, plain: bool) -> bool {
+        self.scatter && !plain && !matches!(self.compression, Compression::PowerSgd { .. })
+    }
+
+    /// A tensor's codes in the reduce-scatter: each rank's piece of them.
+    fn scatter_span(&self, words: Range<usize>, n: usize, width: u32, shape: &[usize], step: u64, key_hash: u64) -> scatter::Span {
+        let slices: Vec<Range<usize>> = (0..self.world).map(|r| scatter::rows(shape, self.world, r)).collect();
+        scatter::Span { words, n, width, pieces: scheme::pieces(&self.compression, step, key_hash, &slices) }
     }
 
     fn tail_in_floats(&self, plain: bool, tensors: usize, values: usize) -> bool {
@@ -642,7 +672,7 @@ impl Group {
         }
         let plain = !compresses.iter().any(|&c| c);
         let tail_in_floats = self.tail_in_floats(plain, tensors.len(), tensors.iter().map(|t| t.grad.len()).sum());
-        let (mut words, mut floats, mut routes, mut spans) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()), Vec::new());
+        let (mut words, mut floats, mut routes, mut spans, mut scattered) = (Vec::new(), Vec::new(), Vec::with_capacity(tensors.len()), Vec::new(), Vec::new());
         let mut encoded = encoded.into_iter().map(|r| r.expect("checked above"));
         for ((t, &compress), &step) in tensors.iter().zip(&compresses).zip(steps) {
             if !compress {
@@ -659,6 +689,9 @@ impl Group {
                     let at = words.len();
                     words.extend_from_slice(&w);
                     spans.push(owners::Span { words: at..words.len(), n, width, step, key_hash: t.key.stable_hash() });
+                    if self.scatter {
+                        scattered.push(self.scatter_span(at..words.len(), n, width, &t.shape, step, t.key.stable_hash()));
+                    }
                     Final::Packed { words: at..words.len(), n, lo, hi, width }
                 }
                 scheme::Part::F32(x) => {
@@ -668,7 +701,8 @@ impl Group {
                 }
                 _ => return Err(Error::Internal("a scheme's final contribution is neither packed codes nor float32".into())),
             };
-            routes.push(Route::Compressed { exchanged, last });
+            let rows = self.scatter.then(|| scatter::rows(&t.shape, self.world, self.rank));
+            routes.push(Route::Compressed { exchanged, last, rows });
         }
         let codes = words.len();
         if tail_in_floats {
@@ -676,7 +710,7 @@ impl Group {
         } else {
             words.extend_from_slice(&check::tail(&mine, self.rank));
         }
-        lock(&self.plans).record(&Plan { layout: mine.fields[0], shapes: tensors.iter().map(|t| t.shape.clone()).collect(), steps: steps.to_vec() });
+        lock(&self.plans).record(&Plan { layout: mine.fields[0], shapes: tensors.iter().map(|t| t.shape.clone()).collect(), steps: steps.to_vec(), keys: tensors.iter().map(|t| t.key.stable_hash()).collect() });
         let mut members = self.world;
         if self.owned(plain) {
             let owned = owners::exchange(coll, &self.compression, &spans, &words[..codes], &words[codes..], self.rank)?;
@@ -688,8 +722,27 @@ impl Group {
                 }
             }
             (words, members) = (owned.words, owned.members);
+        } else if self.scattered(plain) {
+            let got = scatter::exchange(coll, &self.compression, &scattered, &words[..codes], &words[codes..], self.rank)?;
+            // The codes now are this rank's pieces, summed, in lanes of their own;
+            // a tensor's scale indices are cut to its piece alike.
+            let mut at = got.spans.into_iter().zip(&scattered);
+            for route in routes.iter_mut() {
+                if let Route::Compressed { exchanged, last: Final::Packed { words: w, n, hi, width, .. }, .. } = route {
+                    let (sum, span) = at.next().ok_or_else(|| Error::Internal("a span missing from the reduce-scatter".into()))?;
+                    let piece = span.pieces[self.rank].clone();
+                    (*w, *width, *hi, *n) = (sum.0, sum.1, sum.2, piece.len());
+                    for part in exchanged.iter_mut() {
+                        if matches!(part, scheme::Part::Levels { .. }) {
+                            *part = part.split(std::slice::from_ref(&piece))?.pop().ok_or_else(|| Error::Internal("a piece of scale indices".into()))?;
+                        }
+                    }
+                }
+            }
+            words = got.words;
         }
-        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, summed: self.owned(plain), members, tail_in_floats, doomed: None })
+        let summed = self.owned(plain) || self.scattered(plain);
+        Ok(Built { routes, words, floats, plain: plain && !tail_in_floats, summed, members, tail_in_floats, doomed: None })
     }
 
     /// Reads a bucket's check once its sums have arrived, changing
@@ -753,7 +806,7 @@ impl Group {
         let mut compressed = false;
         let mut result = Ok(());
         for t in pending.tensors.iter_mut() {
-            let out = &mut bucket[t.at.clone()];
+            let mut out = &mut bucket[t.at.clone()];
             let mut mean = false;
             match &mut t.route {
                 Route::Plain(r) => {
@@ -762,7 +815,7 @@ impl Group {
                     }
                     t.entry.state.step += 1;
                 }
-                Route::Compressed { exchanged, last } => {
+                Route::Compressed { exchanged, last, rows } => {
                     compressed = true;
                     let part = match last {
                         Final::Packed { words: w, n, lo, hi, width } => scheme::Part::Packed { words: words[w.clone()].to_vec(), n: *n, lo: *lo, hi: *hi, count: members as u32, width: *width },
@@ -770,7 +823,12 @@ impl Group {
                     };
                     mean = matches!(last, Final::Packed { .. }) && members != self.world;
                     let ctx = scheme::Ctx { workers: if mean { members } else { self.world }, ..self.ctx(t.key.stable_hash(), &t.entry.shape, t.entry.state.step) };
-                    if let Err(err) = scheme::decode(&self.compression, exchanged, &part, &ctx, out) {
+                    // (the reduce-scatter: this rank's rows alone; the others stay as they were)
+                    let offset = rows.as_ref().map_or(0, |r| r.start);
+                    if let Some(r) = rows {
+                        out = &mut out[r.clone()];
+                    }
+                    if let Err(err) = scheme::decode_slice(&self.compression, exchanged, &part, &ctx, offset, out) {
                         result = Err(err);
                         break;
                     }

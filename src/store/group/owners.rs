@@ -49,6 +49,10 @@ pub enum Exchange {
     /// `Lanes`: below that the lanes' exact sum in one all-reduce costs less
     /// than a second collective and the owners' rounding.
     Auto,
+    /// Each rank ends with its own rows of every tensor only (FSDP2's
+    /// reduce-scatter, `scatter.rs`): `all_to_all` of the codes, summed
+    /// exactly by the rows' owner. Not for a hook, whose ranks need every row.
+    Scatter,
 }
 
 impl Exchange {
@@ -57,7 +61,8 @@ impl Exchange {
             "lanes" => Ok(Exchange::Lanes),
             "owners" => Ok(Exchange::Owners),
             "auto" => Ok(Exchange::Auto),
-            other => Err(Error::InvalidParam { key: "exchange".into(), problem: format!("{other:?}: must be 'lanes', 'owners' or 'auto'") }),
+            "scatter" => Ok(Exchange::Scatter),
+            other => Err(Error::InvalidParam { key: "exchange".into(), problem: format!("{other:?}: must be 'lanes', 'owners' or 'auto' ('scatter': FSDP2's reduce-scatter)") }),
         }
     }
 
@@ -67,7 +72,7 @@ impl Exchange {
     pub fn choose(self, c: &Compression, world: usize) -> Result<bool> {
         let codes = scheme::final_codes(c, 1);
         match (self, codes) {
-            (Exchange::Lanes, _) => Ok(false),
+            (Exchange::Lanes | Exchange::Scatter, _) => Ok(false),
             (Exchange::Owners, Some(_)) => Ok(true),
             (Exchange::Owners, None) => Err(Error::InvalidParam {
                 key: "exchange".into(),
@@ -94,7 +99,7 @@ pub const RESOLUTION: usize = 8;
 /// component (`components`), and a sum of `D` members' components as the
 /// scheme's lanes for `D` members.
 #[derive(Clone, Copy, Debug)]
-enum Form {
+pub(super) enum Form {
     /// Lanes hold `code - lo` (QSGD, 1-bit), at most `top`.
     Linear { top: u32 },
     /// 2-bit: lanes hold `pos + b neg` with `b` one above the members (for
@@ -105,14 +110,14 @@ enum Form {
 }
 
 impl Form {
-    fn of(c: &Compression) -> Option<Form> {
+    pub(super) fn of(c: &Compression) -> Option<Form> {
         match c {
             Compression::TwoBit(_) => Some(Form::TwoBit),
             _ => scheme::final_codes(c, 1).map(|(lo, hi)| Form::Linear { top: (hi - lo) as u32 }),
         }
     }
 
-    fn components(self) -> usize {
+    pub(super) fn components(self) -> usize {
         match self {
             Form::Linear { .. } => 1,
             Form::TwoBit => 2,
@@ -122,7 +127,7 @@ impl Form {
     /// Component `j` of one member's lane; a lane no member sends (a faulty
     /// peer's) counts as the nearest one that a member does, so every rank
     /// still decodes the same codes.
-    fn component(self, lane: u64, j: usize) -> u32 {
+    pub(super) fn component(self, lane: u64, j: usize) -> u32 {
         match self {
             Form::Linear { top } => lane.min(top as u64) as u32,
             Form::TwoBit => (lane == 1 + j as u64) as u32,
@@ -130,7 +135,7 @@ impl Form {
     }
 
     /// The lane of `D` members whose components sum to `sums`.
-    fn lane(self, sums: [u64; 2], members: usize) -> u64 {
+    pub(super) fn lane(self, sums: [u64; 2], members: usize) -> u64 {
         match self {
             Form::Linear { .. } => sums[0],
             Form::TwoBit => sums[0] + (members as u64 + 1) * sums[1],

@@ -568,3 +568,110 @@ fn under_the_owners_exchange_a_fault_or_a_departure_fails_every_rank_alike_and_c
     let errors: Vec<String> = push_all(&mixed, &[("w", vec![20])], &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
     assert!(errors[0] == errors[1] && errors[0].contains("disagree"), "{errors:?}");
 }
+
+/// Tensor `t`'s elements of rank `rank` in a bucket of `shapes`.
+fn rows_in_bucket(shapes: &[(&str, Vec<usize>)], t: usize, world: usize, rank: usize) -> Range<usize> {
+    let at: usize = shapes[..t].iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let r = scatter::rows(&shapes[t].1, world, rank);
+    at + r.start..at + r.end
+}
+
+#[test]
+fn the_reduce_scatter_gives_each_rank_its_rows_of_the_lanes_result_bit_for_bit() {
+    // Rows that do not divide among the ranks, fewer rows than ranks, a
+    // vector, tensors of several lane groups.
+    let shapes = [("a", vec![40, 75]), ("b", vec![7]), ("c", vec![2100]), ("d", vec![3, 4]), ("e", vec![301, 9])];
+    let n: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    for c in [
+        params(&[("compress", "2bit"), ("threshold", "0.25")]),
+        params(&[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "3")]),
+        params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,6]")]),
+        params(&[("compress", "qsgd_mn_ms"), ("bits", "[1,3,5,8]")]),
+        params(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "500")]),
+        params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "900")]),
+        params(&[("compress", "1bit")]),
+        params(&[("compress", "powersgd"), ("rank", "2")]),
+        params(&[("compress", "none")]),
+    ] {
+        for world in [2, 3, 5] {
+            let (lanes, scattered) = (groups_of(c, world, Exchange::Lanes), groups_of(c, world, Exchange::Scatter));
+            for push in 0..3 {
+                let own = grads(world, n, push + 20);
+                let (l, s) = (push_all(&lanes, &shapes, &own), push_all(&scattered, &shapes, &own));
+                let exact = l[0].as_ref().unwrap();
+                for (rank, got) in s.iter().enumerate() {
+                    let got = got.as_ref().unwrap();
+                    for t in 0..shapes.len() {
+                        let r = rows_in_bucket(&shapes, t, world, rank);
+                        assert!(got[r.clone()] == exact[r], "{c:?} world {world} push {push} rank {rank}: tensor {t}'s rows");
+                    }
+                }
+            }
+            // Residuals and PowerSGD's Q are each rank's own, as under lanes.
+            for (a, b) in lanes.iter().zip(&scattered) {
+                assert_eq!(a.save().unwrap(), b.save().unwrap(), "{c:?} world {world}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_reduce_scatter_hands_each_rank_its_codes_once() {
+    let c = params(&[("compress", "2bit"), ("threshold", "0.5")]);
+    let shapes = [("w", vec![100_000]), ("v", vec![3_000])];
+    let mut codes = Vec::new();
+    for world in [2, 4, 8, 16] {
+        let groups = groups_of(c, world, Exchange::Scatter);
+        for step in 0..2 {
+            push_all(&groups, &shapes, &grads(world, 103_000, step));
+        }
+        let first = groups[0].stats().bytes_sent;
+        push_all(&groups, &shapes, &grads(world, 103_000, 2));
+        // 2 bits a value (one rank's lanes: 0, +pos, neg), 32 values a word,
+        // pieces cut at whole groups of 8 words (256 values); the largest
+        // piece to every rank, then the check's 39 words.
+        let words = |values: usize, r: usize| {
+            let block = values.div_ceil(world);
+            let (a, b) = ((r * block).min(values), ((r + 1) * block).min(values));
+            if a == b { 0 } else { lanes::words_for((b.div_ceil(256) * 256).min(values) - a / 256 * 256, 2) }
+        };
+        let piece = (0..world).map(|r| words(100_000, r) + words(3_000, r)).max().unwrap();
+        let sent = groups[0].stats().bytes_sent - first;
+        assert_eq!(sent, 8 * (world * (piece + 39)) as u64, "world {world}");
+        codes.push(8 * world * piece);
+    }
+    // The codes once (103,000 values at 2 bits: 25,750 bytes) and the cut
+    // groups: within 1.25x of the 2-rank bytes at 16 ranks (the checks,
+    // 39 words to each rank, are apart).
+    assert!(codes.iter().all(|&b| b as f64 <= 1.25 * codes[0] as f64) && codes[0] <= 25_750 + 2 * 128, "{codes:?}");
+}
+
+#[test]
+fn under_the_reduce_scatter_a_fault_or_a_departure_fails_every_rank_alike_and_changes_nothing() {
+    for c in [params(&[("compress", "2bit"), ("threshold", "0.25")]), params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "9")]), params(&[("compress", "powersgd"), ("rank", "1")])] {
+        let groups = groups_of(c, 3, Exchange::Scatter);
+        two_buckets(&groups, 0, 3);
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let mut bad = grads(3, 20, 5);
+        bad[2][11] = f32::NAN;
+        // (PowerSGD sums a vector plainly: the NaN comes through as torch's sum carries it.)
+        let key = if matches!(c, Compression::PowerSgd { .. }) { ("m", vec![4, 5]) } else { ("c", vec![20]) };
+        let errors: Vec<String> = push_all(&groups, std::slice::from_ref(&key), &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's") && errors[0].contains(&format!("key '{}'", key.0)), "{c:?}: {errors:?}");
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+        two_buckets(&groups, 6, 2);
+        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+        let errors = rank_one_departs(&groups);
+        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
+        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+        two_buckets(&groups, 10, 3);
+        let settled = groups[0].stats().agreements;
+        two_buckets(&groups, 13, 2);
+        assert_eq!(groups[0].stats().agreements, settled, "{c:?}: settled again");
+    }
+    // A rank that chose the reduce-scatter and one that did not meet at the first bucket.
+    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+    let mixed = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(c, 1, 2, 0, 0.0).unwrap().with_exchange(Exchange::Scatter).unwrap()];
+    let errors: Vec<String> = push_all(&mixed, &[("w", vec![20])], &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert!(errors[0] == errors[1] && errors[0].contains("disagree"), "{errors:?}");
+}
