@@ -41,22 +41,32 @@ class FSDPState:
     `gradpack.torch.State` has them (a `torch.distributed.checkpoint`
     Stateful: save each rank's own)."""
 
-    def __init__(self, state):
-        self._state = state
+    def __init__(self, state, exchange):
+        self._state, self._exchange = state, exchange
 
     def stats(self):
         """As `gradpack.torch.State.stats()`; 'steps' counts reduce-scatters
-        (one per FSDP unit per backward)."""
-        return self._state.stats()
+        (one per FSDP unit per backward); 'exchange' is 'scatter', or 'fsdp'
+        under compress 'none' (FSDP2's own reduce-scatter, nothing counted)."""
+        return dict(self._state.stats(), exchange=self._exchange)
 
     def state_dict(self):
-        return {"format": _FORMAT, "gradpack": self._state.state_dict()}
+        """This rank's states under its own key (``'ranks': {'<rank>': ...}``),
+        so that `torch.distributed.checkpoint`, which keeps one copy of each
+        key it sees on several ranks, keeps every rank's."""
+        return {"format": _FORMAT, "world_size": self._state.world_size,
+                "ranks": {str(self._state.rank): self._state.state_dict()}}
 
     def load_state_dict(self, state_dict):
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise Error("not a gradpack.torch.fsdp state_dict (format %r)" % (
                 state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__,))
-        self._state.load_state_dict(state_dict["gradpack"])
+        ranks = state_dict.get("ranks")
+        mine = ranks.get(str(self._state.rank)) if isinstance(ranks, dict) else None
+        if mine is None:
+            raise Error("this gradpack.torch.fsdp state_dict holds the states of ranks %s, not of rank %d" % (
+                sorted(ranks, key=str) if isinstance(ranks, dict) else [], self._state.rank))
+        self._state.load_state_dict(mine)
 
 
 class _ReduceScatter(ReduceScatter):
@@ -64,6 +74,7 @@ class _ReduceScatter(ReduceScatter):
 
     def __init__(self, state, fsdp_params, names):
         self._state, self._params, self._names = state, fsdp_params, names
+        self._flat = None
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
@@ -102,12 +113,20 @@ class _ReduceScatter(ReduceScatter):
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise Error("gradpack.torch.fsdp: FSDP asked for reduce op %s; gradpack gives AVG and SUM" % (op,))
         by_rank = _as_float32(input_tensor).view(world, -1)
-        # Every parameter's whole gradient (its rows from every rank's chunk, padding cut).
-        flat, at = [], 0
-        for shape, width in zip(shapes, widths):
-            flat.append(by_rank[:, at:at + width].reshape(-1)[:_numel(shape)])
-            at += width
-        flat = torch.cat(flat)
+        # Every parameter's whole gradient: its rows from every rank's chunk,
+        # FSDP's padding cut, copied once into a buffer kept between steps
+        # (a fresh one would fault its pages in again each time).
+        total = sum(_numel(s) for s in shapes)
+        if self._flat is None or self._flat.numel() != total:
+            self._flat = torch.empty(total, dtype=torch.float32)
+        flat, at, col = self._flat, 0, 0
+        for shape, r, width in zip(shapes, rows, widths):
+            per_row = width // r
+            for j in range(world):
+                valid = max(0, min(r, shape[0] - j * r)) * per_row
+                flat[at + j * r * per_row:at + j * r * per_row + valid].copy_(by_rank[j, col:col + valid])
+            at += _numel(shape)
+            col += width
         pending = state._encode(flat, keys, shapes, True)
         try:
             for f in pending.futures:
@@ -116,14 +135,14 @@ class _ReduceScatter(ReduceScatter):
         finally:
             if pending in state._pending:
                 state._pending.remove(pending)
-        if op == dist.ReduceOp.SUM:
-            flat.mul_(world)
-        # This rank's rows of each parameter, zeros where FSDP padded.
+        # This rank's rows of each parameter (world times them under SUM), zeros where FSDP padded.
         out = output_tensor.view(-1)
         at = col = 0
         for shape, r, width in zip(shapes, rows, widths):
             rest = width // r
             mine = flat[at:at + _numel(shape)].view(shape[0], rest)[rank * r:(rank + 1) * r].reshape(-1)
+            if op == dist.ReduceOp.SUM:
+                mine = mine * world
             out[col:col + mine.numel()].copy_(mine)
             out[col + mine.numel():col + width].zero_()
             at += _numel(shape)
@@ -157,7 +176,9 @@ def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0):
     pg = groups[0][1].mesh_info.mesh.get_group()
     state = State(compress_params, process_group=pg, start_iter=start_iter,
                   min_compression_rate=min_compression_rate, local_size=1, exchange="scatter", _fsdp=True)
+    if compress_params.get("compress") == "none":
+        return FSDPState(state, "fsdp")  # FSDP2's own reduce-scatter, untouched
     names = {id(p): n for n, p in model.named_parameters()}
     for m, g in groups:
         m.set_custom_reduce_scatter(_ReduceScatter(state, g.fsdp_params, names))
-    return FSDPState(state)
+    return FSDPState(state, "scatter")

@@ -134,6 +134,24 @@ impl Form {
         }
     }
 
+    /// One member's lane as its components in one `u32`, 16 bits each, so
+    /// that adding them sums each apart (a sum of up to 65,535 members, a
+    /// bound `Group::new` keeps far inside).
+    pub(super) fn counts(self, lane: u64) -> u32 {
+        match self {
+            Form::Linear { .. } => self.component(lane, 0),
+            Form::TwoBit => self.component(lane, 0) | self.component(lane, 1) << 16,
+        }
+    }
+
+    /// The lane of members whose `counts` add up to `t`.
+    pub(super) fn lane_of_counts(self, t: u32, members: usize) -> u64 {
+        match self {
+            Form::Linear { .. } => t as u64,
+            Form::TwoBit => self.lane([(t & 0xffff) as u64, (t >> 16) as u64], members),
+        }
+    }
+
     /// The lane of `D` members whose components sum to `sums`.
     pub(super) fn lane(self, sums: [u64; 2], members: usize) -> u64 {
         match self {

@@ -105,26 +105,23 @@ pub fn exchange(coll: &mut Lanes<&mut dyn Engine>, c: &Compression, spans: &[Spa
     drop(send);
     let mut out = Scattered { words: Vec::new(), spans: Vec::with_capacity(spans.len()) };
     let mut at = 0;
-    let mut one = Vec::new();
+    let (mut total, mut one) = (Vec::new(), Vec::new());
     for s in spans {
         let piece = &s.pieces[rank];
         let (codes, w) = cut(s, piece);
         let skip = if piece.is_empty() { 0 } else { piece.start - codes.start };
-        let mut total = vec![0u32; form.components() * piece.len()];
-        one.resize(codes.len(), 0u64);
+        // Each code's components over the ranks, in one u32 (`counts`).
+        total.clear();
+        total.resize(piece.len(), 0u32);
+        one.resize(codes.len(), 0u32);
         for j in 0..world {
             let theirs = &recv[j * chunk + at..j * chunk + at + w.len()];
-            lanes::unpack_into(theirs, s.width, &mut one, |v| v)?;
-            for (t, &lane) in total.chunks_exact_mut(form.components()).zip(&one[skip..skip + piece.len()]) {
-                for (k, sum) in t.iter_mut().enumerate() {
-                    *sum += form.component(lane, k);
-                }
-            }
+            lanes::unpack_into(theirs, s.width, &mut one, |v| form.counts(v))?;
+            total.iter_mut().zip(&one[skip..skip + piece.len()]).for_each(|(t, &o)| *t += o);
         }
-        let sums: Vec<u64> = total.chunks_exact(form.components()).map(|t| form.lane([t[0] as u64, t.get(1).map_or(0, |&x| x as u64)], world)).collect();
         let start = out.words.len();
-        out.words.resize(start + lanes::words_for(sums.len(), wide), 0);
-        lanes::pack_slice_into_words(&sums, wide, |v| v, &mut out.words[start..]);
+        out.words.resize(start + lanes::words_for(total.len(), wide), 0);
+        lanes::pack_slice_into_words(&total, wide, |t| form.lane_of_counts(t, world), &mut out.words[start..]);
         out.spans.push((start..out.words.len(), wide, hi));
         at += w.len();
     }
