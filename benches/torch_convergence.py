@@ -1,14 +1,15 @@
-"""Every gradpack scheme through the DDP hook, training the digits CNN of
-examples/torch_ddp.py, beside uncompressed training in the same processes:
+"""Every gradpack scheme through the DDP hook (or, with --fsdp, in FSDP2's
+reduce-scatter), training the digits CNN of examples/torch_ddp.py, beside
+uncompressed training in the same processes:
 
-    torchrun --nproc_per_node 4 benches/torch_convergence.py [--epochs E] [--check 1.0]
+    torchrun --nproc_per_node 4 benches/torch_convergence.py [--epochs E] [--check 1.0] [--fsdp]
 
 Plain SGD (no momentum: 2-bit's capped steps and momentum do not mix),
 0.5 per batch of 32 (0.3 for 1bit, whose codes are +-1), and 5 epochs per
 rank, so that every world size takes the same 220 steps. Prints each scheme's test accuracy, its difference from uncompressed
 ('none' through the same hook), bytes sent per step and ms per step. With
 --check P, exits 1 when a scheme ends more than P points below
-uncompressed (the test command runs it at 2 and 4 ranks).
+uncompressed (the test command runs it at 2 and 4 ranks, under DDP and FSDP2).
 """
 import argparse
 import os
@@ -44,6 +45,8 @@ def main():
     parser.add_argument("--only", default=None, help="schemes whose names contain this, beside 'none'")
     parser.add_argument("--exchange", default="lanes", choices=["auto", "lanes", "owners"],
                         help="State(exchange=) for the integer schemes (PowerSGD and 'none' take lanes)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the model under FSDP2's fully_shard, gradpack in its reduce-scatter (gradpack.torch.fsdp)")
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -52,19 +55,21 @@ def main():
     schemes = [(p, lr) for p, lr in SCHEMES if p["compress"] == "none" or args.only is None or args.only in p["compress"]]
     float_final = ("none", "powersgd")
     rows = [(p, torch_ddp.train(p, epochs=epochs, lr=lr, momentum=0.0, data=data, min_compression_rate=1.0,
-                                exchange="lanes" if p["compress"] in float_final else args.exchange))
+                                exchange="lanes" if p["compress"] in float_final else args.exchange, fsdp=args.fsdp))
             for p, lr in schemes]
     failed = []
     if dist.get_rank() == 0:
         base = rows[0][1]["accuracy"]
-        print("digits CNN, %d ranks, %d epochs, %d steps, exchange %s; bytes and ms per step of rank 0" % (
-            dist.get_world_size(), epochs, rows[0][1]["steps"], args.exchange))
+        print("digits CNN, %d ranks, %d epochs, %d steps, %s; bytes and ms per step of rank 0" % (
+            dist.get_world_size(), epochs, rows[0][1]["steps"],
+            "FSDP2 (fully_shard), gradpack in its reduce-scatter" if args.fsdp else "DDP, exchange " + args.exchange))
         print("%-40s %9s %8s %12s %9s" % ("compress_params", "accuracy", "vs none", "bytes/step", "ms/step"))
         for p, r in rows:
             diff = 100 * (r["accuracy"] - base)
-            print("%-40s %8.2f%% %+8.2f %12d %9.2f" % (
+            own = r["stats"].get("exchange") == "fsdp"  # FSDP2's own reduce-scatter: nothing of gradpack's to count
+            print("%-40s %8.2f%% %+8.2f %12s %9.2f" % (
                 ", ".join("%s" % v for v in p.values()), 100 * r["accuracy"], diff,
-                r["stats"]["bytes_sent"] // r["steps"], r["ms_per_step"]))
+                "FSDP's" if own else r["stats"]["bytes_sent"] // r["steps"], r["ms_per_step"]))
             if args.check is not None and diff < -args.check:
                 failed.append(p["compress"])
         if failed:

@@ -53,22 +53,35 @@ def digits():
 
 
 def train(compress_params, epochs=10, batch=32, lr=0.05, momentum=0.9, start_iter=0, min_compression_rate=2.0,
-          data=None, group=None, exchange="lanes"):
+          data=None, group=None, exchange="lanes", fsdp=False):
     """Trains on this rank's shard; returns accuracy, bytes, time per step.
     The loss is summed over the batch and the learning rate given per
     sample (lr / batch), as Gluon's Trainer.step(batch) does: the hook
     sees the summed gradients, the scale 2bit's and 1bit's thresholds and
-    codes (+-1) are on."""
+    codes (+-1) are on. With fsdp, the model is under FSDP2's fully_shard
+    (a unit per layer with parameters, then the root) and gradpack in its
+    reduce-scatter (gradpack.torch.fsdp.compress) instead of DDP."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     xtr, ytr, xte, yte = data or digits()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DigitsCNN()
-    ddp = DDP(model, process_group=group)
     state = None
-    if compress_params is not None:
-        state = gpt.State(compress_params, process_group=group, start_iter=start_iter,
-                          min_compression_rate=min_compression_rate, exchange=exchange)
-        ddp.register_comm_hook(state, gpt.hook)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        import gradpack.torch.fsdp as gpf
+        for layer in model.modules():
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer)
+        ddp = fully_shard(model)
+        if compress_params is not None:
+            state = gpf.compress(model, compress_params, start_iter=start_iter,
+                                 min_compression_rate=min_compression_rate)
+    else:
+        ddp = DDP(model, process_group=group)
+        if compress_params is not None:
+            state = gpt.State(compress_params, process_group=group, start_iter=start_iter,
+                              min_compression_rate=min_compression_rate, exchange=exchange)
+            ddp.register_comm_hook(state, gpt.hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr / batch, momentum=momentum)
     mine = torch.arange(rank, len(ytr), world)
     steps, elapsed = 0, 0.0

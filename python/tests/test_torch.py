@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from torch_ranks import free_port, ranks
+from torch_ranks import free_port, ranks, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMES = ["none", "2bit", "qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts", "powersgd", "1bit"]
@@ -109,13 +109,6 @@ def test_a_dead_rank_ends_the_job_with_torchs_error(tmp_path):
     assert reports[1] is None  # it left after one step
     err = reports[0]["dead_rank"]["error"]
     assert err is not None and err.startswith("RuntimeError") and ("Connection" in err or "timed out" in err.lower()), err
-
-
-def torchrun(world, script, args, timeout=600):
-    root = os.path.dirname(os.path.dirname(HERE))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-           "--master_port", str(free_port()), os.path.join(root, script)] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_example_trains_under_torchrun():

@@ -2,11 +2,12 @@
 gloo ranks (separate processes started as torchrun starts them), a small
 CNN with one FSDP unit per layer and the root; each rank's gradient shard
 against its rows of gradpack.torch.allreduce_ on the same gradients under
-the same keys; bf16 reduce_dtype, accumulation, resume, a NaN on one rank,
-refusals. The ranks are dist_scripts/torch_fsdp.py."""
+the same keys; bf16 reduce_dtype, accumulation, resume (torch.save and
+torch.distributed.checkpoint), a NaN on one rank, refusals; the digits CNN
+under FSDP2 with every scheme within a point of uncompressed. The ranks are dist_scripts/torch_fsdp.py."""
 import pytest
 
-from torch_ranks import ranks
+from torch_ranks import ranks, torchrun
 
 SCHEMES = ["none", "2bit", "qsgd_mn", "qsgd_mn_ts", "qsgd_mn_ms", "grandk_mn", "grandk_mn_ts", "powersgd", "1bit"]
 # Float32 sums (no compression, PowerSGD's factors) are gloo's: beyond 2
@@ -58,3 +59,11 @@ def test_options_resume_faults_and_refusals(tmp_path):
         assert o["load other"].startswith("gradpack.Error"), o["load other"]
         assert "not a gradpack.torch.fsdp state_dict" in o["load ddp"], o["load ddp"]
     assert len(errors) == 1, errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_scheme_trains_within_a_point_of_uncompressed_under_fsdp2(world):
+    out = torchrun(world, "benches/torch_convergence.py", ["--check", "1.0", "--fsdp"])
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    rows = [l for l in out.stdout.splitlines() if "%" in l]
+    assert len(rows) == len(SCHEMES) and "FSDP2" in out.stdout, out.stdout

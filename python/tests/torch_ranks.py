@@ -40,3 +40,12 @@ def ranks(world, scenarios, tmp_path, timeout=240, script="torch_ddp.py", **env)
         report = tmp_path / ("rank%d.json" % r)
         reports.append(json.loads(report.read_text()) if report.exists() else None)
     return reports
+
+
+def torchrun(world, script, args, timeout=600):
+    """Runs `script` (a path from the repository's root) under torchrun
+    with `world` ranks; the finished process."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_port", str(free_port()), os.path.join(root, script)] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
