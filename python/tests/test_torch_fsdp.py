@@ -4,7 +4,9 @@ CNN with one FSDP unit per layer and the root; each rank's gradient shard
 against its rows of gradpack.torch.allreduce_ on the same gradients under
 the same keys; bf16 reduce_dtype, accumulation, resume (torch.save and
 torch.distributed.checkpoint), a NaN on one rank, refusals; the digits CNN
-under FSDP2 with every scheme within a point of uncompressed. The ranks are dist_scripts/torch_fsdp.py."""
+under FSDP2 with every scheme within a point of uncompressed; HSDP (2
+replicas x 2 shards, gradpack across the replicas). The ranks are
+dist_scripts/torch_fsdp.py."""
 import pytest
 
 from torch_ranks import ranks, torchrun
@@ -52,6 +54,7 @@ def test_options_resume_faults_and_refusals(tmp_path):
             assert o[name + " accumulate steps"] == 2 * 3, (name, o)
             assert o[name + " resume"] == 0.0, (name, o)
             assert o[name + " dcp resume"] == 0.0, (name, o)
+        assert o["divide factor 1"] == 0.0, o["divide factor 1"]
         assert o["nan"] and o["nan"].startswith("gradpack.Error") and "NaN" in o["nan"], o["nan"]
         errors.add(o["nan"])
         assert o["nan unchanged"] is True
@@ -67,3 +70,32 @@ def test_every_scheme_trains_within_a_point_of_uncompressed_under_fsdp2(world):
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     rows = [l for l in out.stdout.splitlines() if "%" in l]
     assert len(rows) == len(SCHEMES) and "FSDP2" in out.stdout, out.stdout
+
+
+def test_hsdp_compresses_the_all_reduce_across_replicas(tmp_path):
+    """4 ranks as 2 replicas x 2 shards (FSDP2 over the shard dimension,
+    gradpack across replicas through FSDP2's all-reduce hook)."""
+    reports = ranks(4, ["hsdp"], tmp_path, timeout=600, script="torch_fsdp.py")
+    errors = {}
+    for rep in reports:
+        h = rep["hsdp"]
+        for name in SCHEMES + ["2bit shards too", "qsgd_mn shards too"]:
+            s = h[name]
+            assert s["identical"], (name, s)
+            # The same reduce-scatter, then allreduce_ over the replicas under the block's key.
+            assert s["max_diff_vs_allreduce"] == 0.0, (name, s)
+            st = s["stats"]
+            assert st["replicas"]["steps"] == 9, (name, st)
+            assert st["exchange"] == ("scatter" if name.endswith("shards too") else "fsdp"), (name, st)
+            assert (st["steps"] == 9) == name.endswith("shards too"), (name, st)
+            # (PowerSGD sends a unit whose blocks are too small for rank 2, conv's, plainly.)
+            if name.split()[0] not in ("none", "powersgd"):
+                assert st["replicas"]["compressed_steps"] == 9, (name, st)
+        assert h["resume"] == 0.0, h["resume"]
+        assert "saved without replicas (HSDP); this state runs with them" in h["load flat"], h["load flat"]
+        assert h["nan"].startswith("gradpack.Error") and "non-finite" in h["nan"], h["nan"]
+        assert h["nan unchanged"] is True
+        assert "native HSDP all-reduces across replicas itself" in h["native"], h["native"]
+        # Replicas of a shard (ranks j and j + 2) raise the same error.
+        errors.setdefault(rep["rank"] % 2, set()).add(h["nan"])
+    assert all(len(e) == 1 for e in errors.values()), errors

@@ -1,4 +1,5 @@
-"""gradpack.torch.fsdp: gradpack's schemes in FSDP2's reduce-scatter.
+"""gradpack.torch.fsdp: gradpack's schemes in FSDP2's reduce-scatter, and
+in HSDP's all-reduce across replicas.
 
     from torch.distributed.fsdp import fully_shard
     import gradpack.torch.fsdp as gpf
@@ -9,18 +10,28 @@
 
 `compress` sets a custom reduce-scatter on every FSDP module of the model
 (FSDP2 takes one per module: the root's covers only the root's own
-parameters). Each FSDP unit's reduce-scatter becomes one bucket of the
-flat exchange of `gradpack.torch` over FSDP's shard group: every
-parameter's whole gradient, keyed by its name in the model, through the
-same scheme path as the DDP hook, then this rank's shard of the result.
-So each rank's shard is, bit for bit, the matching rows of what
-`gradpack.torch.allreduce_` gives for that parameter under that key, and
-errors (a NaN on any rank, ranks that differ) are the same
+parameters). Each FSDP unit's reduce-scatter becomes one bucket of a
+`gradpack.torch` State over FSDP's shard group whose exchange is the
+reduce-scatter (`'scatter'`): every parameter's whole gradient, keyed by
+its name in the model, encoded as the DDP hook encodes it; each rank
+receives the codes of its own rows from every rank, sums them exactly
+and decodes only those. So each rank's shard is, bit for bit, its rows
+of what `gradpack.torch.allreduce_` gives for that parameter under that
+key, and errors (a NaN on any rank, ranks that differ) are the same
 `gradpack.Error` on every rank with every residual unchanged.
 
-This version sums every rank's codes in one all-reduce of lanes and keeps
-this rank's rows (the bytes of the DDP hook for the same parameters);
-parameters sharded on dim 0 (FSDP's default), one mesh dimension.
+HSDP (replicas of a sharded model; the link between replicas is the slow
+one in practice): shard each module over the mesh's shard dimension and
+pass the replicas' group,
+
+    fully_shard(layer, mesh=mesh['shard']) ...
+    state = gpf.compress(model, params, replicate_group=mesh['replicate'].get_group())
+
+and gradpack all-reduces each unit's shard across the replicas (FSDP2's
+all-reduce hook), compressed, keyed per row block; the reduce-scatter
+inside a replica stays FSDP2's own unless ``compress_shards=True``.
+FSDP2's native HSDP (a 2-d mesh) all-reduces across replicas itself,
+with no seam to replace it: it is refused, naming this recipe.
 """
 import torch
 import torch.distributed as dist
@@ -39,34 +50,53 @@ class FSDPState:
     """gradpack's state for a model under `fully_shard` (from `compress`):
     ``stats()``, ``state_dict()`` and ``load_state_dict()`` as
     `gradpack.torch.State` has them (a `torch.distributed.checkpoint`
-    Stateful: save each rank's own)."""
+    Stateful: each rank saves its own, under its rank)."""
 
-    def __init__(self, state, exchange):
-        self._state, self._exchange = state, exchange
+    def __init__(self, scatter, replicas, exchange):
+        self._scatter, self._replicas, self._exchange = scatter, replicas, exchange
 
     def stats(self):
-        """As `gradpack.torch.State.stats()`; 'steps' counts reduce-scatters
-        (one per FSDP unit per backward); 'exchange' is 'scatter', or 'fsdp'
-        under compress 'none' (FSDP2's own reduce-scatter, nothing counted)."""
-        return dict(self._state.stats(), exchange=self._exchange)
+        """As `gradpack.torch.State.stats()`, of the reduce-scatter; 'steps'
+        counts reduce-scatters (one per FSDP unit per backward); 'exchange'
+        is 'scatter', or 'fsdp' where FSDP2's own reduce-scatter runs
+        (compress 'none', or HSDP without compress_shards). Under HSDP,
+        'replicas' holds the all-reduce's across replicas."""
+        out = dict(self._scatter.stats(), exchange=self._exchange)
+        if self._replicas is not None:
+            out["replicas"] = self._replicas.stats()
+        return out
 
     def state_dict(self):
-        """This rank's states under its own key (``'ranks': {'<rank>': ...}``),
-        so that `torch.distributed.checkpoint`, which keeps one copy of each
-        key it sees on several ranks, keeps every rank's."""
-        return {"format": _FORMAT, "world_size": self._state.world_size,
-                "ranks": {str(self._state.rank): self._state.state_dict()}}
+        """This rank's states under its global rank (``'ranks': {'<rank>':
+        {'scatter': ..., 'replicas': ...}}``), so that
+        `torch.distributed.checkpoint`, which keeps one copy of each key it
+        sees on several ranks, keeps every rank's."""
+        mine = {"scatter": self._scatter.state_dict(),
+                "replicas": self._replicas.state_dict() if self._replicas is not None else None}
+        return {"format": _FORMAT, "world_size": dist.get_world_size(), "ranks": {str(dist.get_rank()): mine}}
 
     def load_state_dict(self, state_dict):
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise Error("not a gradpack.torch.fsdp state_dict (format %r)" % (
                 state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__,))
-        ranks = state_dict.get("ranks")
-        mine = ranks.get(str(self._state.rank)) if isinstance(ranks, dict) else None
-        if mine is None:
+        ranks, rank = state_dict.get("ranks"), dist.get_rank()
+        mine = ranks.get(str(rank)) if isinstance(ranks, dict) else None
+        if not isinstance(mine, dict):
             raise Error("this gradpack.torch.fsdp state_dict holds the states of ranks %s, not of rank %d" % (
-                sorted(ranks, key=str) if isinstance(ranks, dict) else [], self._state.rank))
-        self._state.load_state_dict(mine)
+                sorted(ranks, key=str) if isinstance(ranks, dict) else [], rank))
+        if (mine.get("replicas") is None) != (self._replicas is None):
+            raise Error("this gradpack.torch.fsdp state_dict was saved %s replicas (HSDP); this state runs %s" % (
+                "without" if mine.get("replicas") is None else "with",
+                "with them" if self._replicas is not None else "without them"))
+        # Each State's load changes nothing when it refuses; the first is put back when the second does.
+        before = self._scatter.state_dict()
+        self._scatter.load_state_dict(mine.get("scatter"))
+        if self._replicas is not None:
+            try:
+                self._replicas.load_state_dict(mine["replicas"])
+            except Exception:
+                self._scatter.load_state_dict(before)
+                raise
 
 
 class _ReduceScatter(ReduceScatter):
@@ -110,8 +140,7 @@ class _ReduceScatter(ReduceScatter):
         if input_tensor.numel() != world * sum(widths) or output_tensor.numel() != sum(widths):
             raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter of %d values into %d does not hold parameters %s "
                         "over %d ranks" % (input_tensor.numel(), output_tensor.numel(), shapes, world))
-        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
-            raise Error("gradpack.torch.fsdp: FSDP asked for reduce op %s; gradpack gives AVG and SUM" % (op,))
+        scale = _scale_of(op, world)
         by_rank = _as_float32(input_tensor).view(world, -1)
         # Every parameter's whole gradient: its rows from every rank's chunk,
         # FSDP's padding cut, copied once into a buffer kept between steps
@@ -135,19 +164,89 @@ class _ReduceScatter(ReduceScatter):
         finally:
             if pending in state._pending:
                 state._pending.remove(pending)
-        # This rank's rows of each parameter (world times them under SUM), zeros where FSDP padded.
+        # This rank's rows of each parameter (the mean times `scale`), zeros where FSDP padded.
         out = output_tensor.view(-1)
         at = col = 0
         for shape, r, width in zip(shapes, rows, widths):
             rest = width // r
             mine = flat[at:at + _numel(shape)].view(shape[0], rest)[rank * r:(rank + 1) * r].reshape(-1)
-            if op == dist.ReduceOp.SUM:
-                mine = mine * world
+            if scale != 1.0:
+                mine = mine * scale
             out[col:col + mine.numel()].copy_(mine)
             out[col + mine.numel():col + width].zero_()
             at += _numel(shape)
             col += width
         return None
+
+
+class _ReplicaAllReduce:
+    """One FSDP unit's all-reduce across replicas (HSDP; FSDP2's all-reduce
+    hook, called with this rank's shard after the reduce-scatter): the
+    shard's rows of each parameter keyed as row block j of S (this rank's
+    shard index j), through a `gradpack.torch` State over the replicas'
+    group; the mean over replicas, in place."""
+
+    def __init__(self, state, fsdp_params, names, shard_rank, shards):
+        self._state, self._params, self._names = state, fsdp_params, names
+        self._shard, self._shards = shard_rank, shards
+        self._flat = None
+
+    def __call__(self, reduce_output):
+        _check_tensor(reduce_output, "FSDP's reduce-scatter output")
+        keys, shapes, at = [], [], []
+        col = 0
+        for fp in self._params:
+            shape = tuple(fp._orig_size)
+            rows = -(-shape[0] // self._shards)
+            valid = max(0, min(rows, shape[0] - self._shard * rows))
+            width = rows * _numel(shape[1:])
+            if valid:
+                key = fp._param_fqn or self._names.get(id(fp.sharded_param))
+                keys.append("%s@%d/%d" % (key, self._shard, self._shards))
+                shapes.append((valid,) + shape[1:])
+                at.append((col, valid * _numel(shape[1:])))
+            col += width
+        if col != reduce_output.numel():
+            raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter output of %d values does not hold parameters %s "
+                        "sharded %d ways" % (reduce_output.numel(), [tuple(fp._orig_size) for fp in self._params],
+                                             self._shards))
+        if not keys:
+            return  # no row of this unit here (nor on the other replicas of this shard)
+        total = sum(n for _, n in at)
+        if self._flat is None or self._flat.numel() != total:
+            self._flat = torch.empty(total, dtype=torch.float32)
+        flat, out, i = self._flat, reduce_output.view(-1), 0
+        for a, n in at:
+            flat[i:i + n].copy_(out[a:a + n])
+            i += n
+        state = self._state
+        pending = state._encode(flat, keys, shapes, True)
+        try:
+            for f in pending.futures:
+                f.wait()
+            pending.decode()  # the mean over replicas; the same error on every rank of the group
+        finally:
+            if pending in state._pending:
+                state._pending.remove(pending)
+        i = 0
+        for a, n in at:
+            out[a:a + n].copy_(flat[i:i + n])
+            i += n
+
+
+def _scale_of(op, world):
+    """What the mean over `world` ranks is multiplied by for FSDP's reduce
+    op: AVG 1, SUM world, PREMUL_SUM(f) world times f (FSDP2's
+    `set_gradient_divide_factor`)."""
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.AVG:
+        return 1.0
+    if kind == dist.ReduceOp.SUM:
+        return float(world)
+    if kind == dist.ReduceOp.PREMUL_SUM and isinstance(getattr(op, "factor", None), float):
+        return world * op.factor
+    raise Error("gradpack.torch.fsdp: FSDP asked for reduce op %s; gradpack gives AVG, SUM and PREMUL_SUM "
+                "with a factor" % (op,))
 
 
 def _numel(shape):
@@ -157,9 +256,14 @@ def _numel(shape):
     return n
 
 
-def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0):
+def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0, replicate_group=None,
+             compress_shards=None):
     """Installs gradpack in the reduce-scatter of every FSDP module of
-    `model` (after `fully_shard`); returns its `FSDPState`."""
+    `model` (after `fully_shard`) and, given the replicas' process group
+    (HSDP, each module sharded over the shard dimension of the mesh), in
+    their all-reduce across replicas; returns its `FSDPState`.
+    ``compress_shards`` (default: True without replicas, False with them)
+    says whether the reduce-scatter inside a replica is gradpack's too."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         raise Error("gradpack.torch.fsdp.compress: %s holds no fully_shard module" % type(model).__name__)
@@ -171,14 +275,34 @@ def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0):
         raise Error("gradpack.torch.fsdp.compress: no FSDP module of %s holds parameters" % type(model).__name__)
     mesh = {g.mesh_info.mesh.ndim for _, g in groups}
     if mesh != {1}:
-        raise Error("gradpack.torch.fsdp.compress: FSDP meshes of %s dimensions; this version compresses "
-                    "1-d fully_shard (not HSDP)" % sorted(mesh))
+        raise Error("gradpack.torch.fsdp.compress: FSDP meshes of %s dimensions: FSDP2's native HSDP all-reduces "
+                    "across replicas itself, with no seam for gradpack; shard over the mesh's shard dimension and "
+                    "pass the replicas' group: fully_shard(m, mesh=mesh['shard']) for each module, then "
+                    "compress(model, params, replicate_group=mesh['replicate'].get_group())" % sorted(mesh))
     pg = groups[0][1].mesh_info.mesh.get_group()
+    if any(g.mesh_info.mesh.get_group() is not pg for _, g in groups):
+        raise Error("gradpack.torch.fsdp.compress: the FSDP modules of %s shard over different process groups"
+                    % type(model).__name__)
+    if compress_shards is None:
+        compress_shards = replicate_group is None
     state = State(compress_params, process_group=pg, start_iter=start_iter,
                   min_compression_rate=min_compression_rate, local_size=1, exchange="scatter", _fsdp=True)
-    if compress_params.get("compress") == "none":
-        return FSDPState(state, "fsdp")  # FSDP2's own reduce-scatter, untouched
+    replicas = None
+    if replicate_group is not None:
+        if not isinstance(replicate_group, dist.ProcessGroup):
+            raise Error("gradpack.torch.fsdp.compress: replicate_group must be a torch.distributed ProcessGroup, got "
+                        "%s" % type(replicate_group).__name__)
+        if dist.get_world_size(replicate_group) * dist.get_world_size(pg) != dist.get_world_size():
+            raise Error("gradpack.torch.fsdp.compress: %d replicas of %d shards are not the world of %d ranks" % (
+                dist.get_world_size(replicate_group), dist.get_world_size(pg), dist.get_world_size()))
+        replicas = State(compress_params, process_group=replicate_group, start_iter=start_iter,
+                         min_compression_rate=min_compression_rate, local_size=1)
     names = {id(p): n for n, p in model.named_parameters()}
+    scatter = compress_shards and compress_params.get("compress") != "none"
     for m, g in groups:
-        m.set_custom_reduce_scatter(_ReduceScatter(state, g.fsdp_params, names))
-    return FSDPState(state, "scatter")
+        if scatter:
+            m.set_custom_reduce_scatter(_ReduceScatter(state, g.fsdp_params, names))
+        if replicas is not None:
+            m.set_all_reduce_hook(_ReplicaAllReduce(replicas, g.fsdp_params, names, dist.get_rank(pg),
+                                                    dist.get_world_size(pg)))
+    return FSDPState(state, replicas, "scatter" if scatter else "fsdp")

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import gradpack
 import gradpack.torch as gpt
@@ -69,13 +69,14 @@ def sharded(params, reduce_dtype=None):
     return model, ref, gpf.compress(model, params, min_compression_rate=0)
 
 
-def slice_diff(model, ref, mirror, reduce_dtype=None):
+def slice_diff(model, ref, mirror, reduce_dtype=None, scale=1.0):
     """The largest difference between each rank's gradient shard and its
-    rows of allreduce_ of the plain copy's gradient under the same key."""
+    rows of allreduce_ of the plain copy's gradient under the same key
+    (times `scale`)."""
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         grad = q.grad.clone() if reduce_dtype is None else q.grad.to(reduce_dtype)
-        full = gpt.allreduce_(grad, mirror, key=name).float()
+        full = gpt.allreduce_(grad, mirror, key=name).float() * scale
         rows = -(-full.shape[0] // WORLD)
         mine, local = full[RANK * rows:(RANK + 1) * rows], p.grad.to_local()
         if local.numel():
@@ -93,7 +94,7 @@ def identical_everywhere(t):
     return all(torch.equal(everyone[0], x) for x in everyone)
 
 
-def train(model, ref, state, mirror, steps, first=0, accumulate=1, reduce_dtype=None):
+def train(model, ref, state, mirror, steps, first=0, accumulate=1, reduce_dtype=None, scale=1.0):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     worst = 0.0
@@ -102,7 +103,7 @@ def train(model, ref, state, mirror, steps, first=0, accumulate=1, reduce_dtype=
             model.set_requires_gradient_sync(micro == accumulate - 1)
             loss_of(model, step * accumulate + micro, RANK).backward()
             loss_of(ref, step * accumulate + micro, RANK).backward()
-        worst = max(worst, slice_diff(model, ref, mirror, reduce_dtype))
+        worst = max(worst, slice_diff(model, ref, mirror, reduce_dtype, scale))
         opt.step()
         opt.zero_grad()
         # The plain copy takes the step the shards took.
@@ -158,17 +159,23 @@ def scenario_options():
         out[name + " resume"] = float((whole - gathered(model2)).abs().max())
         # The same through torch.distributed.checkpoint, gradpack's state a Stateful beside the model's.
         out[name + " dcp resume"] = dcp_resume(params)
+    # set_gradient_divide_factor(1): FSDP asks for PREMUL_SUM(1), the sum over ranks.
+    model, ref, state = sharded(SCHEMES[2])
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    out["divide factor 1"] = train(model, ref, state, gpt.State(SCHEMES[2], min_compression_rate=0), 2, scale=WORLD)
     # A NaN on the last rank: the same error everywhere, nothing changed.
     model, ref, state = sharded(SCHEMES[1])
     loss_of(model, 0, RANK).backward()
-    before = state.state_dict()["ranks"][str(RANK)]["states"]
+    before = state.state_dict()["ranks"][str(RANK)]["scatter"]["states"]
     for p in model.parameters():
         p.grad = None
     loss = loss_of(model, 1, RANK)
     if RANK == WORLD - 1:
         loss = loss * float("nan")
     out["nan"] = error_of(lambda: loss.backward())
-    out["nan unchanged"] = state.state_dict()["ranks"][str(RANK)]["states"] == before
+    out["nan unchanged"] = state.state_dict()["ranks"][str(RANK)]["scatter"]["states"] == before
     # Refusals.
     out["not fsdp"] = error_of(lambda: gpf.compress(Net(), SCHEMES[1]))
     out["load other"] = error_of(lambda: sharded(SCHEMES[3])[2].load_state_dict(sharded(SCHEMES[1])[2].state_dict()))
@@ -209,6 +216,104 @@ def mirror_after_two(params):
     mirror = gpt.State(params, min_compression_rate=0)
     train(model, ref, state, mirror, 2)
     return mirror.state_dict()
+
+
+def scenario_hsdp():
+    """4 ranks as 2 replicas of 2 shards, FSDP2 sharding each module over
+    the shard dimension and gradpack all-reducing across the replicas:
+    each shard against a plain FSDP copy's (the same reduce-scatter)
+    through allreduce_ over the replicas' group under the block's key."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    shard_rank, shards = mesh["shard"].get_local_rank(), mesh["shard"].size()
+    replicas = mesh["replicate"].get_group()
+
+    def build(params, gradpack=True, compress_shards=None):
+        """The model sharded over the shard dimension; gradpack across the
+        replicas (gradpack), or only in the reduce-scatter (compress_shards
+        without gradpack: the reference of compress_shards=True), or not."""
+        torch.manual_seed(0)
+        model = Net()
+        for layer in (model.conv, model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        if gradpack:
+            return model, gpf.compress(model, params, replicate_group=replicas, min_compression_rate=0,
+                                       compress_shards=compress_shards)
+        return model, gpf.compress(model, params, min_compression_rate=0) if compress_shards else None
+
+    def run(model, state, ref, mirror, steps, first=0):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        worst = 0.0
+        for step in range(first, first + steps):
+            loss_of(model, step, RANK).backward()
+            loss_of(ref, step, RANK).backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                mine, theirs = p.grad.to_local(), q.grad.to_local().clone()
+                if theirs.numel():
+                    gpt.allreduce_(theirs, mirror, key="%s@%d/%d" % (name, shard_rank, shards))
+                    worst = max(worst, float((mine - theirs).abs().max()))
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    q.to_local().copy_(p.to_local())
+            ref.zero_grad()
+        return worst
+
+    out = {}
+    for params in SCHEMES:
+        name = params["compress"]
+        model, state = build(params)
+        ref, _ = build(params, gradpack=False)
+        mirror = gpt.State(params, process_group=replicas, min_compression_rate=0)
+        worst = run(model, state, ref, mirror, 3)
+        out[name] = {"max_diff_vs_allreduce": worst, "identical": identical_everywhere(gathered(model)),
+                     "stats": state.stats()}
+    # gradpack in the reduce-scatter inside each replica too.
+    for params in (SCHEMES[1], SCHEMES[2]):
+        model, state = build(params, compress_shards=True)
+        ref, _ = build(params, gradpack=False, compress_shards=True)
+        mirror = gpt.State(params, process_group=replicas, min_compression_rate=0)
+        out[params["compress"] + " shards too"] = {"max_diff_vs_allreduce": run(model, state, ref, mirror, 3),
+                                                   "identical": identical_everywhere(gathered(model)),
+                                                   "stats": state.stats()}
+    # Resume: a state saved after 2 steps continues bit for bit.
+    params = SCHEMES[2]
+    model, state = build(params)
+    ref, _ = build(params, gradpack=False)
+    mirror = gpt.State(params, process_group=replicas, min_compression_rate=0)
+    run(model, state, ref, mirror, 2)
+    saved = copy.deepcopy(state.state_dict())
+    weights = [p.to_local().clone() for p in model.parameters()]
+    run(model, state, ref, mirror, 2, first=2)
+    whole = gathered(model)
+    model2, state2 = build(params)
+    with torch.no_grad():
+        for p, w in zip(model2.parameters(), weights):
+            p.to_local().copy_(w)
+    state2.load_state_dict(saved)
+    ref2, _ = build(params, gradpack=False)
+    with torch.no_grad():
+        for q, w in zip(ref2.parameters(), weights):
+            q.to_local().copy_(w)
+    mirror2 = gpt.State(params, process_group=replicas, min_compression_rate=0)
+    run(model2, state2, ref2, mirror2, 2, first=2)
+    out["resume"] = float((whole - gathered(model2)).abs().max())
+    # A 1-d state refused; a NaN on the last rank: an error on every rank, states unchanged.
+    out["load flat"] = error_of(lambda: state2.load_state_dict(sharded(SCHEMES[2])[2].state_dict()))
+    before = state2.state_dict()
+    loss = loss_of(model2, 9, RANK)
+    if RANK == WORLD - 1:
+        loss = loss * float("nan")
+    out["nan"] = error_of(lambda: loss.backward())
+    out["nan unchanged"] = state2.state_dict() == before
+    # FSDP2's native HSDP (a 2-d mesh) refused, naming the recipe.
+    torch.manual_seed(0)
+    native = Net()
+    fully_shard(native, mesh=mesh)
+    out["native"] = error_of(lambda: gpf.compress(native, SCHEMES[2]))
+    return out
 
 
 def error_of(fn):
