@@ -14,6 +14,17 @@ alike. Bytes a step are counted by wrapping the calls FSDP2 and gradpack
 hand their tensors to: all_gather_single (FSDP's parameters),
 reduce_scatter_single, all_to_all_single and all_reduce (the gradients).
 
+With --hsdp: 4 ranks as 2 replicas of 2 shards (under --netns the 2
+shards of a replica share a namespace and its loopback; the replicas talk
+across the shaped link). Rows: FSDP2's
+native HSDP (a 2-d mesh, float32 all-reduce across replicas), the same
+with reduce_dtype=bfloat16, 'bound' (each module sharded over the shard
+dimension and no all-reduce across replicas at all: wrong training, the
+time of the rest of the step), and gradpack's schemes across the replicas
+(gradpack.torch.fsdp.compress(..., replicate_group=), the reduce-scatter
+inside a replica FSDP2's own). Bytes are split into all-gather,
+reduce-scatter and the all-reduce across replicas.
+
 Rows: FSDP2's default (float32 reduce-scatter); MixedPrecisionPolicy with
 reduce_dtype=bfloat16; 'bound': a reduce-scatter that sends nothing (each
 rank keeps its own gradient's shard; wrong training, the time of every
@@ -51,6 +62,7 @@ ROWS = [
 
 def rank_main(args):
     from datetime import timedelta
+    from torch.distributed.device_mesh import init_device_mesh
 
     import torch
     import torch.distributed as dist
@@ -62,10 +74,11 @@ def rank_main(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    counts = {"ag": 0, "rs": 0}
+    counts = {"ag": 0, "rs": 0, "ar": 0}
+    across = "ar" if args.hsdp else "rs"  # what an all_reduce carries
     # (name, what it carries, the position and keyword of the tensor handed over)
     wrapped = [("all_gather_single", "ag", 1, "input_tensor"), ("reduce_scatter_single", "rs", 1, "input"),
-               ("all_to_all_single", "rs", 1, "input"), ("all_reduce", "rs", 0, "tensor")]
+               ("all_to_all_single", "rs", 1, "input"), ("all_reduce", across, 0, "tensor")]
     real = {name: getattr(dist, name) for name, _, _, _ in wrapped}
 
     def counting(name, kind, at, key):
@@ -88,18 +101,27 @@ def rank_main(args):
             output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
             return None
 
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if args.hsdp else None
+
     def start(label, kind, spec):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
                                     torch.nn.ReLU(), torch.nn.Linear(2048, 2048))
         kw = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)} if spec == "bf16" else {}
+        if mesh is not None:
+            # native HSDP: the 2-d mesh; gradpack and the bound: the shard dimension
+            kw["mesh"] = mesh if kind == "fsdp" and spec != "bound" else mesh["shard"]
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, **kw)
         fully_shard(model, **kw)
         state = None
-        if kind == "gradpack":
+        if kind == "gradpack" and mesh is not None:
+            state = gpf.compress(model, dict(spec), replicate_group=mesh["replicate"].get_group())
+        elif kind == "gradpack":
             state = gpf.compress(model, dict(spec))
+        elif spec == "bound" and mesh is not None:
+            pass  # sharded over the shard dimension alone: no all-reduce across replicas
         elif spec == "bound":
             for m in model.modules():
                 if hasattr(m, "set_custom_reduce_scatter"):
@@ -107,14 +129,16 @@ def rank_main(args):
         g = torch.Generator().manual_seed(rank)
         batches = [(torch.randn(8, 2048, generator=g), torch.randn(8, 2048, generator=g)) for _ in range(13)]
         return {"label": label, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=1e-3), "state": state,
-                "batches": batches, "elapsed": 0.0, "counted": 0, "ag": 0, "rs": 0}
+                "batches": batches, "elapsed": 0.0, "counted": 0, "ag": 0, "rs": 0, "ar": 0}
 
-    runs = [start(*r) for r in ROWS if not args.only or any(o in r[0] for o in args.only)]
+    rows = [(label.replace("no reduce-scatter", "no all-reduce across replicas") if args.hsdp else label, kind, spec)
+            for label, kind, spec in ROWS]
+    runs = [start(*r) for r in rows if not args.only or any(o in r[0] for o in args.only)]
     dist.barrier()
     for i in range(13):
         for r in runs:
             x, y = r["batches"][i]
-            counts["ag"] = counts["rs"] = 0
+            counts["ag"] = counts["rs"] = counts["ar"] = 0
             begin = time.perf_counter()
             r["opt"].zero_grad()
             torch.nn.functional.mse_loss(r["model"](x), y).backward()
@@ -124,8 +148,10 @@ def rank_main(args):
                 r["counted"] += 1
                 r["ag"] += counts["ag"]
                 r["rs"] += counts["rs"]
+                r["ar"] += counts["ar"]
     rows = [{"row": r["label"], "ms_per_step": 1000 * r["elapsed"] / r["counted"],
-             "all_gather_bytes": r["ag"] / r["counted"], "reduce_scatter_bytes": r["rs"] / r["counted"]}
+             "all_gather_bytes": r["ag"] / r["counted"], "reduce_scatter_bytes": r["rs"] / r["counted"],
+             "replica_bytes": r["ar"] / r["counted"]}
             for r in runs]
     if rank == 0:
         with open(args.out, "w") as f:
@@ -134,18 +160,23 @@ def rank_main(args):
     dist.destroy_process_group()
 
 
-def run(link, only, timeout=3600):
+def run(link, only, hsdp=False, timeout=3600):
+    """2 ranks, or (hsdp) 4 as 2 nodes of 2 (in the namespaces when `link`
+    is a rate: a node's ranks share its namespace); rank 0's figures."""
     out = tempfile.mktemp(suffix=".json")
     port = str(20000 + int(time.time() * 1000) % 20000)
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    per_node = 2 if hsdp else 1
+    for rank in range(2 * per_node):
+        node = rank // per_node
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(2 * per_node), MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1", LOCAL_RANK=str(rank % per_node),
+                   LOCAL_WORLD_SIZE=str(per_node))
         argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--out", out]
-        argv += sum((["--only", o] for o in only), [])
+        argv += sum((["--only", o] for o in only), []) + (["--hsdp"] if hsdp else [])
         if link:
-            env["GLOO_SOCKET_IFNAME"] = "gpfveth_" + "ab"[rank]
-            argv = ["ip", "netns", "exec", NS[rank]] + argv
+            env["GLOO_SOCKET_IFNAME"] = "gpfveth_" + "ab"[node]
+            argv = ["ip", "netns", "exec", NS[node]] + argv
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     if any(p.returncode != 0 for p in procs):
@@ -154,17 +185,20 @@ def run(link, only, timeout=3600):
         return json.load(f), None
 
 
-def table(link, rows):
+def table(link, rows, hsdp=False):
     base = next((r for r in rows if r["row"].startswith("FSDP2 default")), None)
     bound = next((r for r in rows if r["row"].startswith("bound")), None)
-    print("\n12.6M MLP under fully_shard, 2 ranks, %s" % (link or "loopback"))
-    print("| row | ms per step | vs default | vs bound | all-gather bytes | reduce-scatter bytes |")
-    print("|---|---|---|---|---|---|")
+    ranks = "4 ranks as 2 replicas x 2 shards (HSDP)" if hsdp else "2 ranks"
+    print("\n12.6M MLP under fully_shard, %s, %s" % (ranks, link or "loopback"))
+    print("| row | ms per step | vs default | vs bound | all-gather bytes | reduce-scatter bytes |%s" % (
+        " bytes across replicas |" if hsdp else ""))
+    print("|---|---|---|---|---|---|%s" % ("---|" if hsdp else ""))
     for r in rows:
         vs = "%.2fx" % (base["ms_per_step"] / r["ms_per_step"]) if base else "-"
         vb = "%.2fx" % (r["ms_per_step"] / bound["ms_per_step"]) if bound else "-"
-        print("| %s | %.1f | %s | %s | %d | %d |" % (r["row"], r["ms_per_step"], vs, vb, r["all_gather_bytes"],
-                                                r["reduce_scatter_bytes"]))
+        print("| %s | %.1f | %s | %s | %d | %d |%s" % (r["row"], r["ms_per_step"], vs, vb, r["all_gather_bytes"],
+                                                  r["reduce_scatter_bytes"],
+                                                  " %d |" % r["replica_bytes"] if hsdp else ""))
 
 
 def main():
@@ -173,6 +207,7 @@ def main():
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--only", action="append", default=[], help="rows whose labels contain this (repeatable)")
     ap.add_argument("--netns", nargs="*", help="link rates for tc, e.g. 1gbit 10gbit (root)")
+    ap.add_argument("--hsdp", action="store_true", help="4 ranks as 2 replicas (the nodes) of 2 shards")
     args = ap.parse_args()
     if args.rank_main:
         return rank_main(args)
@@ -180,11 +215,11 @@ def main():
         for link in (args.netns or [None]):
             if link:
                 veth.up(NS, ("gpfveth_a", "gpfveth_b"), ADDR, link, burst="4mb")
-            rows, failure = run(link, args.only)
+            rows, failure = run(link, args.only, args.hsdp)
             if rows is None:
                 print("\n%s: the job failed:\n%s" % (link or "loopback", failure))
             else:
-                table(link, rows)
+                table(link, rows, args.hsdp)
     finally:
         if args.netns:
             veth.down(NS)
