@@ -55,13 +55,16 @@ def test_options_resume_faults_and_refusals(tmp_path):
             assert o[name + " resume"] == 0.0, (name, o)
             assert o[name + " dcp resume"] == 0.0, (name, o)
         assert o["divide factor 1"] == 0.0, o["divide factor 1"]
+        assert o["no reshard"] == 0.0, o["no reshard"]
+        assert "the ranks disagree on compression parameters" in o["mismatch"], o["mismatch"]
+        errors.add(("mismatch", o["mismatch"]))
         assert o["nan"] and o["nan"].startswith("gradpack.Error") and "NaN" in o["nan"], o["nan"]
         errors.add(o["nan"])
         assert o["nan unchanged"] is True
         assert "holds no fully_shard module" in o["not fsdp"], o["not fsdp"]
         assert o["load other"].startswith("gradpack.Error"), o["load other"]
         assert "not a gradpack.torch.fsdp state_dict" in o["load ddp"], o["load ddp"]
-    assert len(errors) == 1, errors
+    assert len(errors) == 2, errors  # the NaN's and the mismatch's, each the same on both ranks
 
 
 @pytest.mark.parametrize("world", [2, 4])

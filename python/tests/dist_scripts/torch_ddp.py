@@ -5,7 +5,6 @@ in-process 'device' store with one device per rank. Runs the scenarios
 named in argv and writes rank<r>.json with what it saw."""
 import copy
 import gc
-import json
 import os
 import sys
 from datetime import timedelta
@@ -15,21 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradpack
+from torch_common import SCHEMES, error_of, write_report
 import gradpack.kv as kv
 import gradpack.torch as gpt
 
-SCHEMES = [
-    {"compress": "none"},
-    {"compress": "2bit", "threshold": 0.05},
-    {"compress": "qsgd_mn", "bits": 2, "seed": 4},
-    {"compress": "qsgd_mn_ts", "bits": [2, 6]},
-    {"compress": "qsgd_mn_ms", "bits": [1, 3, 8]},
-    {"compress": "grandk_mn", "bits": 4, "k": 40},
-    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 60},
-    {"compress": "powersgd", "rank": 2},
-    {"compress": "1bit", "threshold": 0.01},
-]
 BUCKET_MB = 0.002  # a few KB: several buckets for this model
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("GRADPACK_TEST_TIMEOUT", "60"))))
@@ -306,16 +294,6 @@ def scenario_powersgd_recovery():
     out["overflow unchanged"] = state.state_dict()["states"] == before
     out["overflow then"] = error_of(lambda: gpt.allreduce_(torch.ones(64, 32), state, key="w"))
     return out
-
-
-def error_of(fn):
-    try:
-        fn()
-    except gradpack.Error as e:
-        return "gradpack.Error: " + str(e)
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        return "%s: %s" % (type(e).__name__, e)
-    return None
 
 
 def nan_on_last_rank(params, state_kw=None):
@@ -623,12 +601,7 @@ def scenario_owners():
     return out
 
 
-report = {"rank": RANK, "world": WORLD}
-for name in sys.argv[1:]:
-    report[name] = globals()["scenario_" + name]()
-with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % RANK), "w") as f:
-    json.dump(report, f)
-sys.stdout.flush()
+write_report(globals(), RANK, WORLD)
 # torch 2.15 on gloo can abort a process at exit ("terminate called without
 # an active exception") when one rank tears down while another is still
 # busy, with or without a hook: every rank waits for the others first.

@@ -5,30 +5,15 @@ same gradients under the same keys (each rank's shard must be the
 matching rows, bit for bit). Runs the scenarios named in argv and writes
 rank<r>.json with what it saw."""
 import copy
-import json
-import os
-import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-import gradpack
+from torch_common import SCHEMES, error_of, write_report
 import gradpack.torch as gpt
 import gradpack.torch.fsdp as gpf
-
-SCHEMES = [
-    {"compress": "none"},
-    {"compress": "2bit", "threshold": 0.05},
-    {"compress": "qsgd_mn", "bits": 2, "seed": 4},
-    {"compress": "qsgd_mn_ts", "bits": [2, 6]},
-    {"compress": "qsgd_mn_ms", "bits": [1, 3, 8]},
-    {"compress": "grandk_mn", "bits": 4, "k": 40},
-    {"compress": "grandk_mn_ts", "bits": [2, 4], "k": 60},
-    {"compress": "powersgd", "rank": 2},
-    {"compress": "1bit", "threshold": 0.01},
-]
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 RANK, WORLD = dist.get_rank(), dist.get_world_size()
@@ -56,13 +41,14 @@ def loss_of(model, step, rank):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def sharded(params, reduce_dtype=None):
-    """The model under fully_shard (a unit per layer, then the root), a
-    plain copy from the same weights, and gradpack's state."""
+def sharded(params, reduce_dtype=None, **kw):
+    """The model under fully_shard (a unit per layer, then the root; `kw`
+    fully_shard's), a plain copy from the same weights, and gradpack's state."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    kw = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype else {}
+    if reduce_dtype:
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in (model.conv, model.fc1, model.fc2):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -159,6 +145,15 @@ def scenario_options():
         out[name + " resume"] = float((whole - gathered(model2)).abs().max())
         # The same through torch.distributed.checkpoint, gradpack's state a Stateful beside the model's.
         out[name + " dcp resume"] = dcp_resume(params)
+    # Parameters kept unsharded between forward and backward.
+    model, ref, state = sharded(SCHEMES[2], reshard_after_forward=False)
+    out["no reshard"] = train(model, ref, state, gpt.State(SCHEMES[2], min_compression_rate=0), 2)
+
+    # Ranks whose settings differ: the same error on both, at their first reduce-scatter at the latest.
+    def mismatch():
+        model, _, _ = sharded(SCHEMES[1] if RANK == 0 else SCHEMES[2])
+        loss_of(model, 0, RANK).backward()
+    out["mismatch"] = error_of(mismatch)
     # set_gradient_divide_factor(1): FSDP asks for PREMUL_SUM(1), the sum over ranks.
     model, ref, state = sharded(SCHEMES[2])
     for m in model.modules():
@@ -316,21 +311,6 @@ def scenario_hsdp():
     return out
 
 
-def error_of(fn):
-    try:
-        fn()
-    except gradpack.Error as e:
-        return "gradpack.Error: " + str(e)
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        return "%s: %s" % (type(e).__name__, e)
-    return None
-
-
-report = {"rank": RANK, "world": WORLD}
-for name in sys.argv[1:]:
-    report[name] = globals()["scenario_" + name]()
-with open(os.path.join(os.environ["GRADPACK_TEST_OUT"], "rank%d.json" % RANK), "w") as f:
-    json.dump(report, f)
-sys.stdout.flush()
+write_report(globals(), RANK, WORLD)
 dist.barrier()
 dist.destroy_process_group()

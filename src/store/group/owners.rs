@@ -283,13 +283,18 @@ pub fn exchange(coll: &mut Lanes<&mut dyn Engine>, c: &Compression, spans: &[Spa
         lanes::pack_slice_into_words(s, wide, |v| v, &mut out.words[at..]);
         out.spans.push((at..out.words.len(), wide, hi));
     }
-    let at = out.words.len();
-    out.words.extend_from_slice(&gathered[chunk - tail.len()..chunk]);
-    for j in 1..world {
-        let theirs = &gathered[(j + 1) * chunk - tail.len()..(j + 1) * chunk];
-        out.words[at..].iter_mut().zip(theirs).for_each(|(o, &t)| *o = o.wrapping_add(t));
-    }
+    out.words.extend(sum_tails(&gathered, chunk, tail.len()));
     Ok(out)
+}
+
+/// The ranks' check tails summed as an all-reduce sums them: each chunk
+/// of `chunk` words in `all` (one a rank) ends with a tail of `len`.
+pub(super) fn sum_tails(all: &[u64], chunk: usize, len: usize) -> Vec<u64> {
+    let mut sum = vec![0u64; len];
+    for theirs in all.chunks_exact(chunk) {
+        sum.iter_mut().zip(&theirs[chunk - len..]).for_each(|(o, &t)| *o = o.wrapping_add(t));
+    }
+    sum
 }
 
 /// The owner's work on its run's `pieces` (`recv`: every rank's run, one

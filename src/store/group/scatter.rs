@@ -27,7 +27,7 @@ use crate::quant::compression::Compression;
 use crate::quant::engine::{Engine, Lanes};
 use crate::quant::{collective, lanes, scheme};
 
-use super::owners::Form;
+use super::owners::{sum_tails, Form};
 
 /// Rank `rank`'s elements of a tensor of `shape` over `world` ranks: its
 /// block of `ceil(shape[0] / world)` rows (FSDP2's `Shard(0)`; empty past
@@ -125,11 +125,6 @@ pub fn exchange(coll: &mut Lanes<&mut dyn Engine>, c: &Compression, spans: &[Spa
         out.spans.push((start..out.words.len(), wide, hi));
         at += w.len();
     }
-    let start = out.words.len();
-    out.words.extend_from_slice(&recv[chunk - tail.len()..chunk]);
-    for j in 1..world {
-        let theirs = &recv[(j + 1) * chunk - tail.len()..(j + 1) * chunk];
-        out.words[start..].iter_mut().zip(theirs).for_each(|(o, &t)| *o = o.wrapping_add(t));
-    }
+    out.words.extend(sum_tails(&recv, chunk, tail.len()));
     Ok(out)
 }
