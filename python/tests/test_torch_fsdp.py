@@ -99,6 +99,7 @@ def test_hsdp_compresses_the_all_reduce_across_replicas(tmp_path):
         assert h["nan"].startswith("gradpack.Error") and "non-finite" in h["nan"], h["nan"]
         assert h["nan unchanged"] is True
         assert "native HSDP all-reduces across replicas itself" in h["native"], h["native"]
+        assert "replicate_group holds ranks" in h["same group"], h["same group"]
         # Replicas of a shard (ranks j and j + 2) raise the same error.
         errors.setdefault(rep["rank"] % 2, set()).add(h["nan"])
     assert all(len(e) == 1 for e in errors.values()), errors

@@ -295,6 +295,11 @@ def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0, 
         if dist.get_world_size(replicate_group) * dist.get_world_size(pg) != dist.get_world_size():
             raise Error("gradpack.torch.fsdp.compress: %d replicas of %d shards are not the world of %d ranks" % (
                 dist.get_world_size(replicate_group), dist.get_world_size(pg), dist.get_world_size()))
+        shared = set(dist.get_process_group_ranks(replicate_group)) & set(dist.get_process_group_ranks(pg))
+        if shared != {dist.get_rank()}:
+            raise Error("gradpack.torch.fsdp.compress: replicate_group holds ranks %s of this rank's shard group "
+                        "(FSDP's mesh); its replicas must each hold this rank's shard in another replica, sharing "
+                        "only this rank" % sorted(shared))
         replicas = State(compress_params, process_group=replicate_group, start_iter=start_iter,
                          min_compression_rate=min_compression_rate, local_size=1)
     names = {id(p): n for n, p in model.named_parameters()}

@@ -303,6 +303,9 @@ def scenario_hsdp():
         loss = loss * float("nan")
     out["nan"] = error_of(lambda: loss.backward())
     out["nan unchanged"] = state2.state_dict() == before
+    # The shard group given as the replicas' refused, before any collective.
+    out["same group"] = error_of(lambda: gpf.compress(build(SCHEMES[2], gradpack=False)[0], SCHEMES[2],
+                                                      replicate_group=mesh["shard"].get_group()))
     # FSDP2's native HSDP (a 2-d mesh) refused, naming the recipe.
     torch.manual_seed(0)
     native = Net()
