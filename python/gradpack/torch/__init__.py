@@ -305,6 +305,19 @@ class State(NativeHandle):
             self._params.append(param)
         return key
 
+    def _reduce_now(self, flat, keys, shapes):
+        """One standalone bucket encoded, summed and decoded at once, in
+        place in `flat` (the mean over ranks; the same error on every
+        rank)."""
+        pending = self._encode(flat, keys, shapes, True)
+        try:
+            for f in pending.futures:
+                f.wait()
+            pending.decode()
+        finally:
+            if pending in self._pending:
+                self._pending.remove(pending)
+
     def _encode(self, flat, keys, shapes, last):
         """Agrees and exchanges a bucket; returns it with its final sums in
         flight. Refuses a call while another thread is inside one."""
@@ -595,14 +608,7 @@ def allreduce_(tensor, state, key):
     if state._intra is not None:
         _hierarchical(state, flat, [key], [tuple(tensor.shape)], True)
     else:
-        pending = state._encode(flat, [key], [tuple(tensor.shape)], True)
-        try:
-            for f in pending.futures:
-                f.wait()
-            pending.decode()
-        finally:
-            if pending in state._pending:
-                state._pending.remove(pending)
+        state._reduce_now(flat, [key], [tuple(tensor.shape)])
     if flat.data_ptr() != data.data_ptr():
         data.copy_(flat.view(data.shape))
     return tensor

@@ -33,6 +33,8 @@ inside a replica stays FSDP2's own unless ``compress_shards=True``.
 FSDP2's native HSDP (a 2-d mesh) all-reduces across replicas itself,
 with no seam to replace it: it is refused, naming this recipe.
 """
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -99,12 +101,32 @@ class FSDPState:
                 raise
 
 
-class _ReduceScatter(ReduceScatter):
-    """One FSDP unit's reduce-scatter through gradpack (FSDP2's `Comm`)."""
+class _Unit:
+    """What gradpack keeps for one FSDP unit (an FSDP module's parameter
+    group): its State, FSDP's parameters, the model's names for them, and
+    a float32 buffer kept between steps (a fresh one would fault its pages
+    in again each time)."""
 
     def __init__(self, state, fsdp_params, names):
         self._state, self._params, self._names = state, fsdp_params, names
         self._flat = None
+
+    def _key(self, fp):
+        """A parameter's name in the model: its state's key."""
+        key = fp._param_fqn or self._names.get(id(fp.sharded_param))
+        if not key:
+            raise Error("gradpack.torch.fsdp: a parameter of shape %s has no name in the model"
+                        % (tuple(fp._orig_size),))
+        return key
+
+    def _buffer(self, total):
+        if self._flat is None or self._flat.numel() != total:
+            self._flat = torch.empty(total, dtype=torch.float32)
+        return self._flat
+
+
+class _ReduceScatter(_Unit, ReduceScatter):
+    """One FSDP unit's reduce-scatter through gradpack (FSDP2's `Comm`)."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
@@ -120,10 +142,7 @@ class _ReduceScatter(ReduceScatter):
             shape = tuple(fp._orig_size)
             if not shape:
                 raise Error("gradpack.torch.fsdp: a 0-d parameter (%s) cannot be sharded on dim 0" % fp._param_fqn)
-            key = fp._param_fqn or self._names.get(id(fp.sharded_param))
-            if not key:
-                raise Error("gradpack.torch.fsdp: a parameter of shape %s has no name in the model" % (shape,))
-            keys.append(key)
+            keys.append(self._key(fp))
             shapes.append(shape)
             rows.append(-(-shape[0] // world))
         return keys, shapes, rows
@@ -136,50 +155,39 @@ class _ReduceScatter(ReduceScatter):
                         "over %d (%d): one mesh dimension only" % (world, rank, state.world_size, state.rank))
         _check_tensor(input_tensor, "FSDP's reduce-scatter input")
         keys, shapes, rows = self._layout(world)
-        widths = [r * _numel(s[1:]) for r, s in zip(rows, shapes)]
+        widths = [r * math.prod(s[1:]) for r, s in zip(rows, shapes)]
         if input_tensor.numel() != world * sum(widths) or output_tensor.numel() != sum(widths):
             raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter of %d values into %d does not hold parameters %s "
                         "over %d ranks" % (input_tensor.numel(), output_tensor.numel(), shapes, world))
         scale = _scale_of(op, world)
         by_rank = _as_float32(input_tensor).view(world, -1)
         # Every parameter's whole gradient: its rows from every rank's chunk,
-        # FSDP's padding cut, copied once into a buffer kept between steps
-        # (a fresh one would fault its pages in again each time).
-        total = sum(_numel(s) for s in shapes)
-        if self._flat is None or self._flat.numel() != total:
-            self._flat = torch.empty(total, dtype=torch.float32)
-        flat, at, col = self._flat, 0, 0
+        # FSDP's padding cut, copied once into the unit's buffer.
+        flat, at, col = self._buffer(sum(math.prod(s) for s in shapes)), 0, 0
         for shape, r, width in zip(shapes, rows, widths):
             per_row = width // r
             for j in range(world):
                 valid = max(0, min(r, shape[0] - j * r)) * per_row
                 flat[at + j * r * per_row:at + j * r * per_row + valid].copy_(by_rank[j, col:col + valid])
-            at += _numel(shape)
+            at += math.prod(shape)
             col += width
-        pending = state._encode(flat, keys, shapes, True)
-        try:
-            for f in pending.futures:
-                f.wait()
-            pending.decode()  # the mean over ranks; the same error on every rank
-        finally:
-            if pending in state._pending:
-                state._pending.remove(pending)
+        state._reduce_now(flat, keys, shapes)
         # This rank's rows of each parameter (the mean times `scale`), zeros where FSDP padded.
         out = output_tensor.view(-1)
         at = col = 0
         for shape, r, width in zip(shapes, rows, widths):
             rest = width // r
-            mine = flat[at:at + _numel(shape)].view(shape[0], rest)[rank * r:(rank + 1) * r].reshape(-1)
+            mine = flat[at:at + math.prod(shape)].view(shape[0], rest)[rank * r:(rank + 1) * r].reshape(-1)
             if scale != 1.0:
                 mine = mine * scale
             out[col:col + mine.numel()].copy_(mine)
             out[col + mine.numel():col + width].zero_()
-            at += _numel(shape)
+            at += math.prod(shape)
             col += width
         return None
 
 
-class _ReplicaAllReduce:
+class _ReplicaAllReduce(_Unit):
     """One FSDP unit's all-reduce across replicas (HSDP; FSDP2's all-reduce
     hook, called with this rank's shard after the reduce-scatter): the
     shard's rows of each parameter keyed as row block j of S (this rank's
@@ -187,9 +195,8 @@ class _ReplicaAllReduce:
     group; the mean over replicas, in place."""
 
     def __init__(self, state, fsdp_params, names, shard_rank, shards):
-        self._state, self._params, self._names = state, fsdp_params, names
+        super().__init__(state, fsdp_params, names)
         self._shard, self._shards = shard_rank, shards
-        self._flat = None
 
     def __call__(self, reduce_output):
         _check_tensor(reduce_output, "FSDP's reduce-scatter output")
@@ -199,12 +206,11 @@ class _ReplicaAllReduce:
             shape = tuple(fp._orig_size)
             rows = -(-shape[0] // self._shards)
             valid = max(0, min(rows, shape[0] - self._shard * rows))
-            width = rows * _numel(shape[1:])
+            width = rows * math.prod(shape[1:])
             if valid:
-                key = fp._param_fqn or self._names.get(id(fp.sharded_param))
-                keys.append("%s@%d/%d" % (key, self._shard, self._shards))
+                keys.append("%s@%d/%d" % (self._key(fp), self._shard, self._shards))
                 shapes.append((valid,) + shape[1:])
-                at.append((col, valid * _numel(shape[1:])))
+                at.append((col, valid * math.prod(shape[1:])))
             col += width
         if col != reduce_output.numel():
             raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter output of %d values does not hold parameters %s "
@@ -212,22 +218,11 @@ class _ReplicaAllReduce:
                                              self._shards))
         if not keys:
             return  # no row of this unit here (nor on the other replicas of this shard)
-        total = sum(n for _, n in at)
-        if self._flat is None or self._flat.numel() != total:
-            self._flat = torch.empty(total, dtype=torch.float32)
-        flat, out, i = self._flat, reduce_output.view(-1), 0
+        flat, out, i = self._buffer(sum(n for _, n in at)), reduce_output.view(-1), 0
         for a, n in at:
             flat[i:i + n].copy_(out[a:a + n])
             i += n
-        state = self._state
-        pending = state._encode(flat, keys, shapes, True)
-        try:
-            for f in pending.futures:
-                f.wait()
-            pending.decode()  # the mean over replicas; the same error on every rank of the group
-        finally:
-            if pending in state._pending:
-                state._pending.remove(pending)
+        self._state._reduce_now(flat, keys, shapes)  # the mean over replicas
         i = 0
         for a, n in at:
             out[a:a + n].copy_(flat[i:i + n])
@@ -247,13 +242,6 @@ def _scale_of(op, world):
         return world * op.factor
     raise Error("gradpack.torch.fsdp: FSDP asked for reduce op %s; gradpack gives AVG, SUM and PREMUL_SUM "
                 "with a factor" % (op,))
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0, replicate_group=None,

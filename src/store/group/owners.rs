@@ -117,7 +117,7 @@ impl Form {
         }
     }
 
-    pub(super) fn components(self) -> usize {
+    fn components(self) -> usize {
         match self {
             Form::Linear { .. } => 1,
             Form::TwoBit => 2,
@@ -127,7 +127,7 @@ impl Form {
     /// Component `j` of one member's lane; a lane no member sends (a faulty
     /// peer's) counts as the nearest one that a member does, so every rank
     /// still decodes the same codes.
-    pub(super) fn component(self, lane: u64, j: usize) -> u32 {
+    fn component(self, lane: u64, j: usize) -> u32 {
         match self {
             Form::Linear { top } => lane.min(top as u64) as u32,
             Form::TwoBit => (lane == 1 + j as u64) as u32,
@@ -153,7 +153,7 @@ impl Form {
     }
 
     /// The lane of `D` members whose components sum to `sums`.
-    pub(super) fn lane(self, sums: [u64; 2], members: usize) -> u64 {
+    fn lane(self, sums: [u64; 2], members: usize) -> u64 {
         match self {
             Form::Linear { .. } => sums[0],
             Form::TwoBit => sums[0] + (members as u64 + 1) * sums[1],

@@ -62,10 +62,11 @@ pub struct Scattered {
 }
 
 /// The words of a span's codes `piece` cut at whole lane groups: the
-/// codes those words hold (`codes`) and where the words lie in the span.
+/// codes those words hold (`codes`, from the piece's start when it is
+/// empty) and where the words lie in the span.
 fn cut(span: &Span, piece: &Range<usize>) -> (Range<usize>, Range<usize>) {
     if piece.is_empty() {
-        return (0..0, 0..0);
+        return (piece.clone(), 0..0);
     }
     let per = (64 / span.width) as usize;
     let group = lanes::GROUP * per;
@@ -109,7 +110,7 @@ pub fn exchange(coll: &mut Lanes<&mut dyn Engine>, c: &Compression, spans: &[Spa
     for s in spans {
         let piece = &s.pieces[rank];
         let (codes, w) = cut(s, piece);
-        let skip = if piece.is_empty() { 0 } else { piece.start - codes.start };
+        let skip = piece.start - codes.start;
         // Each code's components over the ranks, in one u32 (`counts`).
         total.clear();
         total.resize(piece.len(), 0u32);
