@@ -541,32 +541,43 @@ fn the_owners_exchange_hands_each_rank_its_codes_once_and_a_share_again_at_any_w
     assert!(Exchange::parse("ring").unwrap_err().to_string().contains("must be 'lanes', 'owners' or 'auto'"));
 }
 
+/// Under `exchange` over 3 ranks: a NaN on rank 2 (in tensor `key`), then
+/// rank 1 departing from the plan, fail every rank alike and change no
+/// state, and the job goes on and settles again.
+fn a_fault_or_a_departure_fails_every_rank_alike(c: Compression, exchange: Exchange, key: (&str, Vec<usize>)) {
+    let groups = groups_of(c, 3, exchange);
+    two_buckets(&groups, 0, 3);
+    let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+    let mut bad = grads(3, 20, 5);
+    bad[2][11] = f32::NAN;
+    let errors: Vec<String> = push_all(&groups, std::slice::from_ref(&key), &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's") && errors[0].contains(&format!("key '{}'", key.0)), "{c:?}: {errors:?}");
+    assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+    two_buckets(&groups, 6, 2); // the job goes on
+    let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+    let errors = rank_one_departs(&groups);
+    assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
+    assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+    two_buckets(&groups, 10, 3); // and goes on again
+    let settled = groups[0].stats().agreements;
+    two_buckets(&groups, 13, 2);
+    assert_eq!(groups[0].stats().agreements, settled, "{c:?}: settled again");
+}
+
+/// A rank that chose `exchange` and one that did not meet at the first bucket.
+fn a_rank_that_chose_otherwise_is_met_at_the_first_bucket(exchange: Exchange) {
+    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
+    let mixed = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(c, 1, 2, 0, 0.0).unwrap().with_exchange(exchange).unwrap()];
+    let errors: Vec<String> = push_all(&mixed, &[("w", vec![20])], &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert!(errors[0] == errors[1] && errors[0].contains("disagree"), "{exchange:?}: {errors:?}");
+}
+
 #[test]
 fn under_the_owners_exchange_a_fault_or_a_departure_fails_every_rank_alike_and_changes_nothing() {
     for c in [params(&[("compress", "2bit"), ("threshold", "0.25")]), params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,4]")]), params(&[("compress", "1bit")])] {
-        let groups = groups_of(c, 3, Exchange::Owners);
-        two_buckets(&groups, 0, 3);
-        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
-        let mut bad = grads(3, 20, 5);
-        bad[2][11] = f32::NAN;
-        let errors: Vec<String> = push_all(&groups, &[("c", vec![20])], &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
-        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's") && errors[0].contains("key 'c'"), "{c:?}: {errors:?}");
-        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
-        two_buckets(&groups, 6, 2); // the job goes on
-        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
-        let errors = rank_one_departs(&groups);
-        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
-        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
-        two_buckets(&groups, 10, 3); // and goes on again
-        let settled = groups[0].stats().agreements;
-        two_buckets(&groups, 13, 2);
-        assert_eq!(groups[0].stats().agreements, settled, "{c:?}: settled again");
+        a_fault_or_a_departure_fails_every_rank_alike(c, Exchange::Owners, ("c", vec![20]));
     }
-    // Ranks that chose differently meet at the first bucket.
-    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
-    let mixed = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(c, 1, 2, 0, 0.0).unwrap().with_exchange(Exchange::Owners).unwrap()];
-    let errors: Vec<String> = push_all(&mixed, &[("w", vec![20])], &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
-    assert!(errors[0] == errors[1] && errors[0].contains("disagree"), "{errors:?}");
+    a_rank_that_chose_otherwise_is_met_at_the_first_bucket(Exchange::Owners);
 }
 
 /// Tensor `t`'s elements of rank `rank` in a bucket of `shapes`.
@@ -649,29 +660,9 @@ fn the_reduce_scatter_hands_each_rank_its_codes_once() {
 #[test]
 fn under_the_reduce_scatter_a_fault_or_a_departure_fails_every_rank_alike_and_changes_nothing() {
     for c in [params(&[("compress", "2bit"), ("threshold", "0.25")]), params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "9")]), params(&[("compress", "powersgd"), ("rank", "1")])] {
-        let groups = groups_of(c, 3, Exchange::Scatter);
-        two_buckets(&groups, 0, 3);
-        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
-        let mut bad = grads(3, 20, 5);
-        bad[2][11] = f32::NAN;
         // (PowerSGD sums a vector plainly: the NaN comes through as torch's sum carries it.)
         let key = if matches!(c, Compression::PowerSgd { .. }) { ("m", vec![4, 5]) } else { ("c", vec![20]) };
-        let errors: Vec<String> = push_all(&groups, std::slice::from_ref(&key), &bad).into_iter().map(|r| r.unwrap_err().to_string()).collect();
-        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's") && errors[0].contains(&format!("key '{}'", key.0)), "{c:?}: {errors:?}");
-        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
-        two_buckets(&groups, 6, 2);
-        let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
-        let errors = rank_one_departs(&groups);
-        assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
-        assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
-        two_buckets(&groups, 10, 3);
-        let settled = groups[0].stats().agreements;
-        two_buckets(&groups, 13, 2);
-        assert_eq!(groups[0].stats().agreements, settled, "{c:?}: settled again");
+        a_fault_or_a_departure_fails_every_rank_alike(c, Exchange::Scatter, key);
     }
-    // A rank that chose the reduce-scatter and one that did not meet at the first bucket.
-    let c = params(&[("compress", "2bit"), ("threshold", "0.25")]);
-    let mixed = [Group::new(c, 0, 2, 0, 0.0).unwrap(), Group::new(c, 1, 2, 0, 0.0).unwrap().with_exchange(Exchange::Scatter).unwrap()];
-    let errors: Vec<String> = push_all(&mixed, &[("w", vec![20])], &grads(2, 20, 0)).into_iter().map(|r| r.unwrap_err().to_string()).collect();
-    assert!(errors[0] == errors[1] && errors[0].contains("disagree"), "{errors:?}");
+    a_rank_that_chose_otherwise_is_met_at_the_first_bucket(Exchange::Scatter);
 }
