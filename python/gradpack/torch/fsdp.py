@@ -119,6 +119,22 @@ class _Unit:
                         % (tuple(fp._orig_size),))
         return key
 
+    def _layout(self, shards):
+        """Each parameter's key, shape and rows a shard: FSDP2's blocks of
+        ceil(rows / shards) on dim 0 (the last ones padded, see `_held`)."""
+        keys, shapes, rows = [], [], []
+        for fp in self._params:
+            if fp.fsdp_placement.dim != 0:
+                raise Error("gradpack.torch.fsdp shards parameters on dim 0 only; %s is %s"
+                            % (fp._param_fqn, fp.fsdp_placement))
+            shape = tuple(fp._orig_size)
+            if not shape:
+                raise Error("gradpack.torch.fsdp: a 0-d parameter (%s) cannot be sharded on dim 0" % fp._param_fqn)
+            keys.append(self._key(fp))
+            shapes.append(shape)
+            rows.append(-(-shape[0] // shards))
+        return keys, shapes, rows
+
     def _buffer(self, total):
         if self._flat is None or self._flat.numel() != total:
             self._flat = torch.empty(total, dtype=torch.float32)
@@ -130,22 +146,6 @@ class _ReduceScatter(_Unit, ReduceScatter):
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
-
-    def _layout(self, world):
-        """Each parameter's key, shape and rows a rank (FSDP pads dim 0 to a
-        multiple of the world)."""
-        keys, shapes, rows = [], [], []
-        for fp in self._params:
-            if fp.fsdp_placement.dim != 0:
-                raise Error("gradpack.torch.fsdp shards parameters on dim 0 only; %s is %s"
-                            % (fp._param_fqn, fp.fsdp_placement))
-            shape = tuple(fp._orig_size)
-            if not shape:
-                raise Error("gradpack.torch.fsdp: a 0-d parameter (%s) cannot be sharded on dim 0" % fp._param_fqn)
-            keys.append(self._key(fp))
-            shapes.append(shape)
-            rows.append(-(-shape[0] // world))
-        return keys, shapes, rows
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         state = self._state
@@ -167,7 +167,7 @@ class _ReduceScatter(_Unit, ReduceScatter):
         for shape, r, width in zip(shapes, rows, widths):
             per_row = width // r
             for j in range(world):
-                valid = max(0, min(r, shape[0] - j * r)) * per_row
+                valid = _held(shape[0], r, j) * per_row
                 flat[at + j * r * per_row:at + j * r * per_row + valid].copy_(by_rank[j, col:col + valid])
             at += math.prod(shape)
             col += width
@@ -202,16 +202,14 @@ class _ReplicaAllReduce(_Unit):
         _check_tensor(reduce_output, "FSDP's reduce-scatter output")
         keys, shapes, at = [], [], []
         col = 0
-        for fp in self._params:
-            shape = tuple(fp._orig_size)
-            rows = -(-shape[0] // self._shards)
-            valid = max(0, min(rows, shape[0] - self._shard * rows))
-            width = rows * math.prod(shape[1:])
+        for key, shape, rows in zip(*self._layout(self._shards)):
+            per_row = math.prod(shape[1:])
+            valid = _held(shape[0], rows, self._shard)
             if valid:
-                keys.append("%s@%d/%d" % (self._key(fp), self._shard, self._shards))
+                keys.append("%s@%d/%d" % (key, self._shard, self._shards))
                 shapes.append((valid,) + shape[1:])
-                at.append((col, valid * math.prod(shape[1:])))
-            col += width
+                at.append((col, valid * per_row))
+            col += rows * per_row
         if col != reduce_output.numel():
             raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter output of %d values does not hold parameters %s "
                         "sharded %d ways" % (reduce_output.numel(), [tuple(fp._orig_size) for fp in self._params],
@@ -227,6 +225,12 @@ class _ReplicaAllReduce(_Unit):
         for a, n in at:
             out[a:a + n].copy_(flat[i:i + n])
             i += n
+
+
+def _held(first, block, j):
+    """The rows of `first` that block j of `block` rows holds (FSDP2 pads
+    the blocks past the last row)."""
+    return max(0, min(block, first - j * block))
 
 
 def _scale_of(op, world):
