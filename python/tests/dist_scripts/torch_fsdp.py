@@ -191,6 +191,7 @@ def dcp_resume(params):
     mirror = gpt.State(params, min_compression_rate=0)
     train(model, ref, state, mirror, 2)
     dcp.save({"model": model.state_dict(), "gradpack": state}, checkpoint_id=path[0])
+    mirrored = copy.deepcopy(mirror.state_dict())  # the reference's own state, beside the checkpoint
     train(model, ref, state, mirror, 2, first=2)
     whole = gathered(model)
     model2, ref2, state2 = sharded(params)
@@ -199,18 +200,9 @@ def dcp_resume(params):
         for q, p in zip(ref2.parameters(), model2.parameters()):
             q.copy_(p.full_tensor())
     mirror2 = gpt.State(params, min_compression_rate=0)
-    mirror2.load_state_dict(mirror_after_two(params))
+    mirror2.load_state_dict(mirrored)
     train(model2, ref2, state2, mirror2, 2, first=2)
     return float((whole - gathered(model2)).abs().max())
-
-
-def mirror_after_two(params):
-    """allreduce_'s state after the first 2 steps of `dcp_resume` (the
-    mirror only checks the shards; it is rebuilt by replaying them)."""
-    model, ref, state = sharded(params)
-    mirror = gpt.State(params, min_compression_rate=0)
-    train(model, ref, state, mirror, 2)
-    return mirror.state_dict()
 
 
 def scenario_hsdp():
