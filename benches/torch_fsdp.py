@@ -34,16 +34,13 @@ schemes through gradpack.torch.fsdp.compress.
 """
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 
 import veth
 
 NS = ("gp_fsdp_a", "gp_fsdp_b")
 ADDR = ("10.48.0.1", "10.48.0.2")
+DEVICES = ("gpfveth_a", "gpfveth_b")
 
 # (label, kind, spec): 'fsdp' FSDP2's own ('float32', 'bf16', 'bound'), 'gradpack' compress_params.
 ROWS = [
@@ -163,26 +160,8 @@ def rank_main(args):
 def run(link, only, hsdp=False, timeout=3600):
     """2 ranks, or (hsdp) 4 as 2 nodes of 2 (in the namespaces when `link`
     is a rate: a node's ranks share its namespace); rank 0's figures."""
-    out = tempfile.mktemp(suffix=".json")
-    port = str(20000 + int(time.time() * 1000) % 20000)
-    procs = []
-    per_node = 2 if hsdp else 1
-    for rank in range(2 * per_node):
-        node = rank // per_node
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(2 * per_node), MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1", LOCAL_RANK=str(rank % per_node),
-                   LOCAL_WORLD_SIZE=str(per_node))
-        argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--out", out]
-        argv += sum((["--only", o] for o in only), []) + (["--hsdp"] if hsdp else [])
-        if link:
-            env["GLOO_SOCKET_IFNAME"] = "gpfveth_" + "ab"[node]
-            argv = ["ip", "netns", "exec", NS[node]] + argv
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        return None, "\n".join(l[-2000:] for l in logs)
-    with open(out) as f:
-        return json.load(f), None
+    argv = sum((["--only", o] for o in only), []) + (["--hsdp"] if hsdp else [])
+    return veth.run_nodes(__file__, argv, link, 2 if hsdp else 1, NS, DEVICES, ADDR, timeout)
 
 
 def table(link, rows, hsdp=False):
@@ -214,7 +193,7 @@ def main():
     try:
         for link in (args.netns or [None]):
             if link:
-                veth.up(NS, ("gpfveth_a", "gpfveth_b"), ADDR, link, burst="4mb")
+                veth.up(NS, DEVICES, ADDR, link, burst="4mb")
             rows, failure = run(link, args.only, args.hsdp)
             if rows is None:
                 print("\n%s: the job failed:\n%s" % (link or "loopback", failure))

@@ -28,9 +28,7 @@ powerSGD_hook runs with a single bucket (it aborts on gloo with more);
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import veth
@@ -38,6 +36,7 @@ import veth
 HERE = os.path.dirname(os.path.abspath(__file__))
 NS = ("gp_torch_a", "gp_torch_b")
 ADDR = ("10.47.0.1", "10.47.0.2")
+DEVICES = ("gptveth_a", "gptveth_b")
 
 # (label, kind, spec): kind 'torch' names a hook of torch's, 'gradpack' gives compress_params.
 HOOKS = [
@@ -217,28 +216,11 @@ def run(model, link, only, torch_powersgd_buckets=False, repeat=1, per_node=1, t
     """Starts 2 "nodes" of `per_node` ranks each (in the namespaces when
     `link` is a rate: the ranks of a node share its namespace, and reach
     each other over its loopback); rank 0's figures."""
-    out = tempfile.mktemp(suffix=".json")
-    port = str(20000 + int(time.time() * 1000) % 20000)
-    procs = []
-    world = 2 * per_node
-    for rank in range(world):
-        node = rank // per_node
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   MASTER_ADDR=ADDR[0] if link else "127.0.0.1", LOCAL_RANK=str(rank % per_node),
-                   LOCAL_WORLD_SIZE=str(per_node))
-        argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--model", model, "--out", out]
-        argv += sum((["--only", o] for o in only), []) + ["--repeat", str(repeat), "--per-node", str(per_node)]
-        if torch_powersgd_buckets:
-            argv.append("--torch-powersgd-buckets")
-        if link:
-            env["GLOO_SOCKET_IFNAME"] = "gptveth_" + "ab"[node]
-            argv = ["ip", "netns", "exec", NS[node]] + argv
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        return None, "\n".join(l[-1500:] for l in logs)
-    with open(out) as f:
-        return json.load(f), None
+    argv = ["--model", model] + sum((["--only", o] for o in only), [])
+    argv += ["--repeat", str(repeat), "--per-node", str(per_node)]
+    if torch_powersgd_buckets:
+        argv.append("--torch-powersgd-buckets")
+    return veth.run_nodes(__file__, argv, link, per_node, NS, DEVICES, ADDR, timeout)
 
 
 def table(model, link, rows, per_node=1):
@@ -279,7 +261,7 @@ def main():
     try:
         for link in links:
             if link:
-                veth.up(NS, ("gptveth_a", "gptveth_b"), ADDR, link, burst="4mb")
+                veth.up(NS, DEVICES, ADDR, link, burst="4mb")
             for model in models:
                 rows, failure = run(model, link, args.only, args.torch_powersgd_buckets, args.repeat, args.per_node)
                 if rows is None:
