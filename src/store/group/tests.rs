@@ -130,33 +130,40 @@ fn a_bucket_decodes_to_the_device_stores_sum_over_the_world_on_every_rank() {
     let shapes = [("a", vec![6, 8]), ("b", vec![5])];
     for c in [
         params(&[("compress", "qsgd_mn"), ("bits", "2"), ("seed", "3")]),
+        params(&[("compress", "qsgd_mn"), ("bits", "8"), ("seed", "3")]),
         params(&[("compress", "2bit"), ("threshold", "0.25")]),
         params(&[("compress", "grandk_mn_ts"), ("bits", "[2,4]"), ("k", "9")]),
+        params(&[("compress", "qsgd_mn_ts"), ("bits", "[2,6]"), ("seed", "1")]),
         params(&[("compress", "qsgd_mn_ms"), ("bits", "[1,3,5,8]")]),
         params(&[("compress", "1bit")]),
+        params(&[("compress", "powersgd"), ("rank", "2")]),
     ] {
-        let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
-        // The same pushes through the scheme path of an in-process store of two members.
-        let mut states: Vec<Vec<scheme::State>> = vec![vec![scheme::State::default(); 2]; 2];
-        for step in 0..3 {
-            let g = grads(2, 53, step);
-            let got = push_all(&groups, &shapes, &g);
-            let mut at = 0;
-            for (t, (key, shape)) in shapes.iter().enumerate() {
-                let n: usize = shape.iter().product();
-                let mine: Vec<&[f32]> = g.iter().map(|g| &g[at..at + n]).collect();
-                let ctx = scheme::Ctx { shape, step, key_hash: Key::Str(key.to_string()).stable_hash(), member: 0, workers: 2 };
-                let mut want = vec![0f32; n];
-                scheme::push_round(&c, &mut states[t], &mine, &ctx, &mut collective::InProcess::new(2), &mut want).unwrap();
-                want.iter_mut().for_each(|x| *x /= 2.0);
-                for r in &got {
-                    assert_eq!(&r.as_ref().unwrap()[at..at + n], &want[..], "{c:?} step {step} key {key}");
+        // Worlds on both sides of the powers of two, where the lanes widen
+        // by a bit for the larger sums.
+        for world in [2, 3, 8, 16, 17, 33] {
+            let groups: Vec<Group> = (0..world).map(|r| Group::new(c, r, world, 0, 0.0).unwrap()).collect();
+            // The same pushes through the scheme path of an in-process store of `world` members.
+            let mut states: Vec<Vec<scheme::State>> = vec![vec![scheme::State::default(); world]; 2];
+            for step in 0..3 {
+                let g = grads(world, 53, step);
+                let got = push_all(&groups, &shapes, &g);
+                let mut at = 0;
+                for (t, (key, shape)) in shapes.iter().enumerate() {
+                    let n: usize = shape.iter().product();
+                    let mine: Vec<&[f32]> = g.iter().map(|g| &g[at..at + n]).collect();
+                    let ctx = scheme::Ctx { shape, step, key_hash: Key::Str(key.to_string()).stable_hash(), member: 0, workers: world };
+                    let mut want = vec![0f32; n];
+                    scheme::push_round(&c, &mut states[t], &mine, &ctx, &mut collective::InProcess::new(world), &mut want).unwrap();
+                    want.iter_mut().for_each(|x| *x /= world as f32);
+                    for r in &got {
+                        assert_eq!(&r.as_ref().unwrap()[at..at + n], &want[..], "{c:?} world {world} step {step} key {key}");
+                    }
+                    at += n;
                 }
-                at += n;
             }
+            let s = groups[0].stats();
+            assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (3, 3, 3 * 4 * 53));
         }
-        let s = groups[0].stats();
-        assert_eq!((s.steps, s.compressed_steps, s.bytes_uncompressed), (3, 3, 3 * 4 * 53));
     }
 }
 
