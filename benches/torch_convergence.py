@@ -6,7 +6,8 @@ uncompressed training in the same processes:
 
 Plain SGD (no momentum: 2-bit's capped steps and momentum do not mix),
 0.5 per batch of 32 (0.3 for 1bit, whose codes are +-1), and 5 epochs per
-rank, so that every world size takes the same 220 steps. Prints each scheme's test accuracy, its difference from uncompressed
+rank: 220 steps at 2 and 4 ranks (fewer past that, as each
+rank's shard drops its partial batch). Prints each scheme's test accuracy, its difference from uncompressed
 ('none' through the same hook), bytes sent per step and ms per step. With
 --check P, exits 1 when a scheme ends more than P points below
 uncompressed (the test command runs it at 2 and 4 ranks, under DDP and FSDP2).
