@@ -311,9 +311,7 @@ class State(NativeHandle):
         rank)."""
         pending = self._encode(flat, keys, shapes, True)
         try:
-            for f in pending.futures:
-                f.wait()
-            pending.decode()
+            pending.settle(raising=True)
         finally:
             if pending in self._pending:
                 self._pending.remove(pending)
