@@ -7,7 +7,7 @@ use super::{cstr, guard, params};
 use crate::boundary::{slice, slice_mut, Raw};
 use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
-use crate::store::group::{Buffer, Engine, Exchange, Group, Pending, ReduceOp, Tensor};
+use crate::store::group::{Buffer, Engine, Exchange, Group, Own, Pending, ReduceOp, Tensor};
 use crate::key::Key;
 
 /// A process group's compression on one rank (`group::Group`).
@@ -176,35 +176,77 @@ pub unsafe extern "C" fn gp_group_encode(
         if out.is_null() || words.is_null() || num_words.is_null() || floats.is_null() || num_floats.is_null() || plain.is_null() {
             return Err(Error::NullPointer { what: "an output" });
         }
-        Raw::new("keys", keys, num)?;
-        Raw::new("ndims", ndims, num)?;
-        let ndims = slice(ndims, num);
-        if let Some(d) = ndims.iter().find(|&&d| d > 32) {
-            return Err(Error::InvalidParam { key: "ndims".into(), problem: format!("{d} dimensions (at most 32)") });
-        }
-        let total_dims: u64 = ndims.iter().sum();
-        Raw::new("dims", dims, total_dims)?;
         Raw::new("bucket", bucket, bucket_len)?;
-        let (dims, bucket) = (slice(dims, total_dims), slice(bucket, bucket_len));
-        let (mut tensors, mut d, mut at) = (Vec::with_capacity(num as usize), 0usize, 0usize);
-        for (i, &nd) in ndims.iter().enumerate() {
-            let key = Key::Str(cstr(*keys.add(i), "key")?.to_string());
-            key.check()?;
-            let shape: Vec<usize> = dims[d..d + nd as usize].iter().map(|&x| usize::try_from(x).unwrap_or(usize::MAX)).collect();
-            d += nd as usize;
-            let n = shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).filter(|&n| at.checked_add(n).is_some_and(|end| end <= bucket.len()));
-            let n = n.ok_or_else(|| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} of shape {shape:?} does not fit a bucket of {} elements after {at}", bucket.len()) })?;
-            tensors.push(Tensor { key, shape, grad: &bucket[at..at + n] });
-            at += n;
-        }
+        let tensors = read_tensors(num, keys, ndims, dims, Some(slice(bucket, bucket_len)))?;
         let rank = group.rank();
-        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket.len(), last != 0, &mut Callback { f, user, rank })?));
+        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket_len as usize, last != 0, &mut Callback { f, user, rank })?));
         let p = &mut pending.0;
         (*words, *num_words) = (p.words.as_mut_ptr(), p.words_to_sum().len() as u64);
         (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);
         *plain = p.plain as c_int;
         *out = Box::into_raw(pending);
         Ok(())
+    })
+}
+
+/// The tensors `num`, `keys`, `ndims` and `dims` name (gp_group_encode's
+/// arguments), their gradients cut from `bucket` one after another, or
+/// empty without one (gp_group_refuse).
+///
+/// # Safety
+/// As gp_group_encode's.
+unsafe fn read_tensors<'a>(num: u64, keys: *const *const c_char, ndims: *const u64, dims: *const u64, bucket: Option<&'a [f32]>) -> Result<Vec<Tensor<'a>>> {
+    Raw::new("keys", keys, num)?;
+    Raw::new("ndims", ndims, num)?;
+    let ndims = slice(ndims, num);
+    if let Some(d) = ndims.iter().find(|&&d| d > 32) {
+        return Err(Error::InvalidParam { key: "ndims".into(), problem: format!("{d} dimensions (at most 32)") });
+    }
+    let total_dims: u64 = ndims.iter().sum();
+    Raw::new("dims", dims, total_dims)?;
+    let dims = slice(dims, total_dims);
+    let (mut tensors, mut d, mut at) = (Vec::with_capacity(num as usize), 0usize, 0usize);
+    for (i, &nd) in ndims.iter().enumerate() {
+        let key = Key::Str(cstr(*keys.add(i), "key")?.to_string());
+        key.check()?;
+        let shape: Vec<usize> = dims[d..d + nd as usize].iter().map(|&x| usize::try_from(x).unwrap_or(usize::MAX)).collect();
+        d += nd as usize;
+        let grad = match bucket {
+            Some(bucket) => {
+                let n = shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).filter(|&n| at.checked_add(n).is_some_and(|end| end <= bucket.len()));
+                let n = n.ok_or_else(|| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} of shape {shape:?} does not fit a bucket of {} elements after {at}", bucket.len()) })?;
+                at += n;
+                &bucket[at - n..at]
+            }
+            None => &[],
+        };
+        tensors.push(Tensor { key, shape, grad });
+    }
+    Ok(tensors)
+}
+
+/// This rank's part in a bucket its caller refused before encoding it
+/// (`refusal`: 1 its dtype, 2 its device, 3 memory its elements share, 4
+/// a key, 5 sizes that do not hold the tensors named; `index`: the
+/// tensor), so that no other rank waits: runs the bucket's agreement, or
+/// stand-ins of the bucket every rank expects, through `reduce` as
+/// gp_group_encode would, and always returns -1 with the error every
+/// rank of the bucket gets (the others from their gp_group_encode or
+/// gp_group_decode). `num`, `keys`, `ndims` and `dims` name the bucket as
+/// far as the caller could read it. Nothing changes.
+///
+/// # Safety
+/// As gp_group_encode's.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_refuse(g: *const gp_group_t, num: u64, keys: *const *const c_char, ndims: *const u64, dims: *const u64, refusal: c_int, index: u64, reduce: gp_reduce_fn, user: *mut c_void) -> c_int {
+    guard(|| {
+        let group = group(g)?;
+        let f = reduce.ok_or(Error::NullPointer { what: "reduce" })?;
+        let own = u32::try_from(refusal).ok().and_then(Own::refusal).ok_or_else(|| Error::InvalidParam { key: "refusal".into(), problem: format!("{refusal} (1 to 5)") })?;
+        let tensors = read_tensors(num, keys, ndims, dims, None)?;
+        let index = usize::try_from(index).unwrap_or(usize::MAX).min(u32::MAX as usize - 1);
+        let rank = group.rank();
+        Err(group.refuse(&tensors, own, index, &mut Callback { f, user, rank }))
     })
 }
 
@@ -251,6 +293,44 @@ pub unsafe extern "C" fn gp_group_decode(g: *const gp_group_t, p: *mut gp_pendin
         b.check_disjoint(&w)?;
         b.check_disjoint(&f)?;
         group.decode(pending, slice_mut(bucket, bucket_len))
+    })
+}
+
+/// gp_group_decode's first half: writes the result to `bucket` and changes
+/// no state; `p` stays live (its keys in flight) for gp_group_commit,
+/// which advances its states, or gp_pending_free, which leaves them as
+/// they were. On error `p` stays live too: free it.
+///
+/// # Safety
+/// As gp_group_decode's, except that `p` stays the caller's.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_decode_held(g: *const gp_group_t, p: *mut gp_pending_t, bucket: *mut f32, bucket_len: u64) -> c_int {
+    guard(|| {
+        let pending = &mut p.as_mut().ok_or(Error::NullPointer { what: "pending" })?.0;
+        let group = group(g)?;
+        let b = Raw::new("bucket", bucket, bucket_len)?;
+        let w = Raw::new("pending words", pending.words.as_ptr(), pending.words.len() as u64)?;
+        let f = Raw::new("pending floats", pending.floats.as_ptr(), pending.floats.len() as u64)?;
+        b.check_disjoint(&w)?;
+        b.check_disjoint(&f)?;
+        group.decode_held(pending, slice_mut(bucket, bucket_len))
+    })
+}
+
+/// Advances the states of a bucket gp_group_decode_held wrote (its
+/// residuals, Q and push counts) and returns its keys to the group.
+/// Consumes `p` whether or not it succeeds.
+///
+/// # Safety
+/// `p` is a live pending bucket of `g`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn gp_group_commit(g: *const gp_group_t, p: *mut gp_pending_t) -> c_int {
+    guard(|| {
+        if p.is_null() {
+            return Err(Error::NullPointer { what: "pending" });
+        }
+        let pending = Box::from_raw(p).0;
+        group(g)?.commit(pending)
     })
 }
 

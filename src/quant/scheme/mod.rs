@@ -254,15 +254,17 @@ pub fn check_state(c: &Compression, shape: &[usize], state: &State) -> std::resu
     Ok(())
 }
 
-/// Checks what `encode` will be given, before anything changes: one state
-/// per gradient, equal lengths, QSGD's worker bound, and finite values for
-/// the schemes with a residual (1bit, PowerSGD; 2-bit's codec checks
-/// residual + gradient itself), so that no NaN or inf enters a residual.
-/// The error names the member and element.
-pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: usize) -> Result<()> {
+/// Checks what `encode` will be given, before anything changes: at most
+/// one state per gradient (a member past `states` starts from a fresh
+/// one), equal lengths, QSGD's worker bound, and finite values for the
+/// schemes with a residual (PowerSGD the gradient; 1-bit the gradient,
+/// then residual + gradient, whose sum is what it quantizes and keeps;
+/// 2-bit's codec checks residual + gradient itself), so that no NaN or inf
+/// enters a residual. The error names the member and element.
+pub fn check_input(c: &Compression, states: &[State], grads: &[&[f32]], workers: usize) -> Result<()> {
     let n = grads.first().map_or(0, |g| g.len());
-    if grads.is_empty() || states != grads.len() || grads.iter().any(|g| g.len() != n) {
-        return Err(Error::Internal(format!("a scheme push of {} gradients of lengths {:?} with {states} states", grads.len(), grads.iter().map(|g| g.len()).collect::<Vec<_>>())));
+    if grads.is_empty() || states.len() > grads.len() || grads.iter().any(|g| g.len() != n) {
+        return Err(Error::Internal(format!("a scheme push of {} gradients of lengths {:?} with {} states", grads.len(), grads.iter().map(|g| g.len()).collect::<Vec<_>>(), states.len())));
     }
     if let Compression::Qsgd(q) = c {
         if workers as u64 > qsgd::max_workers(q.bits()[0])? {
@@ -274,23 +276,31 @@ pub fn check_input(c: &Compression, states: usize, grads: &[&[f32]], workers: us
     if matches!(c, Compression::None | Compression::TwoBit(_) | Compression::Qsgd(_)) {
         return Ok(());
     }
-    check_finite(grads)
+    check_finite(grads)?;
+    if let Compression::OneBit { .. } = c {
+        for (m, (g, s)) in grads.iter().zip(states).enumerate() {
+            if s.residual.len() == g.len() {
+                crate::codec::check_finite(&format!("pushed value {m}"), g, &s.residual)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The one non-finite rule of a pushed gradient, checked before anything
-/// changes: 2-bit reads residual + gradient (zeros before a first push),
-/// 1-bit and PowerSGD the gradient; `none` sums what it is given, as a
-/// plain all-reduce would, and QSGD's shared scale fails every worker
-/// together by itself (`encode_qsgd`), so neither reads anything here.
-/// `what` names the gradient in 2-bit's error.
+/// changes: 2-bit and 1-bit read residual + gradient (zeros before a first
+/// push: the sum they quantize and keep), PowerSGD the gradient; `none`
+/// sums what it is given, as a plain all-reduce would, and QSGD's shared
+/// scale fails every worker together by itself (`encode_qsgd`), so neither
+/// reads anything here. `what` names the gradient in the error.
 pub fn check_pushed(c: &Compression, grad: &[f32], state: Option<&State>, what: &str) -> Result<()> {
     match c {
-        Compression::TwoBit(_) => match state.filter(|s| s.residual.len() == grad.len()) {
+        Compression::TwoBit(_) | Compression::OneBit { .. } => match state.filter(|s| s.residual.len() == grad.len()) {
             Some(s) => crate::codec::check_finite(what, grad, &s.residual),
             None => crate::codec::check_finite(what, grad, &vec![0f32; grad.len()]),
         },
         Compression::None | Compression::Qsgd(_) => Ok(()),
-        Compression::OneBit { .. } | Compression::PowerSgd { .. } => check_finite(&[grad]),
+        Compression::PowerSgd { .. } => check_finite(&[grad]),
     }
 }
 
@@ -357,6 +367,13 @@ pub(in crate::quant::scheme) fn sum_of(grads: &[&[f32]]) -> Result<Vec<f32>> {
 /// non-finite value otherwise (a sum past float32's range, or a faulty
 /// worker's part). Every worker holds the same sum, so every worker fails
 /// alike, before any state changes.
+/// PowerSGD's summed factor `name` holds only finite values: the check
+/// `decode_slice` makes of P and Q, for a caller that must know before it
+/// decodes (`store::group`'s `check`).
+pub fn check_factor(name: &str, x: &[f32]) -> Result<()> {
+    non_finite_factor(name, x)
+}
+
 pub(in crate::quant::scheme) fn non_finite_factor(name: &str, x: &[f32]) -> Result<()> {
     match x.iter().position(|v| !v.is_finite()) {
         None => Ok(()),

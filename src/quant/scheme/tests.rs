@@ -51,7 +51,7 @@ fn in_process(c: &Compression, shape: &[usize], grads: &[Vec<f32>], steps: u64) 
             let ctx = Ctx { shape, step, key_hash: 42, member: 0, workers: w };
             let mut out = vec![0f32; n];
             let mut group = InProcess::new(w);
-            check_input(c, w, &views, w).unwrap();
+            check_input(c, &states, &views, w).unwrap();
             push_round(c, &mut states, &views, &ctx, &mut group, &mut out).unwrap();
             out
         })
@@ -224,7 +224,7 @@ fn powersgd_steps(c: &Compression, shape: &[usize], grads: &[Vec<Vec<f32>>]) -> 
                 let ctx = Ctx { shape, step: state[0].step, key_hash: 42, member: m as u64, workers: 2 };
                 let mut out = vec![0f32; n];
                 let g = &grads[step][m];
-                let result = check_input(c, 1, &[g], 2).and_then(|()| push_round(c, &mut state, &[g], &ctx, coll, &mut out)).map(|()| out).map_err(|e| e.to_string());
+                let result = check_input(c, &state, &[g], 2).and_then(|()| push_round(c, &mut state, &[g], &ctx, coll, &mut out)).map(|()| out).map_err(|e| e.to_string());
                 (result, state[0].clone())
             })
             .collect())
@@ -373,7 +373,7 @@ fn one_and_two_bit_commit_the_codecs_residuals_in_finish_and_an_unfinished_push_
             let ctx = Ctx { shape: &[n], step: states[0].step, key_hash: 7, member: 0, workers: 2 };
             let mut group = InProcess::new(2);
             let before = snapshot(&states);
-            check_input(&c, 2, &views, 2).unwrap();
+            check_input(&c, &states, &views, 2).unwrap();
             let (exchanged, mut part) = encode(&c, &mut states, &views, &ctx, &mut group).unwrap();
             assert!(snapshot(&states) == before, "{} push {push}: encode changed a state", c.name());
             // The codes: the rule on each member from its committed residual.
@@ -421,23 +421,49 @@ fn check_input_names_the_member_and_element_of_a_non_finite_value() {
     let g0 = [1.0f32, 2.0, 3.0];
     let g1 = [1.0f32, f32::NEG_INFINITY, 3.0];
     for c in [params(&[("compress", "1bit")]), params(&[("compress", "powersgd"), ("rank", "1")])] {
-        let err = check_input(&c, 2, &[&g0, &g1], 2).unwrap_err().to_string();
+        let err = check_input(&c, &[], &[&g0, &g1], 2).unwrap_err().to_string();
         assert!(err.contains("pushed value 1 holds -inf at element 1"), "{}: {err}", c.name());
-        check_input(&c, 2, &[&g0, &g0], 2).unwrap();
+        check_input(&c, &[], &[&g0, &g0], 2).unwrap();
     }
     // QSGD: its shared scale catches it before any state changes, naming the member here.
     let q = params(&[("compress", "qsgd_mn"), ("bits", "2")]);
-    check_input(&q, 2, &[&g0, &g1], 2).unwrap();
+    check_input(&q, &[], &[&g0, &g1], 2).unwrap();
     let mut states = [State::default(), State::default()];
     let ctx = Ctx { shape: &[3], step: 0, key_hash: 1, member: 0, workers: 2 };
     let err = push_round(&q, &mut states, &[&g0, &g1], &ctx, &mut InProcess::new(2), &mut [0.0; 3]).unwrap_err().to_string();
     assert!(err.contains("pushed value 1 holds -inf at element 1"), "{err}");
     // 2-bit's codec checks residual + gradient itself; lengths and counts are checked for all.
-    check_input(&params(&[("compress", "2bit"), ("threshold", "0.5")]), 2, &[&g0, &g1], 2).unwrap();
-    assert!(check_input(&params(&[("compress", "1bit")]), 1, &[&g0, &g0], 2).is_err());
-    assert!(check_input(&params(&[("compress", "1bit")]), 2, &[&g0, &g0[..2]], 2).is_err());
-    let err = check_input(&params(&[("compress", "qsgd_mn"), ("bits", "8")]), 1, &[&g0], 1 << 30).unwrap_err().to_string();
+    check_input(&params(&[("compress", "2bit"), ("threshold", "0.5")]), &[], &[&g0, &g1], 2).unwrap();
+    assert!(check_input(&params(&[("compress", "1bit")]), &[State::default(), State::default()], &[&g0], 2).is_err());
+    assert!(check_input(&params(&[("compress", "1bit")]), &[], &[&g0, &g0[..2]], 2).is_err());
+    let err = check_input(&params(&[("compress", "qsgd_mn"), ("bits", "8")]), &[], &[&g0], 1 << 30).unwrap_err().to_string();
     assert!(err.contains("could overflow the code sum"), "{err}");
+}
+
+#[test]
+fn one_bit_refuses_a_residual_plus_gradient_that_overflows_and_changes_nothing() {
+    // 1-bit quantizes r + g and keeps r + g -/+ 1: a finite gradient whose
+    // sum with the residual overflows would make the residual infinite and
+    // every later bit 1 (a silent wrong sum), so it is refused first.
+    let c = params(&[("compress", "1bit")]);
+    let big = [3e38f32, 1.0];
+    let mut states = [State::default(), State::default()];
+    let ctx = |step| Ctx { shape: &[2], step, key_hash: 5, member: 0, workers: 2 };
+    check_input(&c, &states, &[&big, &big], 2).unwrap();
+    let mut out = [0f32; 2];
+    push_round(&c, &mut states, &[&big, &big], &ctx(0), &mut InProcess::new(2), &mut out).unwrap();
+    assert_eq!(out, [2.0, 2.0]); // the sum over both members: +1 each
+    let before = snapshot(&states);
+    assert!(before.iter().all(|(r, _, _)| r.iter().all(|&x| f32::from_bits(x).is_finite())), "{before:?}");
+    let err = check_input(&c, &states, &[&[1.0, 1.0], &big], 2).unwrap_err().to_string();
+    assert!(err.contains("pushed value 1: residual + gradient is inf at element 0"), "{err}");
+    assert!(snapshot(&states) == before);
+    // A member without a state yet (a new device) is checked on its gradient alone.
+    check_input(&c, &states[..1], &[&[1.0, 1.0], &big], 2).unwrap();
+    // The stores' one-gradient rule (`check_pushed`) reads the same sum.
+    let err = check_pushed(&c, &big, Some(&states[0]), "merged gradient").unwrap_err().to_string();
+    assert!(err.contains("merged gradient: residual + gradient is inf at element 0"), "{err}");
+    check_pushed(&c, &[-3e38, 1.0], Some(&states[0]), "merged gradient").unwrap();
 }
 
 #[test]

@@ -25,11 +25,37 @@ pub enum Own {
     Reshaped = 2,
     /// A key loaded from a checkpoint with another shape.
     Resaved = 3,
+    /// The front refused the rank's input before any exchange (`Group::refuse`):
+    /// a dtype gradpack does not compress,
+    Dtype = 4,
+    /// a tensor on another device than this build compresses on,
+    Device = 5,
+    /// a tensor whose elements share memory (it cannot hold a result),
+    Overlap = 6,
+    /// a key that is not one (empty, not a str, holding a NUL),
+    KeyText = 7,
+    /// a buffer that does not hold the tensors it names.
+    Sizes = 8,
 }
 
 impl Own {
     fn from_code(code: u64) -> Option<Own> {
-        [Own::Twice, Own::Reshaped, Own::Resaved].into_iter().find(|o| *o as u64 == code)
+        Own::ALL.into_iter().find(|o| *o as u64 == code)
+    }
+
+    const ALL: [Own; 8] = [Own::Twice, Own::Reshaped, Own::Resaved, Own::Dtype, Own::Device, Own::Overlap, Own::KeyText, Own::Sizes];
+
+    /// A front's refusal by its number in the C ABI (`gp_group_refuse`: 1
+    /// dtype, 2 device, 3 overlapping memory, 4 key, 5 sizes).
+    pub fn refusal(code: u32) -> Option<Own> {
+        match code {
+            1 => Some(Own::Dtype),
+            2 => Some(Own::Device),
+            3 => Some(Own::Overlap),
+            4 => Some(Own::KeyText),
+            5 => Some(Own::Sizes),
+            _ => None,
+        }
     }
 
     fn text(self) -> &'static str {
@@ -37,6 +63,11 @@ impl Own {
             Own::Twice => "pushed twice at once (twice in one bucket, or while its bucket is in flight)",
             Own::Reshaped => "pushed before with another shape",
             Own::Resaved => "loaded from a checkpoint with another shape",
+            Own::Dtype => "refused there: its dtype is not one gradpack compresses (float32, float16 or bfloat16)",
+            Own::Device => "refused there: not on a device this build compresses on (CPU tensors only)",
+            Own::Overlap => "refused there: its elements share memory (an expanded view), so it cannot hold the result",
+            Own::KeyText => "refused there: not a key gradpack takes (a non-empty str without NUL)",
+            Own::Sizes => "refused there: its buffer does not hold the tensors it names (their sizes, order or dimensions)",
         }
     }
 }
@@ -75,8 +106,11 @@ impl Verdict {
     /// every rank sent stand-ins for the same new bucket). `key(i)` names
     /// tensor `i` of the bucket and `step(i)` its push count; `what` is
     /// what the fault check read ("gradient", "residual + gradient").
+    /// A rank's own failure comes first: the fields of a rank that refused
+    /// its bucket (push counts of zero, a stand-in key) differ from the
+    /// others' because of it.
     pub fn error(&self, key: impl Fn(usize) -> Option<String>, step: impl Fn(usize) -> u64, what: &str) -> Option<Error> {
-        if !self.differs.is_empty() {
+        if !self.differs.is_empty() && self.own.0 == 0 {
             let named: Vec<&str> = self.differs.iter().filter_map(|&f| NAMES.get(f).copied()).collect();
             return Some(Error::Store(format!("gradpack: the ranks disagree on {}; every rank must run the same model with the same gradpack State settings, and load checkpoints on every rank alike", named.join(", "))));
         }

@@ -50,7 +50,8 @@ use crate::quant::compression::Compression;
 use crate::quant::{qsgd, scheme};
 use crate::store::checkpoint::{self, KeyState, Saved};
 
-use check::{Mine, Own, Verdict, TAIL_WORDS};
+use check::{Mine, Verdict, TAIL_WORDS};
+pub use check::Own;
 pub use crate::quant::engine::{Buffer, Engine, Lanes, ReduceOp};
 pub use owners::Exchange;
 
@@ -189,6 +190,9 @@ struct PendingKey {
     /// The tensor's elements in the bucket.
     at: Range<usize>,
     route: Route,
+    /// The summed final part, once `decode_held` wrote the result: what
+    /// `commit` hands the scheme (`scheme::finish`).
+    summed: Option<scheme::Part>,
 }
 
 /// A bucket between `encode` and `decode`: the caller SUMs `words`, then
@@ -220,6 +224,8 @@ pub struct Pending {
     /// verdict at once, but raises it where every other rank does (a rank
     /// that stopped early would leave the others waiting in later buckets).
     doomed: Option<Error>,
+    /// `decode_held` wrote the result; `commit` may change the states.
+    decoded: bool,
 }
 
 /// What `exchange` built for a bucket.
@@ -285,10 +291,13 @@ impl Group {
                 return Err(Error::InvalidParam { key: "bits".into(), problem: format!("{world} ranks could overflow the code sum at {} bits", q.bits()[0]) });
             }
         }
-        // 2-bit and 1-bit sum every rank's codes in lanes of at most 31 bits.
-        let limit = match compression {
-            Compression::TwoBit(_) => Some(max_ranks(|w| i32::try_from(w + 1).ok().and_then(|hi| collective::sum_width(0, hi, w)).is_some())),
-            Compression::OneBit { .. } => Some(max_ranks(|w| collective::sum_width(0, 1, w).is_some())),
+        // Every integer scheme sums every rank's codes in lanes of at most 31
+        // bits (its `final_codes` summed over the world must fit, as a push
+        // checks): refused here rather than at every push.
+        let limit = match &compression {
+            Compression::TwoBit(_) | Compression::OneBit { .. } | Compression::Qsgd(_) => {
+                Some(max_ranks(|w| scheme::final_codes(&compression, w).and_then(|(lo, hi)| collective::sum_width(lo, hi, w)).is_some()))
+            }
             _ => None,
         };
         if let Some(limit) = limit.filter(|&l| world > l) {
@@ -423,7 +432,7 @@ impl Group {
 
     /// What the non-finite check reads for this compression.
     fn fault_what(&self) -> &'static str {
-        if matches!(self.compression, Compression::TwoBit(_)) { "residual + gradient" } else { "gradient" }
+        if matches!(self.compression, Compression::TwoBit(_) | Compression::OneBit { .. }) { "residual + gradient" } else { "gradient" }
     }
 
     /// The index of the first compressed tensor whose gradient (2-bit:
@@ -484,11 +493,11 @@ impl Group {
                 keys.stats.bytes_sent += final_bytes;
                 keys.stats.bytes_uncompressed += collective::f32_bytes(bucket_len) * b.doomed.is_none() as u64;
                 drop(keys);
-                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, summed: b.summed, members: b.members, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed };
+                let mut pending = Pending { keys: self.keys.clone(), tensors: Vec::with_capacity(tensors.len()), words: b.words, floats: b.floats, plain: b.plain, summed: b.summed, members: b.members, tail_in_floats: b.tail_in_floats, len: bucket_len, last, doomed: b.doomed, decoded: false };
                 let mut at = 0;
                 for (((t, entry), route), origin) in tensors.iter().zip(entries).zip(b.routes).zip(origins) {
                     let n = t.grad.len();
-                    pending.tensors.push(PendingKey { key: t.key.clone(), entry, origin, at: at..at + n, route });
+                    pending.tensors.push(PendingKey { key: t.key.clone(), entry, origin, at: at..at + n, route, summed: None });
                     at += n;
                 }
                 Ok(pending)
@@ -498,6 +507,27 @@ impl Group {
                 Group::give_back(&self.keys, tensors.iter().zip(entries).zip(origins).map(|((t, e), o)| (t.key.clone(), e, o)));
                 Err(err)
             }
+        }
+    }
+
+    /// Takes this rank's part in a bucket that its front refused before
+    /// encoding it (`own`: a dtype, a device, a key; tensor `index`), so
+    /// that no other rank waits for it: the agreement, or stand-ins of the
+    /// planned bucket, carry the refusal to every rank, which all fail
+    /// with the same error. `tensors` name the bucket as far as the front
+    /// could read it (their gradients are not read). Returns that error;
+    /// nothing changed.
+    pub fn refuse(&self, tensors: &[Tensor], own: Own, index: usize, engine: &mut dyn Engine) -> Error {
+        let layout = layout_of(tensors.iter().map(|t| (t.key.stable_hash(), &t.shape[..])));
+        let steps = vec![0; tensors.len()];
+        let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, self.settings], flagged: false, own: Some((own, index)), fault: None };
+        let mut coll = self.lanes(engine);
+        // (a rank's own failure is never run: `exchange` reads no entry)
+        let built = self.exchange(tensors, &mut [], &steps, mine, &mut coll);
+        lock(&self.keys).stats.bytes_sent += coll.sent;
+        match built {
+            Ok(Built { doomed: Some(err), .. }) | Err(err) => err,
+            Ok(_) => Error::Internal("a refused bucket was run".into()),
         }
     }
 
@@ -778,6 +808,16 @@ impl Group {
                 .error(|i| names.get(i).cloned(), |i| steps.get(i).copied().unwrap_or(0), self.fault_what())
                 .unwrap_or_else(|| Error::Store("gradpack: another rank sent stand-ins for this bucket; nothing was applied on any rank".into())));
         }
+        // PowerSGD's summed Q, which `decode` multiplies out: a sum past
+        // float32's range is found here, before anything is written, so
+        // that `check` names every error `decode` could meet.
+        if let Compression::PowerSgd { .. } = self.compression {
+            for t in &pending.tensors {
+                if let Route::Compressed { last: Final::F32(r), .. } = &t.route {
+                    scheme::check_factor("Q", pending.floats.get(r.clone()).ok_or_else(|| Error::Internal("a pending bucket's Q past its floats".into()))?)?;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -787,36 +827,45 @@ impl Group {
     /// alike. Reads the bucket's check first: on any rank's difference or
     /// non-finite gradient every rank returns the same error and every
     /// state stays as it was. Consumes `pending`; its keys' states are
-    /// back either way.
+    /// back either way (`decode_held`, then `commit`).
     pub fn decode(&self, mut pending: Pending, bucket: &mut [f32]) -> Result<()> {
+        self.decode_held(&mut pending, bucket)?;
+        self.commit(pending)
+    }
+
+    /// `decode`'s first half: writes the result to `bucket` and changes no
+    /// state; the bucket stays pending, its keys in flight, until `commit`
+    /// (its states advance) or a drop (they stay as they were). A caller
+    /// that decodes several buckets of one step commits them once every one
+    /// decoded, so a failed step leaves every state as it was.
+    pub fn decode_held(&self, pending: &mut Pending, bucket: &mut [f32]) -> Result<()> {
         if bucket.len() != pending.len {
             return Err(Error::SizeMismatch { what: "bucket", expected: pending.len, got: bucket.len() });
         }
         if !Arc::ptr_eq(&pending.keys, &self.keys) {
             return Err(Error::Internal("a pending bucket decoded by another State".into()));
         }
-        if let Some(err) = pending.doomed.take() {
-            return Err(err);
+        if pending.decoded {
+            return Err(Error::Internal("a pending bucket decoded twice".into()));
         }
-        self.read_check(&pending)?;
+        if let Some(err) = &pending.doomed {
+            return Err(err.clone());
+        }
+        self.read_check(pending)?;
         let world = self.world as f32;
         // The owners exchange's codes are sums of `members` members': divided by that.
         let members = pending.members;
-        let (words, floats) = (std::mem::take(&mut pending.words), std::mem::take(&mut pending.floats));
-        let mut compressed = false;
-        let mut result = Ok(());
+        let (words, floats) = (&pending.words, &pending.floats);
         for t in pending.tensors.iter_mut() {
             let mut out = &mut bucket[t.at.clone()];
             let mut mean = false;
-            match &mut t.route {
+            match &t.route {
                 Route::Plain(r) => {
                     if !pending.plain {
                         out.copy_from_slice(&floats[r.clone()]);
                     }
-                    t.entry.state.step += 1;
                 }
                 Route::Compressed { exchanged, last, rows } => {
-                    compressed = true;
                     let part = match last {
                         Final::Packed { words: w, n, lo, hi, width } => scheme::Part::Packed { words: words[w.clone()].to_vec(), n: *n, lo: *lo, hi: *hi, count: members as u32, width: *width },
                         Final::F32(r) => scheme::Part::F32(floats[r.clone()].to_vec()),
@@ -828,25 +877,44 @@ impl Group {
                     if let Some(r) = rows {
                         out = &mut out[r.clone()];
                     }
-                    if let Err(err) = scheme::decode_slice(&self.compression, exchanged, &part, &ctx, offset, out) {
-                        result = Err(err);
-                        break;
-                    }
-                    let states = std::slice::from_mut(&mut t.entry.state);
-                    scheme::finish(&self.compression, states, part);
-                    scheme::recycle(states, std::mem::take(exchanged));
+                    // A failure here changes no state: `commit` finishes every tensor or none.
+                    scheme::decode_slice(&self.compression, exchanged, &part, &ctx, offset, out)?;
+                    t.summed = Some(part);
                 }
             }
             let by = if mean { members as f32 } else { world };
             crate::par::chunks(out, |_, piece| piece.iter_mut().for_each(|x| *x /= by));
         }
-        if result.is_ok() {
-            pending.tensors.iter_mut().for_each(|t| t.origin = Origin::Idle);
-            let mut keys = lock(&self.keys);
-            keys.stats.steps += pending.last as u64;
-            keys.stats.compressed_steps += (pending.last && compressed) as u64;
+        pending.decoded = true;
+        (pending.words, pending.floats) = (Vec::new(), Vec::new());
+        Ok(())
+    }
+
+    /// `decode`'s second half: every tensor of a bucket that `decode_held`
+    /// wrote advances its state (residuals, Q, push count) and returns
+    /// to the group.
+    pub fn commit(&self, mut pending: Pending) -> Result<()> {
+        if !Arc::ptr_eq(&pending.keys, &self.keys) || !pending.decoded {
+            return Err(Error::Internal("a pending bucket committed before it was decoded, or by another State".into()));
         }
-        result
+        let mut compressed = false;
+        for t in pending.tensors.iter_mut() {
+            match &mut t.route {
+                Route::Plain(_) => t.entry.state.step += 1,
+                Route::Compressed { exchanged, .. } => {
+                    compressed = true;
+                    let part = t.summed.take().ok_or_else(|| Error::Internal("a decoded tensor without its sum".into()))?;
+                    let states = std::slice::from_mut(&mut t.entry.state);
+                    scheme::finish(&self.compression, states, part);
+                    scheme::recycle(states, std::mem::take(exchanged));
+                }
+            }
+            t.origin = Origin::Idle;
+        }
+        let mut keys = lock(&self.keys);
+        keys.stats.steps += pending.last as u64;
+        keys.stats.compressed_steps += (pending.last && compressed) as u64;
+        Ok(())
     }
 
     /// Every key's state, in a versioned blob ("GPCS", as the stores save
@@ -877,13 +945,23 @@ impl Group {
         if let Some(k) = keys.in_flight.first() {
             return Err(Error::Key { key: k.to_string(), problem: "its bucket is in flight: load a state between steps".into() });
         }
-        let known = |k: &Key| keys.idle.get(k).map(|e| e.shape.clone()).ok_or_else(|| Error::Internal(String::new()));
-        let fresh = keys.idle.is_empty();
-        checkpoint::check(&saved, &self.compression, (self.rank as u64, self.world as u64), |k| if fresh { Ok(saved_shape(&saved, k)) } else { known(k) }, |_| None)?;
-        if !fresh {
-            if let Some(k) = keys.idle.keys().find(|k| !saved.keys.iter().any(|s| s.key == **k)) {
-                return Err(Error::OptimizerStates(format!("key {k}: pushed here but not in the compression states")));
-            }
+        // A key pushed here keeps its shape; any other (not pushed yet, or
+        // only loaded) takes the saved one, checked at its first push.
+        let shape_here = |k: &Key| Ok(keys.idle.get(k).map_or_else(|| saved_shape(&saved, k), |e| e.shape.clone()));
+        checkpoint::check(&saved, &self.compression, (self.rank as u64, self.world as u64), shape_here, |_| None)?;
+        if let Some(k) = keys.idle.keys().find(|k| !saved.keys.iter().any(|s| s.key == **k)) {
+            return Err(Error::OptimizerStates(format!("key {k}: pushed here but not in the compression states")));
+        }
+        // A rank keeps one scheme state a key: a blob of a store with
+        // several devices (or 2-bit's per-device residuals) would lose all
+        // but one of them.
+        if let Some(k) = saved.keys.iter().find(|k| !k.residuals.is_empty() || k.states.len() > 1) {
+            return Err(Error::OptimizerStates(format!(
+                "key {}: saved with {} residuals and {} scheme states, as a store with several devices keeps them; a gradpack.torch State keeps one state a key",
+                k.key,
+                k.residuals.len(),
+                k.states.len()
+            )));
         }
         let loaded: HashMap<Key, Entry> = saved
             .keys

@@ -335,10 +335,12 @@ fn a_settled_job_agrees_no_more_and_a_rank_that_departs_from_the_plan_fails_ever
         two_buckets(&groups, 2, 3);
         assert_eq!(groups[2].stats().agreements, settled, "{c:?}");
         let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
-        // Rank 1 pushes another bucket where the plan has (a, b): every rank fails alike.
+        // Rank 1 pushes another bucket where the plan has (a, b), its key a
+        // reshaped: every rank fails alike, naming that (its own failure
+        // comes before the fields that differ because of it).
         let errors = rank_one_departs(&groups);
         assert!(errors.iter().all(|e| *e == errors[0]), "{c:?}: {errors:?}");
-        assert!(errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {}", errors[0]);
+        assert!(errors[0].contains("rank 1's key 'a' was pushed before with another shape"), "{c:?}: {}", errors[0]);
         assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
         // The job goes on: the next steps stand in once and settle again.
         two_buckets(&groups, 10, 3);
@@ -563,7 +565,7 @@ fn a_fault_or_a_departure_fails_every_rank_alike(c: Compression, exchange: Excha
     two_buckets(&groups, 6, 2); // the job goes on
     let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
     let errors = rank_one_departs(&groups);
-    assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("the ranks disagree on bucket layout"), "{c:?}: {errors:?}");
+    assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 1's key 'a' was pushed before with another shape"), "{c:?}: {errors:?}");
     assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
     two_buckets(&groups, 10, 3); // and goes on again
     let settled = groups[0].stats().agreements;
@@ -672,4 +674,134 @@ fn under_the_reduce_scatter_a_fault_or_a_departure_fails_every_rank_alike_and_ch
         a_fault_or_a_departure_fails_every_rank_alike(c, Exchange::Scatter, key);
     }
     a_rank_that_chose_otherwise_is_met_at_the_first_bucket(Exchange::Scatter);
+}
+
+/// Every rank pushes `layout`, but `refusing` takes its part as a rank
+/// whose front refused the bucket (`own`): every rank's error.
+fn one_refuses(groups: &[Group], refusing: usize, own: Own, layout: &[(&str, Vec<usize>)], step: u64) -> Vec<String> {
+    let n: usize = layout.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let (g, threads) = (grads(groups.len(), n, step), Threads::new(groups.len()));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..groups.len())
+            .map(|r| {
+                let (g, threads) = (&g, &threads);
+                s.spawn(move || {
+                    if r != refusing {
+                        return one(threads, &groups[r], r, layout, &g[r]).unwrap_err().to_string();
+                    }
+                    let named: Vec<Tensor> = layout.iter().map(|(k, shape)| Tensor { key: Key::Str(k.to_string()), shape: shape.clone(), grad: &[] }).collect();
+                    groups[r].refuse(&named, own, 0, &mut Rank { threads, rank: r }).to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_bucket_its_front_refused_on_one_rank_fails_every_rank_alike_with_or_without_a_plan() {
+    for c in [params(&[("compress", "2bit"), ("threshold", "0.25")]), params(&[("compress", "qsgd_mn"), ("bits", "2")]), params(&[("compress", "powersgd"), ("rank", "1")])] {
+        for exchange in [Exchange::Lanes, Exchange::Owners, Exchange::Scatter] {
+            if exchange == Exchange::Owners && matches!(c, Compression::PowerSgd { .. }) {
+                continue;
+            }
+            let groups = groups_of(c, 3, exchange);
+            let layout = [("w", vec![6, 7])];
+            // The first bucket: no plan, the blocking agreement carries it.
+            let errors = one_refuses(&groups, 1, Own::Dtype, &layout, 0);
+            assert!(errors.iter().all(|e| *e == errors[0]), "{c:?} {exchange:?}: {errors:?}");
+            assert_eq!(errors[0], "gradpack: rank 1's key 'w' was refused there: its dtype is not one gradpack compresses (float32, float16 or bfloat16); nothing was applied on any rank");
+            let fresh = groups_of(c, 3, exchange).iter().map(|g| g.save().unwrap()).collect::<Vec<_>>();
+            assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), fresh, "{c:?}: no key registered");
+            // A settled job: the planned bucket's stand-ins carry it, and the job goes on.
+            for step in 0..3 {
+                assert!(push_all(&groups, &layout, &grads(3, 42, step)).iter().all(|r| r.is_ok()));
+            }
+            let (saved, agreements) = (groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), groups[0].stats().agreements);
+            let errors = one_refuses(&groups, 2, Own::Overlap, &layout, 3);
+            assert!(errors.iter().all(|e| *e == errors[0]) && errors[0].contains("rank 2's key 'w' was refused there: its elements share memory"), "{c:?} {exchange:?}: {errors:?}");
+            assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
+            assert_eq!(groups[0].stats().agreements, agreements, "{c:?}: no blocking round");
+            assert!(push_all(&groups, &layout, &grads(3, 42, 4)).iter().all(|r| r.is_ok()), "{c:?}: the job goes on");
+        }
+    }
+    assert_eq!(Own::refusal(1), Some(Own::Dtype));
+    assert_eq!(Own::refusal(5), Some(Own::Sizes));
+    assert!(Own::refusal(0).is_none() && Own::refusal(6).is_none());
+}
+
+#[test]
+fn a_bucket_that_fails_at_one_tensor_changes_no_tensors_state() {
+    // PowerSGD over two ranks: `a` decodes, `b`'s summed Q passes float32's
+    // range at b's first push (each rank's P, its sum and each rank's Q are
+    // finite). `check` names it before anything is written (`one` asserts
+    // decode agrees), and `a`, pushed before, keeps its state.
+    let c = params(&[("compress", "powersgd"), ("rank", "1")]);
+    let groups: Vec<Group> = (0..2).map(|r| Group::new(c, r, 2, 0, 0.0).unwrap()).collect();
+    assert!(push_all(&groups, &[("a", vec![8, 4])], &grads(2, 32, 0)).iter().all(|r| r.is_ok()));
+    let layout = [("a", vec![8, 4]), ("b", vec![20000, 4])];
+    let push = |b: f32| {
+        let g: Vec<Vec<f32>> = grads(2, 32, 1).into_iter().map(|mut g| {
+            g.resize(32 + 80000, b);
+            g
+        }).collect();
+        push_all(&groups, &layout, &g)
+    };
+    let saved: Vec<Vec<u8>> = groups.iter().map(|g| g.save().unwrap()).collect();
+    let errors: Vec<String> = push(2e36).into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert!(errors[0] == errors[1] && errors[0].starts_with("PowerSGD: the workers' sum of Q holds") && errors[0].contains("inf"), "{errors:?}");
+    assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "a's state unchanged");
+    assert!(push(0.5).iter().all(|r| r.is_ok()), "the job goes on");
+}
+
+#[test]
+fn a_state_reloads_after_some_of_its_keys_were_pushed_and_refuses_what_it_cannot_hold() {
+    let c = params(&[("compress", "1bit")]);
+    let first = Group::new(c, 0, 1, 0, 0.0).unwrap();
+    push_all(std::slice::from_ref(&first), &[("x", vec![5]), ("y", vec![3])], &grads(1, 8, 0));
+    let blob = first.save().unwrap();
+    let second = Group::new(c, 0, 1, 0, 0.0).unwrap();
+    second.load(&blob).unwrap();
+    push_all(std::slice::from_ref(&second), &[("x", vec![5])], &grads(1, 5, 1)).remove(0).unwrap();
+    // y is loaded but not pushed yet: its own state, and the first blob, load again.
+    second.load(&second.save().unwrap()).unwrap();
+    second.load(&blob).unwrap();
+    assert_eq!(second.save().unwrap(), blob);
+    // A store's blob with 2-bit residuals per device, or several states a key, is refused.
+    let mut saved = checkpoint::decode(&blob).unwrap();
+    saved.keys[0].residuals = vec![vec![0.5; 5]];
+    let err = second.load(&checkpoint::encode(&saved)).unwrap_err().to_string();
+    assert!(err.contains("key 'x': saved with 1 residuals and 1 scheme states"), "{err}");
+    let mut saved = checkpoint::decode(&blob).unwrap();
+    saved.keys[1].states.push(scheme::State::default());
+    assert!(second.load(&checkpoint::encode(&saved)).unwrap_err().to_string().contains("key 'y': saved with 0 residuals and 2 scheme states"));
+    // A push count that no further push can count.
+    let mut saved = checkpoint::decode(&blob).unwrap();
+    saved.keys[0].pushes = u64::MAX;
+    assert!(second.load(&checkpoint::encode(&saved)).unwrap_err().to_string().contains("key 'x': saved after 2^64 - 1 pushes"));
+    assert_eq!(second.save().unwrap(), blob, "refused blobs change nothing");
+}
+
+#[test]
+fn a_world_whose_qsgd_codes_overflow_the_lanes_is_refused_at_the_start() {
+    for (bits, world) in [("15", 65538), ("8", 4210753)] {
+        let q = params(&[("compress", "qsgd_mn"), ("bits", bits)]);
+        let err = Group::new(q, 0, world, 0, 0.0).err().unwrap().to_string();
+        assert!(err.contains("which hold the sum of at most"), "{bits}: {err}");
+        // The largest world it takes encodes a push.
+        let limit: usize = err.rsplit("at most ").next().unwrap().trim_end_matches(" ranks").parse().unwrap();
+        let group = Group::new(q, 0, limit, 0, 0.0).unwrap();
+        let mut states = [scheme::State::default()];
+        let mut counting = {
+            struct Counting;
+            impl Engine for Counting {
+                fn all_reduce(&mut self, _: ReduceOp, _: Buffer<'_>) -> Result<()> {
+                    Ok(())
+                }
+            }
+            Counting
+        };
+        let mut coll = group.lanes(&mut counting);
+        scheme::encode(&q, &mut states, &[&[0.5f32; 64]], &group.ctx(1, &[64], 0), &mut coll).unwrap();
+    }
 }

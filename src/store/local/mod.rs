@@ -501,7 +501,7 @@ impl KVStore {
                 let widened: Vec<_> = values.iter().map(|v| v.data.to_f32()).collect();
                 let grads: Vec<&[f32]> = widened.iter().map(|g| &g[..]).collect();
                 let devices = values.len();
-                scheme::check_input(&c, devices, &grads, devices).map_err(|err| key_error(key, err.to_string()))?;
+                scheme::check_input(&c, &e.states[..e.states.len().min(devices)], &grads, devices).map_err(|err| key_error(key, err.to_string()))?;
                 if e.states.len() < devices {
                     e.states.resize_with(devices, Default::default); // a new device starts from a default state
                 }

@@ -423,7 +423,7 @@ impl DistWorker {
         }
         if compression.is_scheme() {
             let workers = self.num_workers();
-            scheme::check_input(&compression, 1, &[&e.merge], workers)?;
+            scheme::check_input(&compression, std::slice::from_ref(&e.state), &[&e.merge], workers)?;
             // (QSGD's shared scale would fail every worker together, but only
             // inside the round: this worker says which element, now.)
             if let Compression::Qsgd(_) = compression {
