@@ -102,6 +102,30 @@ def test_faults_raise_the_same_error_on_every_rank(tmp_path):
         assert "CPU tensors only" in f["meta tensor"], f
     for rep in reports[:2]:
         assert "worker %d of 3, this is worker %d of 2" % (rep["rank"], rep["rank"]) in rep["faults"]["load other world"], rep
+    # Input refused on the last rank alone: the same error on every rank (that
+    # rank adds its own reason), states unchanged, and the job goes on.
+    reasons = {"dtype": ("its dtype is not one gradpack compresses", "torch.float64"),
+               "key": ("not a key gradpack takes", "holds a NUL character"),
+               "expanded": ("its elements share memory", "strides (0, 1)"),
+               "dims": ("does not hold the tensors it names", "33 dimensions")}
+    for what, (common, own) in reasons.items():
+        errors = [rep["faults"]["refused " + what] for rep in reports]
+        head = "gradpack.Error: gradpack: rank 2's key "
+        assert all(e.startswith(head) and common in e and "nothing was applied on any rank" in e for e in errors), errors
+        assert own in errors[2] and not any(own in e for e in errors[:2]), errors
+        if what != "key":  # (the ranks name the key they were given)
+            assert errors[0] == errors[1] and errors[2].startswith(errors[0]), errors
+        for rep in reports:
+            f = rep["faults"]
+            assert f["refused unchanged " + what] and f["refused then " + what] is None, (what, f)
+            assert f["refused then identical " + what], what
+    for name, needle in [("state args", "rank 2: invalid parameter 'bits'"), ("state start_iter", "rank 2: start_iter must be")]:
+        errors = {rep["faults"][name] for rep in reports}
+        assert len(errors) == 1 and needle in errors.pop(), (name, errors)
+    for scheme in ("2bit", "qsgd_mn", "1bit"):
+        errors = {rep["faults"]["nan one param " + scheme] for rep in reports}
+        assert len(errors) == 1 and "rank 2's" in errors.pop(), (scheme, errors)
+        assert all(rep["faults"]["nan one param unchanged " + scheme] for rep in reports), scheme
 
 
 def test_a_dead_rank_ends_the_job_with_torchs_error(tmp_path):

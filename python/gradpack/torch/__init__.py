@@ -23,6 +23,7 @@ rank that dies ends the job with torch's own timeout error (the
 ``timeout=`` of ``init_process_group``).
 """
 import ctypes
+import math
 import threading
 
 import torch
@@ -45,6 +46,10 @@ LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.PO
                                 ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
                                 ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
 LIB.gp_group_decode.argtypes = [_p, _p, _p, _u64]
+LIB.gp_group_decode_held.argtypes = [_p, _p, _p, _u64]
+LIB.gp_group_commit.argtypes = [_p, _p]
+LIB.gp_group_refuse.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.c_int, _u64,
+                                _REDUCE, _p]
 LIB.gp_group_check.argtypes = [_p, _p]
 LIB.gp_pending_free.argtypes = [_p]
 LIB.gp_pending_free.restype = None
@@ -96,53 +101,83 @@ def _check_tensor(t, what):
 
 class _Pending(NativeHandle):
     """A bucket between encode and decode: its float32 view and the
-    all-reduces in flight. Finished once (decoded, or its error kept), by
-    the hook's callback or by whoever needs its keys first; never copied."""
+    all-reduces in flight. Decoded once (by the hook's callback, or by
+    whoever needs it first), which writes the result and changes no state;
+    then committed (its states advance) or abandoned (they stay as they
+    were): a step's buckets are committed together once every one of them
+    decoded, so a step that fails anywhere changes no state. Never copied."""
 
     _instead = "a pending bucket is decoded once, by the hook call that made it"
 
     def __init__(self, state, handle, flat, keys, words, nwords, floats, nfloats, plain):
         self.state, self.handle, self.flat, self.keys = state, handle, flat, keys
-        self._lock, self._outcome = threading.Lock(), None
+        self._lock, self._outcome, self._decoded = threading.Lock(), None, False
         # The words (ending with the bucket's check) first, then the floats
         # or the bucket itself: the order every rank sums them in.
         sums = [_view(words, nwords, 1), flat if plain else _view(floats, nfloats, 0)]
         group = state._comm
-        self.futures = [dist.all_reduce(t, group=group, async_op=True).get_future()
-                        for t in sums if t.numel() > 0]
+        self.futures = []
+        try:
+            for t in sums:
+                if t.numel() > 0:
+                    self.futures.append(dist.all_reduce(t, group=group, async_op=True).get_future())
+        except BaseException:
+            self._wait()  # a sum already in flight writes gradpack's buffers: wait for it before they go
+            raise
         for k in keys:
             state._open[k] = self
         state._pending.append(self)
 
+    def _wait(self):
+        """Waits for every sum in flight; returns the first one's error."""
+        first = None
+        for f in self.futures:
+            try:
+                f.wait()
+            except Exception as e:  # noqa: BLE001 - the caller raises it
+                first = first or e
+        return first
+
     def decode(self):
-        """Decodes the summed bucket into its buffer once; raises its error
-        (every later call raises it again)."""
+        """Writes the summed bucket's result into its buffer once, changing
+        no state; raises its error (every later call raises it again). A
+        failed bucket is dropped (its states as they were) but stays listed
+        for the step's last hook to raise."""
         with self._lock:
-            if self.handle is not None:
-                handle, self.handle = self.handle, None
+            if self.handle is not None and not self._decoded:
                 try:
-                    check_call(LIB.gp_group_decode(self.state._handle, handle, self.flat.data_ptr(),
-                                                   self.flat.numel()))
-                    self._outcome = None
+                    check_call(LIB.gp_group_decode_held(self.state._handle, self.handle, self.flat.data_ptr(),
+                                                        self.flat.numel()))
+                    self._decoded = True
                 except Error as e:
                     self._outcome = e
-                self._release_keys()
-                if self._outcome is None and self in self.state._pending:
-                    # A failed bucket stays listed, for the step's last hook to raise.
-                    self.state._pending.remove(self)
+                    handle, self.handle = self.handle, None
+                    LIB.gp_pending_free(handle)
+                    self._release_keys()
             if self._outcome is not None:
                 raise self._outcome
+
+    def commit(self):
+        """Advances the decoded bucket's states and returns its keys."""
+        with self._lock:
+            if self.handle is None or not self._decoded:
+                raise Error("gradpack.torch: a pending bucket committed before it was decoded")
+            handle, self.handle = self.handle, None
+            self._release_keys()
+            if self in self.state._pending:
+                self.state._pending.remove(self)
+            check_call(LIB.gp_group_commit(self.state._handle, handle))
 
     def check(self):
         """Raises the error decode would raise, changing nothing (the sums
         have arrived)."""
         with self._lock:
-            if self.handle is None:
+            if self.handle is None or self._decoded:
                 raise Error("a pending bucket checked after it was decoded")
             check_call(LIB.gp_group_check(self.state._handle, self.handle))
 
     def abandon(self):
-        """Drops the bucket undecoded: its keys' states stay as they were."""
+        """Drops the bucket, decoded or not: its keys' states stay as they were."""
         with self._lock:
             handle, self.handle = self.handle, None
             self._release_keys()
@@ -158,14 +193,13 @@ class _Pending(NativeHandle):
                 del self.state._open[k]
 
     def settle(self, raising=False):
-        """Waits for the sums and finishes the bucket; its error is raised
+        """Waits for every sum and decodes the bucket; its error is raised
         when `raising`, else left for the hook's future to carry."""
-        for f in self.futures:
-            try:
-                f.wait()
-            except Exception:  # noqa: BLE001 - torch's error (a dead rank) reaches the caller
-                if raising:
-                    raise
+        failure = self._wait()
+        if failure is not None:
+            if raising:
+                raise failure
+            return
         try:
             self.decode()
         except Error:
@@ -219,20 +253,22 @@ class State(NativeHandle):
 
     def __init__(self, compress_params, process_group=None, start_iter=0, min_compression_rate=2.0, local_size=None,
                  exchange="lanes", *, _fsdp=False):
-        if exchange == "scatter" and not _fsdp:
-            raise Error("exchange='scatter' is gradpack.torch.fsdp's reduce-scatter (each rank decodes only its own "
-                        "rows); DDP's hook and allreduce_ take 'lanes', 'owners' or 'auto'")
-        if not isinstance(compress_params, dict):
-            raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
         if not dist.is_available() or not dist.is_initialized():
             raise Error("gradpack.torch.State needs torch.distributed initialised "
                         "(torch.distributed.init_process_group) first")
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or not 0 <= start_iter <= _U64_MAX:
-            raise Error("start_iter must be a whole number from 0 to 2**64 - 1, got %r" % (start_iter,))
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.local_size = _local_size(local_size, process_group, self.rank, self.world_size)
+        # Every argument is checked first, and the verdict shared with every
+        # rank in local_size's agreement: a bad argument on one rank is the
+        # same error on every rank here, not a wait at the first bucket.
+        problem, args = None, None
+        try:
+            args = _state_args(compress_params, start_iter, min_compression_rate, exchange, _fsdp, self.rank,
+                               self.world_size)
+        except Error as e:
+            problem = str(e) or "?"
+        self.local_size = _local_size(local_size, process_group, self.rank, self.world_size, problem)
         # The ranks a bucket's compressed exchanges run among: every rank, or
         # (hierarchical) the ranks of this local index on every node.
         self._comm, self._intra, self._intra_bytes = process_group, None, 0
@@ -246,18 +282,7 @@ class State(NativeHandle):
             inner_rank, inner_world = node, nodes
         self._comm_rank = inner_rank
         self._scatter = exchange == "scatter"
-        keys = [_c_text(k, "compress_params key") for k in compress_params]
-        vals = [_c_text(v, "compress_params value") for v in compress_params.values()]
-        handle = _p()
-        try:
-            rate = float(min_compression_rate)
-        except (TypeError, ValueError, OverflowError):
-            raise Error("min_compression_rate must be a finite number >= 0, got %r" % (min_compression_rate,))
-        check_call(LIB.gp_group_new((ctypes.c_char_p * len(keys))(*keys),
-                                    (ctypes.c_char_p * len(vals))(*vals), len(keys), inner_rank,
-                                    inner_world, start_iter, rate, _c_text(exchange, "exchange"),
-                                    ctypes.byref(handle)))
-        self._handle = handle.value
+        self._handle = _new_group(args, inner_rank, inner_world)
         self.compress_params = dict(compress_params)
         self._param_keys = {}  # id(parameter) -> key
         self._params = []  # the parameters, so that their ids stay theirs
@@ -305,6 +330,40 @@ class State(NativeHandle):
             self._params.append(param)
         return key
 
+    def _refuse_input(self, tensor, key, code, why):
+        """This rank's part in a standalone bucket it refused (`code`,
+        `why`): the exchange every rank runs for it, then the error every
+        rank raises, with this rank's own reason after it."""
+        name = key.replace("\0", "\\0") if isinstance(key, str) and key else "?"
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) and tensor.dim() <= 32 else (0,)
+        try:
+            if self._intra is not None:
+                # The node's reduce-scatter first, with zeros, as the other local ranks run it.
+                _hierarchical(self, torch.zeros(math.prod(shape)), [name], [shape], True, refusal=code)
+            else:
+                self._refused([name], [shape], code)
+        except Error as e:
+            raise Error("%s (on this rank: %s)" % (e, why)) from None
+        raise Error("gradpack.torch: a refused bucket was not refused (%s)" % why)
+
+    def _refused(self, keys, shapes, code):
+        """gp_group_refuse over this State's exchange group: raises the
+        error every rank of it raises."""
+        if not self._issuing.acquire(blocking=False):
+            raise Error("gradpack.torch.State used by two threads at once")
+        try:
+            if self._open:
+                self._settle(keys)
+            ckeys, ndims, cdims = self._layout(keys, shapes)
+            self._failure = None
+            status = LIB.gp_group_refuse(self._handle, len(keys), ckeys, ndims, cdims, code, 0, self._reduce_fn, None)
+        finally:
+            self._issuing.release()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure  # torch's own error (a dead rank: its timeout)
+        check_call(status)
+
     def _reduce_now(self, flat, keys, shapes):
         """One standalone bucket encoded, summed and decoded at once, in
         place in `flat` (the mean over ranks; the same error on every
@@ -312,9 +371,10 @@ class State(NativeHandle):
         pending = self._encode(flat, keys, shapes, True)
         try:
             pending.settle(raising=True)
-        finally:
-            if pending in self._pending:
-                self._pending.remove(pending)
+        except BaseException:
+            pending.abandon()
+            raise
+        pending.commit()
 
     def _encode(self, flat, keys, shapes, last):
         """Agrees and exchanges a bucket; returns it with its final sums in
@@ -344,20 +404,33 @@ class State(NativeHandle):
         return arrays
 
     def _settle(self, keys=None):
-        """Finishes the buckets still open (all of them, or those holding
-        one of `keys`): after a bucket failed, DDP raises its error while
-        the others' sums may still be arriving."""
-        open_ = set(self._open.values()) if keys is None else {self._open[k] for k in keys if k in self._open}
+        """Drops the buckets still open (all of them, or those holding one
+        of `keys`), once their sums have arrived, leaving their states as
+        they were: their step never finished (DDP raised before its last
+        bucket, or the caller stopped). Future callbacks remove entries
+        meanwhile: `_open` is read from a copy."""
+        opened = self._open.copy()
+        open_ = set(opened.values()) if keys is None else {opened[k] for k in keys if k in opened}
         for pending in open_:
-            pending.settle()
+            pending._wait()
+            pending.abandon()
         if keys is None:
-            self._pending.clear()
+            self._abandon_all()
+
+    def _abandon_all(self):
+        """Drops every bucket of the step, after its error: no state changes."""
+        for p in list(self._pending):
+            p._wait()
+            p.abandon()
+        self._pending.clear()
 
     def _finish_step(self):
-        """Finishes every bucket encoded so far, in the order they were
-        encoded, and raises the first one's error (every rank's first failed
-        bucket is the same one, so every rank raises the same error)."""
-        pending, self._pending = self._pending, []
+        """Finishes every bucket of the step, in the order they were
+        encoded: once every one decoded, commits them all; else drops them
+        all (no state changes) and raises the first one's error (every
+        rank's first failed bucket is the same one, so every rank raises
+        the same error)."""
+        pending = list(self._pending)
         first = None
         for p in pending:
             try:
@@ -365,7 +438,11 @@ class State(NativeHandle):
             except Exception as e:  # noqa: BLE001 - raised below, the first one
                 first = first or e
         if first is not None:
+            self._abandon_all()
             raise first
+        for p in pending:
+            p.commit()
+        self._pending.clear()
 
     def _encode_locked(self, flat, keys, shapes, last):
         if self._open:
@@ -436,9 +513,39 @@ def _layout_text(local_size, world):
     return "the flat exchange over %d ranks" % world
 
 
-def _local_size(asked, process_group, rank, world):
+def _state_args(compress_params, start_iter, min_compression_rate, exchange, fsdp, rank, world):
+    """`State`'s arguments as the C ABI takes them, checked (a trial group
+    over the flat world refuses what gp_group_new would)."""
+    if exchange == "scatter" and not fsdp:
+        raise Error("exchange='scatter' is gradpack.torch.fsdp's reduce-scatter (each rank decodes only its own "
+                    "rows); DDP's hook and allreduce_ take 'lanes', 'owners' or 'auto'")
+    if not isinstance(compress_params, dict):
+        raise Error("compress_params must be a dict, got %s" % type(compress_params).__name__)
+    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or not 0 <= start_iter <= _U64_MAX:
+        raise Error("start_iter must be a whole number from 0 to 2**64 - 1, got %r" % (start_iter,))
+    keys = [_c_text(k, "compress_params key") for k in compress_params]
+    vals = [_c_text(v, "compress_params value") for v in compress_params.values()]
+    try:
+        rate = float(min_compression_rate)
+    except (TypeError, ValueError, OverflowError):
+        raise Error("min_compression_rate must be a finite number >= 0, got %r" % (min_compression_rate,)) from None
+    args = (keys, vals, start_iter, rate, _c_text(exchange, "exchange"))
+    LIB.gp_group_free(_new_group(args, rank, world))
+    return args
+
+
+def _new_group(args, rank, world):
+    keys, vals, start_iter, rate, exchange = args
+    handle = _p()
+    check_call(LIB.gp_group_new((ctypes.c_char_p * len(keys))(*keys), (ctypes.c_char_p * len(vals))(*vals),
+                                len(keys), rank, world, start_iter, rate, exchange, ctypes.byref(handle)))
+    return handle.value
+
+
+def _local_size(asked, process_group, rank, world, problem=None):
     """The ranks a node (1: the flat exchange), checked with every rank: an
-    error names why the hierarchical exchange cannot run, on every rank."""
+    error names why the hierarchical exchange cannot run (or `problem`,
+    this rank's refusal of another argument), on every rank."""
     import os
     auto = asked is None
     if auto:
@@ -448,10 +555,11 @@ def _local_size(asked, process_group, rank, world):
             asked = 1
         if process_group is not None or not 1 < asked < world:
             asked = 1
+    why = problem
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-        raise Error("local_size must be a whole number of ranks a node (1 or more), got %r" % (asked,))
-    why = None
-    if asked > 1:
+        why = why or "local_size must be a whole number of ranks a node (1 or more), got %r" % (asked,)
+        asked = 1
+    if asked > 1 and why is None:
         if process_group is not None:
             why = "the hierarchical exchange (local_size=%d) needs the default process group" % asked
         elif world % asked:
@@ -462,14 +570,16 @@ def _local_size(asked, process_group, rank, world):
                    "flat exchange" % (rank, os.environ["LOCAL_RANK"], rank % asked))
     # Every rank learns every rank's choice and refusal: the same error everywhere.
     told = _gather_texts("%d %s" % (asked, why or ""), process_group, world)
+    texts = [t.split(" ", 1)[1] for t in told]
+    refused = [(j, t) for j, t in enumerate(texts) if t]
+    if refused:
+        j, text = refused[0]
+        raise Error(text if len(refused) == world and len(set(texts)) == 1 else "rank %d: %s" % (j, text))
     chosen = [int(t.split(" ", 1)[0]) for t in told]
     if len(set(chosen)) > 1:
         other = next(i for i, c in enumerate(chosen) if c != chosen[0])
         raise Error("the ranks chose different local_size values: rank 0 chose %d, rank %d chose %d"
                     % (chosen[0], other, chosen[other]))
-    refused = next((t.split(" ", 1)[1] for t in told if t.split(" ", 1)[1]), None)
-    if refused:
-        raise Error(refused)
     return asked if asked < world else 1
 
 
@@ -502,7 +612,7 @@ def _gather_texts(text, group, size):
             for j in range(size)]
 
 
-def _hierarchical(state, flat, keys, shapes, last):
+def _hierarchical(state, flat, keys, shapes, last, refusal=None):
     """One bucket through the hierarchical exchange, in place in `flat`.
     Local rank j owns row block j of every tensor (its key '<key>@j/size'),
     so a tensor's residual stays with it whatever the bucket: a float32
@@ -528,7 +638,10 @@ def _hierarchical(state, flat, keys, shapes, last):
     local = state.rank % size
     pending, failure = None, ""
     try:
-        pending = state._encode(share, ["%s@%d/%d" % (k, local, size) for k in keys], blocks, last)
+        block_keys = ["%s@%d/%d" % (k, local, size) for k in keys]
+        if refusal is not None:
+            state._refused(block_keys, blocks, refusal)  # (raises the error every rank meets)
+        pending = state._encode(share, block_keys, blocks, last)
         for f in pending.futures:
             f.wait()
         pending.check()
@@ -544,7 +657,7 @@ def _hierarchical(state, flat, keys, shapes, last):
             raise Error("%s (the hierarchical exchange across %d nodes of %d ranks: a rank named above is a node, "
                         "node i being ranks i*%d to i*%d+%d; met by local rank %d)"
                         % (text, nodes, size, size, size, size - 1, j))
-    pending.decode()  # the nodes' sum of means, divided by the node count
+    pending.decode()  # the nodes' sum of means, divided by the node count (committed with the step)
     dist.all_gather_into_tensor(whole.view(-1), share, group=state._intra)
     at = col = 0
     for length, total in zip(lengths, totals):
@@ -567,22 +680,30 @@ def hook(state, bucket):
     keys = [state._key_of(p) for p in params]
     shapes = [tuple(p.shape) for p in params]
     flat = _as_float32(buf)  # float16/bfloat16 widened exactly
-    if state._intra is not None:
-        _hierarchical(state, flat, keys, shapes, bucket.is_last())
-    else:
-        pending = state._encode(flat, keys, shapes, bucket.is_last())
-        if not bucket.is_last():
-            def decode(fut):
-                fut.wait()  # raises torch's error when a sum failed
-                for f in fut.value():
-                    f.wait()
-                pending.decode()
-                if flat is not buf:
-                    buf.copy_(flat)
-                return buf
+    try:
+        if state._intra is not None:
+            _hierarchical(state, flat, keys, shapes, bucket.is_last())
+            if bucket.is_last():
+                state._finish_step()
+        else:
+            pending = state._encode(flat, keys, shapes, bucket.is_last())
+            if not bucket.is_last():
+                def decode(fut):
+                    fut.wait()  # raises torch's error when a sum failed
+                    for f in fut.value():
+                        f.wait()
+                    pending.decode()  # the result; its states advance with the step's last bucket
+                    if flat is not buf:
+                        buf.copy_(flat)
+                    return buf
 
-            return torch.futures.collect_all(pending.futures).then(decode)
-        state._finish_step()
+                return torch.futures.collect_all(pending.futures).then(decode)
+            state._finish_step()
+    except BaseException:
+        # The step ends here on every rank (the same error): none of its
+        # buckets changes a state.
+        state._abandon_all()
+        raise
     if flat is not buf:
         buf.copy_(flat)
     done = torch.futures.Future()
@@ -593,20 +714,52 @@ def hook(state, bucket):
 def allreduce_(tensor, state, key):
     """Replaces ``tensor`` (on every rank) with its compressed sum over
     ranks divided by the world size, as the hook does for a parameter;
-    ``key`` names its state. Returns ``tensor``."""
-    _check_tensor(tensor, "tensor")
-    if not isinstance(key, str) or not key:
-        raise Error("key must be a non-empty str, got %r" % (key,))
-    if "\0" in key:
-        raise Error("key %r holds a NUL character (at index %d): it would name the state of %r"
-                    % (key, key.index("\0"), key[:key.index("\0")]))
+    ``key`` names its state. Returns ``tensor``. A tensor or key refused on
+    one rank (its dtype, device, a NUL in the key, an expanded view) is
+    the same `gradpack.Error` on every rank: that rank still takes its part
+    in the exchange, so no other rank waits for it."""
+    refusal = _refusal_of(tensor, key)
+    if refusal is not None:
+        state._refuse_input(tensor, key, *refusal)
     data = tensor.detach()
     flat = data.reshape(-1) if data.is_contiguous() and data.dtype == torch.float32 else \
         _as_float32(data).contiguous().reshape(-1)
     if state._intra is not None:
-        _hierarchical(state, flat, [key], [tuple(tensor.shape)], True)
+        try:
+            _hierarchical(state, flat, [key], [tuple(tensor.shape)], True)
+            state._finish_step()
+        except BaseException:
+            state._abandon_all()
+            raise
     else:
         state._reduce_now(flat, [key], [tuple(tensor.shape)])
     if flat.data_ptr() != data.data_ptr():
         data.copy_(flat.view(data.shape))
     return tensor
+
+
+# Why a front refuses a rank's input (gp_group_refuse's codes).
+_REFUSE_DTYPE, _REFUSE_DEVICE, _REFUSE_OVERLAP, _REFUSE_KEY, _REFUSE_SIZES = 1, 2, 3, 4, 5
+
+
+def _refusal_of(tensor, key):
+    """(code, this rank's text) when `allreduce_` cannot take `tensor`
+    under `key`, else None: checked before any exchange, so that the rank
+    refuses in the exchange instead of leaving it."""
+    try:
+        _check_tensor(tensor, "tensor")
+    except Error as e:
+        return (_REFUSE_DEVICE if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu"
+                else _REFUSE_DTYPE), str(e)
+    if not isinstance(key, str) or not key:
+        return _REFUSE_KEY, "key must be a non-empty str, got %r" % (key,)
+    if "\0" in key:
+        return _REFUSE_KEY, ("key %r holds a NUL character (at index %d): it would name the state of %r"
+                             % (key, key.index("\0"), key[:key.index("\0")]))
+    if tensor.dim() > 32:
+        return _REFUSE_SIZES, "tensor has %d dimensions (at most 32)" % tensor.dim()
+    if any(st == 0 and n > 1 for n, st in zip(tensor.shape, tensor.stride())):
+        return _REFUSE_OVERLAP, ("tensor of shape %s and strides %s: its elements share memory (an expanded view), "
+                                 "so it cannot hold the result; pass a copy (.contiguous())"
+                                 % (tuple(tensor.shape), tensor.stride()))
+    return None

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..base import Error
-from . import State, _as_float32, _check_tensor
+from . import _REFUSE_DEVICE, _REFUSE_DTYPE, _REFUSE_SIZES, State, _as_float32, _check_tensor
 
 __all__ = ["compress", "FSDPState"]
 
@@ -101,14 +101,77 @@ class FSDPState:
                 raise
 
 
+class _Backward:
+    """The units of one backward, finished together at its end (an
+    autograd final callback, queued by the first unit): each unit's
+    reduce-scatter decodes its shard at once and holds its states; at the
+    end they are all committed, or, when any unit failed, all dropped
+    (every state as it was) and the first error raised from backward().
+    A failure never escapes FSDP's own hooks, so FSDP finishes its
+    backward and the next one runs normally; the failed unit's shard
+    holds NaN meanwhile. The same on every rank: each unit fails on every
+    rank alike."""
+
+    def __init__(self):
+        self._held, self._error, self._queued = [], None, False
+
+    def run(self, state, flat, keys, shapes, refusal=None):
+        """One unit's bucket, in place in `flat`: True when decoded, False
+        after a gradpack error (kept for the end of backward)."""
+        self._queue()
+        try:
+            if refusal is not None:
+                try:
+                    state._refused(keys, shapes, refusal[0])
+                except Error as e:
+                    raise Error("%s (on this rank: %s)" % (e, refusal[1])) from None
+            pending = state._encode(flat, keys, shapes, True)
+            try:
+                pending.settle(raising=True)
+            except BaseException:
+                pending.abandon()
+                raise
+        except Error as e:
+            self._error = self._error or e
+            if not self._queued:
+                self._end()
+            return False
+        self._held.append(pending)
+        if not self._queued:
+            self._end()
+        return True
+
+    def _queue(self):
+        if self._queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+            self._queued = True
+        except RuntimeError:
+            pass  # not inside a backward: each unit finishes on its own
+
+    def _end(self):
+        held, error = self._held, self._error
+        self._held, self._error, self._queued = [], None, False
+        if error is not None:
+            for p in held:
+                p.abandon()
+            raise error
+        for p in held:
+            p.commit()
+
+
 class _Unit:
     """What gradpack keeps for one FSDP unit (an FSDP module's parameter
-    group): its State, FSDP's parameters, the model's names for them, and
-    a float32 buffer kept between steps (a fresh one would fault its pages
-    in again each time)."""
+    group): its State, FSDP's parameters, the model's names for them, the
+    parameters FSDP packed into this backward's reduce-scatter (those with
+    a gradient, grouped by gradient dtype: `_watch`), and a float32 buffer
+    kept between steps (a fresh one would fault its pages in again each
+    time)."""
 
-    def __init__(self, state, fsdp_params, names):
-        self._state, self._params, self._names = state, fsdp_params, names
+    def __init__(self, state, fsdp_params, names, backward):
+        self._state, self._params, self._names, self._backward = state, fsdp_params, names, backward
+        self._packed = None
         self._flat = None
 
     def _key(self, fp):
@@ -123,7 +186,7 @@ class _Unit:
         """Each parameter's key, shape and rows a shard: FSDP2's blocks of
         ceil(rows / shards) on dim 0 (the last ones padded, see `_held`)."""
         keys, shapes, rows = [], [], []
-        for fp in self._params:
+        for fp in self._packed if self._packed is not None else self._params:
             if fp.fsdp_placement.dim != 0:
                 raise Error("gradpack.torch.fsdp shards parameters on dim 0 only; %s is %s"
                             % (fp._param_fqn, fp.fsdp_placement))
@@ -153,12 +216,22 @@ class _ReduceScatter(_Unit, ReduceScatter):
         if (world, rank) != (state.world_size, state.rank):
             raise Error("gradpack.torch.fsdp: FSDP reduce-scatters over %d ranks (this one %d), gradpack's state "
                         "over %d (%d): one mesh dimension only" % (world, rank, state.world_size, state.rank))
-        _check_tensor(input_tensor, "FSDP's reduce-scatter input")
         keys, shapes, rows = self._layout(world)
         widths = [r * math.prod(s[1:]) for r, s in zip(rows, shapes)]
-        if input_tensor.numel() != world * sum(widths) or output_tensor.numel() != sum(widths):
-            raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter of %d values into %d does not hold parameters %s "
-                        "over %d ranks" % (input_tensor.numel(), output_tensor.numel(), shapes, world))
+        # A rank that cannot take its input refuses in the exchange (the
+        # others fail alike instead of waiting for it).
+        refusal = None
+        try:
+            _check_tensor(input_tensor, "FSDP's reduce-scatter input")
+        except Error as e:
+            refusal = (_REFUSE_DEVICE if input_tensor.device.type != "cpu" else _REFUSE_DTYPE, str(e))
+        if refusal is None and (input_tensor.numel() != world * sum(widths) or output_tensor.numel() != sum(widths)):
+            refusal = (_REFUSE_SIZES, "FSDP's reduce-scatter of %d values into %d does not hold parameters %s over %d "
+                       "ranks" % (input_tensor.numel(), output_tensor.numel(), shapes, world))
+        if refusal is not None:
+            self._backward.run(state, None, keys, shapes, refusal)
+            output_tensor.fill_(float("nan"))
+            return None
         scale = _scale_of(op, world)
         by_rank = _as_float32(input_tensor).view(world, -1)
         # Every parameter's whole gradient: its rows from every rank's chunk,
@@ -171,7 +244,9 @@ class _ReduceScatter(_Unit, ReduceScatter):
                 flat[at + j * r * per_row:at + j * r * per_row + valid].copy_(by_rank[j, col:col + valid])
             at += math.prod(shape)
             col += width
-        state._reduce_now(flat, keys, shapes)
+        if not self._backward.run(state, flat, keys, shapes):
+            output_tensor.fill_(float("nan"))  # the error is raised at the end of backward
+            return None
         # This rank's rows of each parameter (the mean times `scale`), zeros where FSDP padded.
         out = output_tensor.view(-1)
         at = col = 0
@@ -194,8 +269,8 @@ class _ReplicaAllReduce(_Unit):
     shard index j), through a `gradpack.torch` State over the replicas'
     group; the mean over replicas, in place."""
 
-    def __init__(self, state, fsdp_params, names, shard_rank, shards):
-        super().__init__(state, fsdp_params, names)
+    def __init__(self, state, fsdp_params, names, backward, shard_rank, shards):
+        super().__init__(state, fsdp_params, names, backward)
         self._shard, self._shards = shard_rank, shards
 
     def __call__(self, reduce_output):
@@ -220,7 +295,9 @@ class _ReplicaAllReduce(_Unit):
         for a, n in at:
             flat[i:i + n].copy_(out[a:a + n])
             i += n
-        self._state._reduce_now(flat, keys, shapes)  # the mean over replicas
+        if not self._backward.run(self._state, flat, keys, shapes):  # the mean over replicas
+            reduce_output.fill_(float("nan"))  # the error is raised at the end of backward
+            return
         i = 0
         for a, n in at:
             out[a:a + n].copy_(flat[i:i + n])
@@ -296,10 +373,34 @@ def compress(model, compress_params, *, start_iter=0, min_compression_rate=2.0, 
                          min_compression_rate=min_compression_rate, local_size=1)
     names = {id(p): n for n, p in model.named_parameters()}
     scatter = compress_shards and compress_params.get("compress") != "none"
+    backward = _Backward()
     for m, g in groups:
+        units = []
         if scatter:
-            m.set_custom_reduce_scatter(_ReduceScatter(state, g.fsdp_params, names))
+            units.append(_ReduceScatter(state, g.fsdp_params, names, backward))
+            m.set_custom_reduce_scatter(units[-1])
         if replicas is not None:
-            m.set_all_reduce_hook(_ReplicaAllReduce(replicas, g.fsdp_params, names, dist.get_rank(pg),
-                                                    dist.get_world_size(pg)))
+            units.append(_ReplicaAllReduce(replicas, g.fsdp_params, names, backward, dist.get_rank(pg),
+                                           dist.get_world_size(pg)))
+            m.set_all_reduce_hook(units[-1])
+        _watch(g, units)
     return FSDPState(state, replicas, "scatter" if scatter else "fsdp")
+
+
+def _watch(param_group, units):
+    """Has `units` learn which parameters FSDP packs into each
+    reduce-scatter: those with a gradient this backward, grouped by
+    gradient dtype (FSDP2's `_take_unsharded_grads_to_reduce`), which the
+    reduce-scatter itself is not told. Without that method (another torch)
+    every parameter, in order."""
+    take = getattr(param_group, "_take_unsharded_grads_to_reduce", None)
+    if take is None:
+        return
+
+    def taken():
+        params, grads = take()
+        for u in units:
+            u._packed = list(params)
+        return params, grads
+
+    param_group._take_unsharded_grads_to_reduce = taken

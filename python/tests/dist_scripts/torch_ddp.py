@@ -348,6 +348,38 @@ def scenario_faults():
     out["bad params"] = error_of(lambda: gpt.State({"compress": "qsgd_mn_ts", "bits": 4}))
     out["local unselected"] = error_of(lambda: gpt.State({"compress": "grandk_mn", "bits": 2, "k": 4, "unselected": "local"}))
     out["meta tensor"] = error_of(lambda: gpt.allreduce_(torch.ones(3, device="meta"), state, key="m"))
+    # Input refused on the last rank alone: that rank takes its part in the
+    # exchange as a refusal, so every rank raises (none waits), a settled
+    # job (a plan, no agreement) as a new one; every state unchanged.
+    state = gpt.State(SCHEMES[2], min_compression_rate=0)
+    good = lambda: torch.full((6, 7), float(RANK))  # noqa: E731
+    last = RANK == WORLD - 1
+    for what, tensor, key in [("dtype", torch.ones(6, 7, dtype=torch.float64), "w"), ("key", good(), "w\0x"),
+                              ("expanded", torch.ones(1, 7).expand(6, 7), "w"), ("dims", torch.ones([1] * 33), "w")]:
+        before = state.state_dict()["states"]
+        out["refused " + what] = error_of(lambda: gpt.allreduce_(tensor if last else good(), state, key if last else "w"))
+        out["refused unchanged " + what] = state.state_dict()["states"] == before
+        t = good()
+        out["refused then " + what] = error_of(lambda: gpt.allreduce_(t, state, "w"))
+        out["refused then identical " + what] = identical_everywhere(t)
+    # A State argument refused on the last rank alone: every rank refuses it.
+    out["state args"] = error_of(lambda: gpt.State({"compress": "qsgd_mn", "bits": 16 if last else 2}))
+    out["state start_iter"] = error_of(lambda: gpt.State(SCHEMES[2], start_iter=-1 if last else 0))
+    # A NaN in one parameter of the step's first-encoded bucket's successor:
+    # the buckets that decoded before the failure keep their states too.
+    for params in (SCHEMES[1], SCHEMES[2], SCHEMES[8]):
+        model, ref, ddp, state = make(params)
+        for step in range(2):
+            ddp.zero_grad()
+            loss_of(ddp, step, RANK).backward()
+        before = state.state_dict()["states"]
+        handle = model.conv.weight.register_hook(lambda g: g * float("nan") if last else g)
+        ddp.zero_grad()
+        out["nan one param " + params["compress"]] = error_of(lambda: loss_of(ddp, 2, RANK).backward())
+        out["nan one param unchanged " + params["compress"]] = state.state_dict()["states"] == before
+        handle.remove()
+        del ddp
+        dist.barrier()
     return out
 
 

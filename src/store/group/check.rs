@@ -121,7 +121,7 @@ impl Verdict {
                     let key = i.checked_sub(1).and_then(&key).unwrap_or_else(|| "?".into());
                     format!("gradpack: rank {rank}'s key {key} was {}; nothing was applied on any rank", kind.map_or("refused", Own::text))
                 }
-                None => format!("gradpack: {} ranks refused their own buckets (a key pushed twice at once, or with another shape than before); nothing was applied on any rank", self.own.0),
+                None => format!("gradpack: {} ranks refused their own buckets (a key pushed twice at once or with another shape than before, or an input their front refused: each such rank says why); nothing was applied on any rank", self.own.0),
             }));
         }
         if self.fault.0 > 0 {
