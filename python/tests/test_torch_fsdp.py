@@ -61,10 +61,19 @@ def test_options_resume_faults_and_refusals(tmp_path):
         assert o["nan"] and o["nan"].startswith("gradpack.Error") and "NaN" in o["nan"], o["nan"]
         errors.add(o["nan"])
         assert o["nan unchanged"] is True
+        assert o["nan first layer before"] == 0.0 and o["nan first layer then"] == 0.0, o
+        assert "rank %d's gradient of key 'conv.weight'" % (len(reports) - 1) in o["nan first layer"], o["nan first layer"]
+        assert o["nan first layer unchanged"] and o["nan first layer shard"], o
+        errors.add(o["nan first layer"])
+        assert o["frozen"] == 0.0, o["frozen"]
+        assert o["grad dtypes"] == {"a": [1.0], "b": [2.0], "c": [3.0]}, o["grad dtypes"]
+        assert "rank 1's key" in o["dtype one rank"] and "its dtype is not one gradpack compresses" in o["dtype one rank"], o
+        errors.add(o["dtype one rank"].split(" (on this rank:")[0])
         assert "holds no fully_shard module" in o["not fsdp"], o["not fsdp"]
         assert o["load other"].startswith("gradpack.Error"), o["load other"]
         assert "not a gradpack.torch.fsdp state_dict" in o["load ddp"], o["load ddp"]
-    assert len(errors) == 2, errors  # the NaN's and the mismatch's, each the same on both ranks
+    # The NaN's, the mismatch's, the first layer's NaN and the refused dtype, each the same on both ranks.
+    assert len(errors) == 4, errors
 
 
 @pytest.mark.parametrize("world", [2, 4])

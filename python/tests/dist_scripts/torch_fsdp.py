@@ -41,11 +41,14 @@ def loss_of(model, step, rank):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def sharded(params, reduce_dtype=None, **kw):
+def sharded(params, reduce_dtype=None, frozen=(), **kw):
     """The model under fully_shard (a unit per layer, then the root; `kw`
-    fully_shard's), a plain copy from the same weights, and gradpack's state."""
+    fully_shard's; the parameters named in `frozen` without gradients), a
+    plain copy from the same weights, and gradpack's state."""
     torch.manual_seed(0)
     model = Net()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
     ref = copy.deepcopy(model)
     if reduce_dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
@@ -61,6 +64,9 @@ def slice_diff(model, ref, mirror, reduce_dtype=None, scale=1.0):
     (times `scale`)."""
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:  # (frozen)
+            assert p.grad is None, name
+            continue
         grad = q.grad.clone() if reduce_dtype is None else q.grad.to(reduce_dtype)
         full = gpt.allreduce_(grad, mirror, key=name).float() * scale
         rows = -(-full.shape[0] // WORLD)
@@ -171,6 +177,51 @@ def scenario_options():
         loss = loss * float("nan")
     out["nan"] = error_of(lambda: loss.backward())
     out["nan unchanged"] = state.state_dict()["ranks"][str(RANK)]["scatter"]["states"] == before
+    # A NaN in the unit reduced last (conv, the first layer) on the last
+    # rank: fc2's and fc1's units decoded before it, yet no state changes;
+    # the error comes out of backward() once FSDP2 finished it, and the
+    # next backward synchronises as before (the shards match allreduce_).
+    model, ref, state = sharded(SCHEMES[2])
+    mirror = gpt.State(SCHEMES[2], min_compression_rate=0)
+    out["nan first layer before"] = train(model, ref, state, mirror, 1)
+    before = state.state_dict()["ranks"][str(RANK)]["scatter"]["states"]
+    # (the gradient into conv's output, so only conv's parameters see it)
+    def nan_into_conv(module, inputs, output):
+        if RANK == WORLD - 1:
+            output.register_hook(lambda g: g * float("nan"))
+    handle = model.conv.register_forward_hook(nan_into_conv)
+    out["nan first layer"] = error_of(lambda: loss_of(model, 1, RANK).backward())
+    out["nan first layer unchanged"] = state.state_dict()["ranks"][str(RANK)]["scatter"]["states"] == before
+    out["nan first layer shard"] = bool(torch.isnan(model.conv.weight.grad.to_local()).all())
+    handle.remove()
+    for p in model.parameters():
+        p.grad = None
+    ref.zero_grad()
+    out["nan first layer then"] = train(model, ref, state, mirror, 2, first=1)  # (to_local(): DTensor shards)
+    # Frozen parameters: FSDP2 packs only the parameters with a gradient.
+    model, ref, state = sharded(SCHEMES[2], frozen=("conv.bias", "fc1.weight"))
+    out["frozen"] = train(model, ref, state, gpt.State(SCHEMES[2], min_compression_rate=0), 2)
+    # A unit whose parameters' gradient dtypes differ: FSDP2 packs its
+    # reduce-scatter grouped by gradient dtype (a, c, b), not in parameter order.
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16))
+            self.b = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16))
+            self.c = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16))
+
+        def forward(self):
+            return (self.a.float() * 1).sum() + (self.b.float() * 2).sum() + (self.c.float() * 3).sum()
+    mixed = Mixed()
+    mixed.b.grad_dtype = torch.float32
+    fully_shard(mixed)
+    gpf.compress(mixed, {"compress": "qsgd_mn", "bits": 8, "seed": 4}, min_compression_rate=0)
+    mixed().backward()
+    out["grad dtypes"] = {n: sorted(set(p.grad.to_local().float().reshape(-1).tolist())) for n, p in mixed.named_parameters()}
+    # Another reduce dtype on the last rank alone: that rank refuses in the
+    # exchange, so every rank raises (none waits for it).
+    model, _, _ = sharded(SCHEMES[2], torch.float64 if RANK == WORLD - 1 else None)
+    out["dtype one rank"] = error_of(lambda: loss_of(model, 0, RANK).backward())
     # Refusals.
     out["not fsdp"] = error_of(lambda: gpf.compress(Net(), SCHEMES[1]))
     out["load other"] = error_of(lambda: sharded(SCHEMES[3])[2].load_state_dict(sharded(SCHEMES[1])[2].state_dict()))
