@@ -258,7 +258,11 @@ int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
  * ranks divided by the world size, identical on every rank. A difference
  * between ranks (settings, buckets, push counts) or a non-finite gradient
  * on any rank is the same error on every rank, at the latest from
- * gp_group_decode, with every state as it was. Handles may be used from
+ * gp_group_decode, with every state as it was. gp_group_decode_held and
+ * gp_group_commit split decoding from the states' advance, so that a
+ * caller commits a step's buckets together, or none of them. A rank whose
+ * caller refused its input calls gp_group_refuse instead of encoding, so
+ * that every rank fails alike. Handles may be used from
  * several threads (memory safe), but every rank must issue its encodes and
  * their SUMs in one order, which encodes overlapping on one group from two
  * threads cannot keep (gradpack.torch refuses a second concurrent call); a
@@ -314,8 +318,25 @@ int gp_pending_buffers(gp_pending_t* pending, uint64_t** words, uint64_t* num_wo
  * rank). `pending` stays live: decode or free it next. */
 int gp_group_check(const gp_group_t* group, const gp_pending_t* pending);
 /* Writes the bucket's result into `bucket` (the one encoded; bucket_len
- * float32). Consumes `pending`, also on error. */
+ * float32) and advances its states. Consumes `pending`, also on error. */
 int gp_group_decode(const gp_group_t* group, gp_pending_t* pending, float* bucket, uint64_t bucket_len);
+/* gp_group_decode's first half: writes the result, changes no state;
+ * `pending` stays live (also on error) for gp_group_commit or
+ * gp_pending_free (its states then stay as they were). */
+int gp_group_decode_held(const gp_group_t* group, gp_pending_t* pending, float* bucket, uint64_t bucket_len);
+/* Advances the states of a bucket gp_group_decode_held wrote (residuals,
+ * Q, push counts). Consumes `pending`, also on error. */
+int gp_group_commit(const gp_group_t* group, gp_pending_t* pending);
+/* This rank's part in a bucket its caller refused before encoding it
+ * (`refusal`: 1 its dtype, 2 its device, 3 elements that share memory, 4 a
+ * key, 5 sizes that do not hold the tensors named; `index`: the tensor),
+ * named by `num`, `keys`, `ndims` and `dims` as gp_group_encode's: the
+ * bucket's agreement, or stand-ins of the bucket every rank expects,
+ * through `reduce`. Always -1, with the error every rank of the bucket
+ * gets (the others from gp_group_encode or gp_group_decode); nothing
+ * changes. */
+int gp_group_refuse(const gp_group_t* group, uint64_t num, const char* const* keys, const uint64_t* ndims,
+                    const uint64_t* dims, int refusal, uint64_t index, gp_reduce_fn reduce, void* user);
 /* Drops a pending bucket undecoded (its keys' states return to the group). */
 void gp_pending_free(gp_pending_t* pending);
 /* out[0..6]: bytes handed to `reduce` and the final sums, bytes a float32

@@ -271,10 +271,26 @@ pub unsafe extern "C" fn gp_pending_buffers(p: *mut gp_pending_t, words: *mut *m
     })
 }
 
+/// `Group::decode_held` of `pending` into the caller's `bucket`, checked.
+///
+/// # Safety
+/// `bucket` is valid for `bucket_len` writes.
+unsafe fn decode_into(g: *const gp_group_t, pending: &mut Pending, bucket: *mut f32, bucket_len: u64) -> Result<()> {
+    let group = group(g)?;
+    let b = Raw::new("bucket", bucket, bucket_len)?;
+    let w = Raw::new("pending words", pending.words.as_ptr(), pending.words.len() as u64)?;
+    let f = Raw::new("pending floats", pending.floats.as_ptr(), pending.floats.len() as u64)?;
+    b.check_disjoint(&w)?;
+    b.check_disjoint(&f)?;
+    group.decode_held(pending, slice_mut(bucket, bucket_len))
+}
+
 /// Decodes a pending bucket whose buffers were summed on every rank into
 /// `bucket` (`bucket_len` float32: the bucket given to gp_group_encode,
 /// holding its float32 sum when the bucket was plain): the sum over ranks
-/// divided by the world size. Consumes `p` whether or not it succeeds.
+/// divided by the world size, the same on every rank, and advances its
+/// states (gp_group_decode_held, then gp_group_commit). Consumes `p`
+/// whether or not it succeeds.
 ///
 /// # Safety
 /// `p` is a live pending bucket of `g` (not used afterwards); `bucket` is
@@ -285,36 +301,23 @@ pub unsafe extern "C" fn gp_group_decode(g: *const gp_group_t, p: *mut gp_pendin
         if p.is_null() {
             return Err(Error::NullPointer { what: "pending" });
         }
-        let pending = Box::from_raw(p).0;
-        let group = group(g)?;
-        let b = Raw::new("bucket", bucket, bucket_len)?;
-        let w = Raw::new("pending words", pending.words.as_ptr(), pending.words.len() as u64)?;
-        let f = Raw::new("pending floats", pending.floats.as_ptr(), pending.floats.len() as u64)?;
-        b.check_disjoint(&w)?;
-        b.check_disjoint(&f)?;
-        group.decode(pending, slice_mut(bucket, bucket_len))
+        let mut pending = Box::from_raw(p).0;
+        decode_into(g, &mut pending, bucket, bucket_len)?;
+        group(g)?.commit(pending)
     })
 }
 
-/// gp_group_decode's first half: writes the result to `bucket` and changes
-/// no state; `p` stays live (its keys in flight) for gp_group_commit,
-/// which advances its states, or gp_pending_free, which leaves them as
-/// they were. On error `p` stays live too: free it.
+/// gp_group_decode's first half: writes the result and changes no state;
+/// `p` stays live (its keys in flight) for gp_group_commit, which advances
+/// its states, or gp_pending_free, which leaves them as they were (a
+/// caller commits a step's buckets once every one decoded). On error `p`
+/// stays live too: free it.
 ///
 /// # Safety
 /// As gp_group_decode's, except that `p` stays the caller's.
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_decode_held(g: *const gp_group_t, p: *mut gp_pending_t, bucket: *mut f32, bucket_len: u64) -> c_int {
-    guard(|| {
-        let pending = &mut p.as_mut().ok_or(Error::NullPointer { what: "pending" })?.0;
-        let group = group(g)?;
-        let b = Raw::new("bucket", bucket, bucket_len)?;
-        let w = Raw::new("pending words", pending.words.as_ptr(), pending.words.len() as u64)?;
-        let f = Raw::new("pending floats", pending.floats.as_ptr(), pending.floats.len() as u64)?;
-        b.check_disjoint(&w)?;
-        b.check_disjoint(&f)?;
-        group.decode_held(pending, slice_mut(bucket, bucket_len))
-    })
+    guard(|| decode_into(g, &mut p.as_mut().ok_or(Error::NullPointer { what: "pending" })?.0, bucket, bucket_len))
 }
 
 /// Advances the states of a bucket gp_group_decode_held wrote (its

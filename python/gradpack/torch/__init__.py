@@ -18,7 +18,10 @@ divided by the world size, identical on every rank.
 Each parameter is one key ('param0', 'param1', ... in the order DDP first
 hands them over), so state survives DDP's bucket rebuilds and checkpoints.
 Errors are ``gradpack.Error``, raised on every rank at the same step (by
-the hook of the step's last bucket when a bucket's final sum found it). A
+the hook of the step's last bucket when a bucket's final sum found it),
+with every state of the step as it was: a step's buckets commit together
+at its last bucket. Input one rank refuses still takes its part in the
+exchange, so every rank raises. A
 rank that dies ends the job with torch's own timeout error (the
 ``timeout=`` of ``init_process_group``).
 """
@@ -368,13 +371,19 @@ class State(NativeHandle):
         """One standalone bucket encoded, summed and decoded at once, in
         place in `flat` (the mean over ranks; the same error on every
         rank)."""
+        self._reduce_held(flat, keys, shapes).commit()
+
+    def _reduce_held(self, flat, keys, shapes):
+        """`_reduce_now` without the commit: the bucket decoded into `flat`,
+        its states held for its `commit()` (or `abandon()`); after an error
+        dropped, its states as they were."""
         pending = self._encode(flat, keys, shapes, True)
         try:
             pending.settle(raising=True)
         except BaseException:
             pending.abandon()
             raise
-        pending.commit()
+        return pending
 
     def _encode(self, flat, keys, shapes, last):
         """Agrees and exchanges a bucket; returns it with its final sums in

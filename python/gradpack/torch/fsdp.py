@@ -17,8 +17,10 @@ its name in the model, encoded as the DDP hook encodes it; each rank
 receives the codes of its own rows from every rank, sums them exactly
 and decodes only those. So each rank's shard is, bit for bit, its rows
 of what `gradpack.torch.allreduce_` gives for that parameter under that
-key, and errors (a NaN on any rank, ranks that differ) are the same
-`gradpack.Error` on every rank with every residual unchanged.
+key, and errors (a NaN on any rank, ranks that differ, input one rank
+cannot take) are the same `gradpack.Error` on every rank, raised from
+backward() once FSDP2 has finished it, with every residual of that
+backward's units unchanged.
 
 HSDP (replicas of a sharded model; the link between replicas is the slow
 one in practice): shard each module over the mesh's shard dimension and
@@ -125,12 +127,7 @@ class _Backward:
                     state._refused(keys, shapes, refusal[0])
                 except Error as e:
                     raise Error("%s (on this rank: %s)" % (e, refusal[1])) from None
-            pending = state._encode(flat, keys, shapes, True)
-            try:
-                pending.settle(raising=True)
-            except BaseException:
-                pending.abandon()
-                raise
+            pending = state._reduce_held(flat, keys, shapes)
         except Error as e:
             self._error = self._error or e
             if not self._queued:
