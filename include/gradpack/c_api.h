@@ -299,11 +299,14 @@ void gp_group_free(gp_group_t* group);
 /* `num` tensors lie one after another in `bucket` (`bucket_len` float32,
  * read only): tensor i has key `keys[i]` and `ndims[i]` dimensions, taken in
  * turn from `dims`. `last` != 0 when the bucket ends a step (stats).
- * `reduce` is called on this thread only. `*out` owns the pending bucket;
- * `*words` .. `*plain` show its buffers, as gp_pending_buffers does. */
+ * `tag`: what else every rank must hold alike for this bucket (0: nothing;
+ * gradpack.torch.fsdp: FSDP2's reduce op and divide factor), compared as
+ * the settings are. `reduce` is called on this thread only. `*out` owns
+ * the pending bucket; `*words` .. `*plain` show its buffers, as
+ * gp_pending_buffers does. */
 int gp_group_encode(const gp_group_t* group, uint64_t num, const char* const* keys,
                     const uint64_t* ndims, const uint64_t* dims, const float* bucket,
-                    uint64_t bucket_len, int last, gp_reduce_fn reduce, void* user,
+                    uint64_t bucket_len, int last, uint64_t tag, gp_reduce_fn reduce, void* user,
                     gp_pending_t** out, uint64_t** words, uint64_t* num_words,
                     float** floats, uint64_t* num_floats, int* plain);
 /* The buffers to SUM on every rank, in this order, owned by the pending

@@ -65,6 +65,8 @@ def test_options_resume_faults_and_refusals(tmp_path):
         assert "rank %d's gradient of key 'conv.weight'" % (len(reports) - 1) in o["nan first layer"], o["nan first layer"]
         assert o["nan first layer unchanged"] and o["nan first layer shard"], o
         errors.add(o["nan first layer"])
+        assert "the ranks disagree on" in o["divide factor one rank"] and "divide factor" in o["divide factor one rank"], o
+        errors.add(o["divide factor one rank"])
         assert o["frozen"] == 0.0, o["frozen"]
         assert o["grad dtypes"] == {"a": [1.0], "b": [2.0], "c": [3.0]}, o["grad dtypes"]
         assert "rank 1's key" in o["dtype one rank"] and "its dtype is not one gradpack compresses" in o["dtype one rank"], o
@@ -72,8 +74,9 @@ def test_options_resume_faults_and_refusals(tmp_path):
         assert "holds no fully_shard module" in o["not fsdp"], o["not fsdp"]
         assert o["load other"].startswith("gradpack.Error"), o["load other"]
         assert "not a gradpack.torch.fsdp state_dict" in o["load ddp"], o["load ddp"]
-    # The NaN's, the mismatch's, the first layer's NaN and the refused dtype, each the same on both ranks.
-    assert len(errors) == 4, errors
+    # The NaN's, the mismatch's, the divide factor's, the first layer's NaN and
+    # the refused dtype, each the same on both ranks.
+    assert len(errors) == 5, errors
 
 
 @pytest.mark.parametrize("world", [2, 4])

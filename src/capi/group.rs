@@ -142,7 +142,9 @@ pub unsafe extern "C" fn gp_group_free(g: *mut gp_group_t) {
 /// bucket holds `num` tensors one after another: tensor `i` has key
 /// `keys[i]` and `ndims[i]` dimensions, taken in turn from `dims`;
 /// `bucket_len` float32 elements in all. `last`: the bucket ends a step
-/// (counted in the stats). On success `*out` owns the pending bucket and
+/// (counted in the stats). `tag`: what else every rank must hold alike for
+/// this bucket (0: nothing; FSDP2's reduce op and divide factor), compared
+/// as the settings are. On success `*out` owns the pending bucket and
 /// `*words`.. `*plain` show its buffers, as gp_pending_buffers does: SUM them
 /// on every rank (words first), then gp_group_decode. (After the owners
 /// exchange, which ran here, no words are left to sum.) On error no state
@@ -161,6 +163,7 @@ pub unsafe extern "C" fn gp_group_encode(
     bucket: *const f32,
     bucket_len: u64,
     last: c_int,
+    tag: u64,
     reduce: gp_reduce_fn,
     user: *mut c_void,
     out: *mut *mut gp_pending_t,
@@ -179,7 +182,7 @@ pub unsafe extern "C" fn gp_group_encode(
         Raw::new("bucket", bucket, bucket_len)?;
         let tensors = read_tensors(num, keys, ndims, dims, Some(slice(bucket, bucket_len)))?;
         let rank = group.rank();
-        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket_len as usize, last != 0, &mut Callback { f, user, rank })?));
+        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket_len as usize, last != 0, tag, &mut Callback { f, user, rank })?));
         let p = &mut pending.0;
         (*words, *num_words) = (p.words.as_mut_ptr(), p.words_to_sum().len() as u64);
         (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);

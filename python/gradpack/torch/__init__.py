@@ -45,7 +45,7 @@ LIB.gp_group_new.argtypes = [_strs, _strs, ctypes.c_int, _u64, _u64, _u64, ctype
 LIB.gp_group_free.argtypes = [_p]
 LIB.gp_group_free.restype = None
 LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _p,
-                                _u64, ctypes.c_int, _REDUCE, _p, ctypes.POINTER(_p),
+                                _u64, ctypes.c_int, _u64, _REDUCE, _p, ctypes.POINTER(_p),
                                 ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
                                 ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
 LIB.gp_group_decode.argtypes = [_p, _p, _p, _u64]
@@ -373,11 +373,12 @@ class State(NativeHandle):
         rank)."""
         self._reduce_held(flat, keys, shapes).commit()
 
-    def _reduce_held(self, flat, keys, shapes):
+    def _reduce_held(self, flat, keys, shapes, tag=0):
         """`_reduce_now` without the commit: the bucket decoded into `flat`,
         its states held for its `commit()` (or `abandon()`); after an error
-        dropped, its states as they were."""
-        pending = self._encode(flat, keys, shapes, True)
+        dropped, its states as they were. `tag`: what else every rank must
+        hold alike (gp_group_encode's)."""
+        pending = self._encode(flat, keys, shapes, True, tag)
         try:
             pending.settle(raising=True)
         except BaseException:
@@ -385,7 +386,7 @@ class State(NativeHandle):
             raise
         return pending
 
-    def _encode(self, flat, keys, shapes, last):
+    def _encode(self, flat, keys, shapes, last, tag=0):
         """Agrees and exchanges a bucket; returns it with its final sums in
         flight. Refuses a call while another thread is inside one."""
         if not self._issuing.acquire(blocking=False):
@@ -394,7 +395,7 @@ class State(NativeHandle):
                         "thread at a time (DDP calls its hook from one thread), or one State per thread, each "
                         "with its own process group")
         try:
-            return self._encode_locked(flat, keys, shapes, last)
+            return self._encode_locked(flat, keys, shapes, last, tag)
         finally:
             self._issuing.release()
 
@@ -453,13 +454,13 @@ class State(NativeHandle):
             p.commit()
         self._pending.clear()
 
-    def _encode_locked(self, flat, keys, shapes, last):
+    def _encode_locked(self, flat, keys, shapes, last, tag=0):
         if self._open:
             self._settle(keys)
         ckeys, ndims, cdims = self._layout(keys, shapes)
         self._failure = None
         status = LIB.gp_group_encode(self._handle, len(keys), ckeys, ndims, cdims, flat.data_ptr(),
-                                     flat.numel(), int(bool(last)), self._reduce_fn, None, *self._out_refs)
+                                     flat.numel(), int(bool(last)), tag, self._reduce_fn, None, *self._out_refs)
         if status != 0:
             failure, self._failure = self._failure, None
             if failure is not None:

@@ -36,6 +36,7 @@ FSDP2's native HSDP (a 2-d mesh) all-reduces across replicas itself,
 with no seam to replace it: it is refused, naming this recipe.
 """
 import math
+import struct
 
 import torch
 import torch.distributed as dist
@@ -117,9 +118,10 @@ class _Backward:
     def __init__(self):
         self._held, self._error, self._queued = [], None, False
 
-    def run(self, state, flat, keys, shapes, refusal=None):
+    def run(self, state, flat, keys, shapes, refusal=None, tag=0):
         """One unit's bucket, in place in `flat`: True when decoded, False
-        after a gradpack error (kept for the end of backward)."""
+        after a gradpack error (kept for the end of backward). `tag`: what
+        else every rank must hold alike (gp_group_encode's)."""
         self._queue()
         try:
             if refusal is not None:
@@ -127,7 +129,7 @@ class _Backward:
                     state._refused(keys, shapes, refusal[0])
                 except Error as e:
                     raise Error("%s (on this rank: %s)" % (e, refusal[1])) from None
-            pending = state._reduce_held(flat, keys, shapes)
+            pending = state._reduce_held(flat, keys, shapes, tag)
         except Error as e:
             self._error = self._error or e
             if not self._queued:
@@ -241,7 +243,9 @@ class _ReduceScatter(_Unit, ReduceScatter):
                 flat[at + j * r * per_row:at + j * r * per_row + valid].copy_(by_rank[j, col:col + valid])
             at += math.prod(shape)
             col += width
-        if not self._backward.run(state, flat, keys, shapes):
+        # The scale each rank applies to its own rows: every rank must use the same.
+        tag = struct.unpack("<Q", struct.pack("<d", scale))[0]
+        if not self._backward.run(state, flat, keys, shapes, tag=tag):
             output_tensor.fill_(float("nan"))  # the error is raised at the end of backward
             return None
         # This rank's rows of each parameter (the mean times `scale`), zeros where FSDP padded.

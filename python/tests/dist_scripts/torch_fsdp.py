@@ -166,6 +166,13 @@ def scenario_options():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
     out["divide factor 1"] = train(model, ref, state, gpt.State(SCHEMES[2], min_compression_rate=0), 2, scale=WORLD)
+    # A divide factor set on rank 0 alone: each rank would scale its own
+    # rows differently; the same error on every rank instead.
+    model, ref, state = sharded(SCHEMES[2])
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and RANK == 0:
+            m.set_gradient_divide_factor(1.0)
+    out["divide factor one rank"] = error_of(lambda: loss_of(model, 0, RANK).backward())
     # A NaN on the last rank: the same error everywhere, nothing changed.
     model, ref, state = sharded(SCHEMES[1])
     loss_of(model, 0, RANK).backward()

@@ -13,7 +13,7 @@ pub const NAMES: [&str; 4] = [
     "bucket layout (the tensors' keys and shapes)",
     "push counts (a checkpoint loaded on some ranks only?)",
     "compression parameters",
-    "world size, start_iter or min_compression_rate",
+    "world size, start_iter, min_compression_rate or the bucket's tag (FSDP2's reduce op and divide factor)",
 ];
 
 /// What a rank found wrong with its own bucket before any exchange.

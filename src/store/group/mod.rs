@@ -463,7 +463,10 @@ impl Group {
     /// `engine`; the caller sums what `Pending` holds and calls `decode`.
     /// `bucket_len` must be the tensors' elements together (they lie in
     /// the bucket one after another). `last`: the bucket ends a step.
-    pub fn encode(&self, tensors: &[Tensor], bucket_len: usize, last: bool, engine: &mut dyn Engine) -> Result<Pending> {
+    /// `tag`: what else every rank must hold alike for this bucket (0:
+    /// nothing), compared with the settings (FSDP2's reduce op and divide
+    /// factor, which scale each rank's own rows).
+    pub fn encode(&self, tensors: &[Tensor], bucket_len: usize, last: bool, tag: u64, engine: &mut dyn Engine) -> Result<Pending> {
         let total = tensors.iter().try_fold(0usize, |acc, t| {
             let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             match n {
@@ -481,7 +484,8 @@ impl Group {
             Err(own) => (Vec::new(), Vec::new(), Some(own)),
         };
         let steps: Vec<u64> = if own.is_some() { vec![0; tensors.len()] } else { entries.iter().map(|e| e.state.step).collect() };
-        let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, self.settings], flagged: false, own, fault: None };
+        let settings = if tag == 0 { self.settings } else { crate::hash::finalize(self.settings ^ tag) };
+        let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, settings], flagged: false, own, fault: None };
         let mut coll = self.lanes(engine);
         let built = self.exchange(tensors, &mut entries, &steps, mine, &mut coll);
         let mut keys = lock(&self.keys);

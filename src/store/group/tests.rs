@@ -386,7 +386,7 @@ fn one_seen(threads: &Threads, group: &Group, rank: usize, layout: &[(&str, Vec<
         })
         .collect();
     let mut engine = Rank { threads, rank };
-    let mut pending = group.encode(&tensors, grad.len(), true, &mut engine)?;
+    let mut pending = group.encode(&tensors, grad.len(), true, 0, &mut engine)?;
     let seen = (pending.plain, pending.words.len(), pending.floats.len());
     let mut out = grad.to_vec();
     // As gradpack.torch: empty buffers are not reduced (a rank that sent
