@@ -275,7 +275,6 @@ class _ReplicaAllReduce(_Unit):
         self._shard, self._shards = shard_rank, shards
 
     def __call__(self, reduce_output):
-        _check_tensor(reduce_output, "FSDP's reduce-scatter output")
         keys, shapes, at = [], [], []
         col = 0
         for key, shape, rows in zip(*self._layout(self._shards)):
@@ -286,12 +285,22 @@ class _ReplicaAllReduce(_Unit):
                 shapes.append((valid,) + shape[1:])
                 at.append((col, valid * per_row))
             col += rows * per_row
-        if col != reduce_output.numel():
-            raise Error("gradpack.torch.fsdp: FSDP's reduce-scatter output of %d values does not hold parameters %s "
-                        "sharded %d ways" % (reduce_output.numel(), [tuple(fp._orig_size) for fp in self._params],
-                                             self._shards))
         if not keys:
             return  # no row of this unit here (nor on the other replicas of this shard)
+        # A shard this rank cannot take refuses in the exchange (the other
+        # replicas fail alike instead of waiting for it).
+        refusal = None
+        try:
+            _check_tensor(reduce_output, "FSDP's reduce-scatter output")
+        except Error as e:
+            refusal = (_REFUSE_DEVICE if reduce_output.device.type != "cpu" else _REFUSE_DTYPE, str(e))
+        if refusal is None and col != reduce_output.numel():
+            refusal = (_REFUSE_SIZES, "FSDP's reduce-scatter output of %d values does not hold parameters %s sharded "
+                       "%d ways" % (reduce_output.numel(), [tuple(fp._orig_size) for fp in self._params], self._shards))
+        if refusal is not None:
+            self._backward.run(self._state, None, keys, shapes, refusal)
+            reduce_output.fill_(float("nan"))
+            return
         flat, out, i = self._buffer(sum(n for _, n in at)), reduce_output.view(-1), 0
         for a, n in at:
             flat[i:i + n].copy_(out[a:a + n])

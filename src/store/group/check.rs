@@ -118,7 +118,11 @@ impl Verdict {
             return Some(Error::Store(match self.own.1 {
                 Some((rank, code)) => {
                     let (kind, i) = (Own::from_code(code >> 32), (code & 0xFFFF_FFFF) as usize);
-                    let key = i.checked_sub(1).and_then(&key).unwrap_or_else(|| "?".into());
+                    // (a key refused as a key is named by its place: each rank holds its own name for it)
+                    let key = match kind {
+                        Some(Own::KeyText) => format!("at tensor {} of its bucket", i.saturating_sub(1)),
+                        _ => i.checked_sub(1).and_then(&key).unwrap_or_else(|| "?".into()),
+                    };
                     format!("gradpack: rank {rank}'s key {key} was {}; nothing was applied on any rank", kind.map_or("refused", Own::text))
                 }
                 None => format!("gradpack: {} ranks refused their own buckets (a key pushed twice at once or with another shape than before, or an input their front refused: each such rank says why); nothing was applied on any rank", self.own.0),

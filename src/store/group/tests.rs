@@ -689,7 +689,9 @@ fn one_refuses(groups: &[Group], refusing: usize, own: Own, layout: &[(&str, Vec
                     if r != refusing {
                         return one(threads, &groups[r], r, layout, &g[r]).unwrap_err().to_string();
                     }
-                    let named: Vec<Tensor> = layout.iter().map(|(k, shape)| Tensor { key: Key::Str(k.to_string()), shape: shape.clone(), grad: &[] }).collect();
+                    // (a key refused as a key: the front names it by a stand-in)
+                    let name = |k: &str| if own == Own::KeyText { "?".to_string() } else { k.to_string() };
+                    let named: Vec<Tensor> = layout.iter().map(|(k, shape)| Tensor { key: Key::Str(name(k)), shape: shape.clone(), grad: &[] }).collect();
                     groups[r].refuse(&named, own, 0, &mut Rank { threads, rank: r }).to_string()
                 })
             })
@@ -723,6 +725,10 @@ fn a_bucket_its_front_refused_on_one_rank_fails_every_rank_alike_with_or_without
             assert_eq!(groups.iter().map(|g| g.save().unwrap()).collect::<Vec<_>>(), saved, "{c:?}: unchanged");
             assert_eq!(groups[0].stats().agreements, agreements, "{c:?}: no blocking round");
             assert!(push_all(&groups, &layout, &grads(3, 42, 4)).iter().all(|r| r.is_ok()), "{c:?}: the job goes on");
+            // A key refused as a key is named by its place (each rank holds its own name for it).
+            let errors = one_refuses(&groups, 0, Own::KeyText, &layout, 5);
+            assert!(errors.iter().all(|e| *e == errors[0]), "{c:?} {exchange:?}: {errors:?}");
+            assert!(errors[0].starts_with("gradpack: rank 0's key at tensor 0 of its bucket was refused there: not a key"), "{}", errors[0]);
         }
     }
     assert_eq!(Own::refusal(1), Some(Own::Dtype));
