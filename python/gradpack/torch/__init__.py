@@ -48,7 +48,6 @@ LIB.gp_group_encode.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.PO
                                 _u64, ctypes.c_int, _u64, _REDUCE, _p, ctypes.POINTER(_p),
                                 ctypes.POINTER(_p), ctypes.POINTER(_u64), ctypes.POINTER(_p),
                                 ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
-LIB.gp_group_decode.argtypes = [_p, _p, _p, _u64]
 LIB.gp_group_decode_held.argtypes = [_p, _p, _p, _u64]
 LIB.gp_group_commit.argtypes = [_p, _p]
 LIB.gp_group_refuse.argtypes = [_p, _u64, _strs, ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.c_int, _u64,
@@ -180,7 +179,9 @@ class _Pending(NativeHandle):
             check_call(LIB.gp_group_check(self.state._handle, self.handle))
 
     def abandon(self):
-        """Drops the bucket, decoded or not: its keys' states stay as they were."""
+        """Drops the bucket, decoded or not, once its sums in flight have
+        arrived: its keys' states stay as they were."""
+        self._wait()
         with self._lock:
             handle, self.handle = self.handle, None
             self._release_keys()
@@ -352,20 +353,8 @@ class State(NativeHandle):
     def _refused(self, keys, shapes, code):
         """gp_group_refuse over this State's exchange group: raises the
         error every rank of it raises."""
-        if not self._issuing.acquire(blocking=False):
-            raise Error("gradpack.torch.State used by two threads at once")
-        try:
-            if self._open:
-                self._settle(keys)
-            ckeys, ndims, cdims = self._layout(keys, shapes)
-            self._failure = None
-            status = LIB.gp_group_refuse(self._handle, len(keys), ckeys, ndims, cdims, code, 0, self._reduce_fn, None)
-        finally:
-            self._issuing.release()
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure  # torch's own error (a dead rank: its timeout)
-        check_call(status)
+        self._issue(keys, shapes, lambda ckeys, ndims, cdims: LIB.gp_group_refuse(
+            self._handle, len(keys), ckeys, ndims, cdims, code, 0, self._reduce_fn, None))
 
     def _reduce_now(self, flat, keys, shapes):
         """One standalone bucket encoded, summed and decoded at once, in
@@ -388,14 +377,36 @@ class State(NativeHandle):
 
     def _encode(self, flat, keys, shapes, last, tag=0):
         """Agrees and exchanges a bucket; returns it with its final sums in
-        flight. Refuses a call while another thread is inside one."""
+        flight."""
+        def pending():
+            handle, words, nwords, floats, nfloats, plain = (o.value for o in self._outs)
+            return _Pending(self, handle, flat, keys, words, nwords, floats, nfloats, plain)
+        return self._issue(keys, shapes, lambda ckeys, ndims, cdims: LIB.gp_group_encode(
+            self._handle, len(keys), ckeys, ndims, cdims, flat.data_ptr(), flat.numel(), int(bool(last)), tag,
+            self._reduce_fn, None, *self._out_refs), then=pending)
+
+    def _issue(self, keys, shapes, call, then=None):
+        """Runs `call(ckeys, ndims, cdims)`, a C call that hands this
+        State's collectives to torch, with the C arrays naming the bucket,
+        once the buckets still open on its keys are dropped, and then
+        `then()` (the final sums' issue), both under the issuing lock;
+        raises torch's error, or gradpack's. Refuses a call while another
+        thread is inside one."""
         if not self._issuing.acquire(blocking=False):
             raise Error("gradpack.torch.State used by two threads at once: every rank must issue a State's "
                         "all-reduces in the same order, which concurrent calls cannot keep; use a State from one "
                         "thread at a time (DDP calls its hook from one thread), or one State per thread, each "
                         "with its own process group")
         try:
-            return self._encode_locked(flat, keys, shapes, last, tag)
+            if self._open:
+                self._settle(keys)
+            self._failure = None
+            status = call(*self._layout(keys, shapes))
+            failure, self._failure = self._failure, None
+            if status != 0 and failure is not None:
+                raise failure  # torch's own error (a dead rank: its timeout)
+            check_call(status)
+            return then() if then is not None else None
         finally:
             self._issuing.release()
 
@@ -419,18 +430,16 @@ class State(NativeHandle):
         they were: their step never finished (DDP raised before its last
         bucket, or the caller stopped). Future callbacks remove entries
         meanwhile: `_open` is read from a copy."""
-        opened = self._open.copy()
-        open_ = set(opened.values()) if keys is None else {opened[k] for k in keys if k in opened}
-        for pending in open_:
-            pending._wait()
-            pending.abandon()
         if keys is None:
-            self._abandon_all()
+            self._abandon_all()  # (every open bucket is listed there)
+            return
+        opened = self._open.copy()
+        for pending in {opened[k] for k in keys if k in opened}:
+            pending.abandon()
 
     def _abandon_all(self):
         """Drops every bucket of the step, after its error: no state changes."""
         for p in list(self._pending):
-            p._wait()
             p.abandon()
         self._pending.clear()
 
@@ -453,21 +462,6 @@ class State(NativeHandle):
         for p in pending:
             p.commit()
         self._pending.clear()
-
-    def _encode_locked(self, flat, keys, shapes, last, tag=0):
-        if self._open:
-            self._settle(keys)
-        ckeys, ndims, cdims = self._layout(keys, shapes)
-        self._failure = None
-        status = LIB.gp_group_encode(self._handle, len(keys), ckeys, ndims, cdims, flat.data_ptr(),
-                                     flat.numel(), int(bool(last)), tag, self._reduce_fn, None, *self._out_refs)
-        if status != 0:
-            failure, self._failure = self._failure, None
-            if failure is not None:
-                raise failure  # torch's own error (a dead rank: its timeout)
-            check_call(status)
-        handle, words, nwords, floats, nfloats, plain = (o.value for o in self._outs)
-        return _Pending(self, handle, flat, keys, words, nwords, floats, nfloats, plain)
 
     def stats(self):
         """Bytes this rank handed torch.distributed (and what float32

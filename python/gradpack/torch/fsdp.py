@@ -129,16 +129,13 @@ class _Backward:
                     state._refused(keys, shapes, refusal[0])
                 except Error as e:
                     raise Error("%s (on this rank: %s)" % (e, refusal[1])) from None
-            pending = state._reduce_held(flat, keys, shapes, tag)
+            self._held.append(state._reduce_held(flat, keys, shapes, tag))
+            decoded = True
         except Error as e:
-            self._error = self._error or e
-            if not self._queued:
-                self._end()
-            return False
-        self._held.append(pending)
+            self._error, decoded = self._error or e, False
         if not self._queued:
             self._end()
-        return True
+        return decoded
 
     def _queue(self):
         if self._queued:

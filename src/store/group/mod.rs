@@ -478,14 +478,12 @@ impl Group {
             let shapes: Vec<_> = tensors.iter().map(|t| (t.key.to_string(), t.shape.clone(), t.grad.len())).collect();
             return Err(Error::Internal(format!("a bucket of {bucket_len} elements holds tensors (key, shape, elements) {shapes:?}")));
         }
-        let layout = layout_of(tensors.iter().map(|t| (t.key.stable_hash(), &t.shape[..])));
         let (mut entries, origins, own) = match self.take(tensors) {
             Ok((e, o)) => (e, o, None),
             Err(own) => (Vec::new(), Vec::new(), Some(own)),
         };
         let steps: Vec<u64> = if own.is_some() { vec![0; tensors.len()] } else { entries.iter().map(|e| e.state.step).collect() };
-        let settings = if tag == 0 { self.settings } else { crate::hash::finalize(self.settings ^ tag) };
-        let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, settings], flagged: false, own, fault: None };
+        let mine = self.mine(tensors, &steps, tag, own);
         let mut coll = self.lanes(engine);
         let built = self.exchange(tensors, &mut entries, &steps, mine, &mut coll);
         let mut keys = lock(&self.keys);
@@ -522,9 +520,8 @@ impl Group {
     /// could read it (their gradients are not read). Returns that error;
     /// nothing changed.
     pub fn refuse(&self, tensors: &[Tensor], own: Own, index: usize, engine: &mut dyn Engine) -> Error {
-        let layout = layout_of(tensors.iter().map(|t| (t.key.stable_hash(), &t.shape[..])));
         let steps = vec![0; tensors.len()];
-        let mine = Mine { fields: [layout, counts_of(&steps), self.fingerprint, self.settings], flagged: false, own: Some((own, index)), fault: None };
+        let mine = self.mine(tensors, &steps, 0, Some((own, index)));
         let mut coll = self.lanes(engine);
         // (a rank's own failure is never run: `exchange` reads no entry)
         let built = self.exchange(tensors, &mut [], &steps, mine, &mut coll);
@@ -533,6 +530,14 @@ impl Group {
             Ok(Built { doomed: Some(err), .. }) | Err(err) => err,
             Ok(_) => Error::Internal("a refused bucket was run".into()),
         }
+    }
+
+    /// This rank's side of a bucket's agreement: its layout, push counts,
+    /// compression and settings (with the bucket's `tag`), and its own failure.
+    fn mine(&self, tensors: &[Tensor], steps: &[u64], tag: u64, own: Option<(Own, usize)>) -> Mine {
+        let layout = layout_of(tensors.iter().map(|t| (t.key.stable_hash(), &t.shape[..])));
+        let settings = if tag == 0 { self.settings } else { crate::hash::finalize(self.settings ^ tag) };
+        Mine { fields: [layout, counts_of(steps), self.fingerprint, settings], flagged: false, own, fault: None }
     }
 
     /// Chooses how the bucket is checked (module docs) and runs it.
