@@ -126,6 +126,11 @@ pub(crate) fn decode(blob: &[u8]) -> Result<Saved> {
         keys.push(KeyState { key, shape, pushes, residuals, states });
     }
     r.finish()?;
+    // A key saved twice would load one of its states and drop the other.
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    if let Some(k) = keys.iter().find(|k| !seen.insert(&k.key)) {
+        return Err(fail(&format!("key {} is saved twice", k.key)));
+    }
     Ok(Saved { compression, rank, workers, keys })
 }
 

@@ -84,6 +84,11 @@ class FSDPState:
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             raise Error("not a gradpack.torch.fsdp state_dict (format %r)" % (
                 state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__,))
+        saved_world, world = state_dict.get("world_size"), dist.get_world_size()
+        if saved_world != world:
+            # (Checked before the ranks' own entries, so every rank raises the same text.)
+            raise Error("this gradpack.torch.fsdp state_dict was saved by %s ranks; this job runs %d: each rank's "
+                        "states are its own shards' and do not carry over" % (saved_world, world))
         ranks, rank = state_dict.get("ranks"), dist.get_rank()
         mine = ranks.get(str(rank)) if isinstance(ranks, dict) else None
         if not isinstance(mine, dict):

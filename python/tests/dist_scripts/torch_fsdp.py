@@ -234,6 +234,9 @@ def scenario_options():
     # Refusals.
     out["not fsdp"] = error_of(lambda: gpf.compress(Net(), SCHEMES[1]))
     out["load other"] = error_of(lambda: sharded(SCHEMES[3])[2].load_state_dict(sharded(SCHEMES[1])[2].state_dict()))
+    grown = sharded(SCHEMES[1])[2].state_dict()
+    grown["world_size"] += 1
+    out["load other world"] = error_of(lambda: sharded(SCHEMES[1])[2].load_state_dict(grown))
     out["load ddp"] = error_of(lambda: sharded(SCHEMES[1])[2].load_state_dict(gpt.State(SCHEMES[1]).state_dict()))
     return out
 

@@ -956,9 +956,10 @@ impl Group {
         }
         // A key pushed here keeps its shape; any other (not pushed yet, or
         // only loaded) takes the saved one, checked at its first push.
-        let shape_here = |k: &Key| Ok(keys.idle.get(k).map_or_else(|| saved_shape(&saved, k), |e| e.shape.clone()));
+        let saved_shapes: HashMap<&Key, &Vec<usize>> = saved.keys.iter().map(|k| (&k.key, &k.shape)).collect();
+        let shape_here = |k: &Key| Ok(keys.idle.get(k).map_or_else(|| saved_shapes.get(k).map_or_else(Vec::new, |s| (*s).clone()), |e| e.shape.clone()));
         checkpoint::check(&saved, &self.compression, (self.rank as u64, self.world as u64), shape_here, |_| None)?;
-        if let Some(k) = keys.idle.keys().find(|k| !saved.keys.iter().any(|s| s.key == **k)) {
+        if let Some(k) = keys.idle.keys().find(|k| !saved_shapes.contains_key(k)) {
             return Err(Error::OptimizerStates(format!("key {k}: pushed here but not in the compression states")));
         }
         // A rank keeps one scheme state a key: a blob of a store with
@@ -1000,11 +1001,6 @@ fn max_ranks(fits: impl Fn(usize) -> bool) -> usize {
         }
     }
     lo
-}
-
-/// A key's shape as saved (a fresh group checks its keys at their first push).
-fn saved_shape(saved: &Saved, key: &Key) -> Vec<usize> {
-    saved.keys.iter().find(|k| k.key == *key).map_or_else(Vec::new, |k| k.shape.clone())
 }
 
 impl Pending {
