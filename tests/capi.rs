@@ -190,3 +190,48 @@ fn careless_store_calls_fail_and_change_nothing() {
         gp_kvstore_free(kv);
     }
 }
+
+/// A world of one: every collective leaves its buffer as it is.
+unsafe extern "C" fn alone(_: *mut c_void, _: std::ffi::c_int, _: std::ffi::c_int, _: *mut c_void, _: u64) -> std::ffi::c_int {
+    0
+}
+
+#[test]
+fn a_pending_bucket_checked_on_one_thread_while_another_decodes_it_is_read_in_turn() {
+    let (k, v) = ([c"compress".as_ptr(), c"threshold".as_ptr()], [c"2bit".as_ptr(), c"0.5".as_ptr()]);
+    let mut g = ptr::null_mut();
+    assert_eq!(unsafe { gp_group_new(k.as_ptr(), v.as_ptr(), 2, 0, 1, 0, 0.0, ptr::null(), &mut g) }, 0, "{}", last_error());
+    let n = 1usize << 16;
+    let mut bucket: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 / 7.0 - 0.7).collect();
+    let (key, ndims, dims) = (c"a".as_ptr(), [1u64], [n as u64]);
+    struct Shared(*mut gp_group_t, *mut gp_pending_t);
+    // SAFETY (for the test): the handles are used only while both live, as the C ABI allows from any thread.
+    unsafe impl Send for Shared {}
+    unsafe impl Sync for Shared {}
+    for _ in 0..50 {
+        let (mut p, mut w, mut nw, mut f, mut nf, mut plain) = (ptr::null_mut(), ptr::null_mut(), 0, ptr::null_mut(), 0, 0);
+        let status = unsafe { gp_group_encode(g, 1, &key, ndims.as_ptr(), dims.as_ptr(), bucket.as_ptr(), n as u64, 1, 0, Some(alone), ptr::null_mut(), &mut p, &mut w, &mut nw, &mut f, &mut nf, &mut plain) };
+        assert_eq!(status, 0, "{}", last_error());
+        let shared = Shared(g, p);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let checks = std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let (shared, mut seen) = (&shared, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Before the decode: the check passes; after it: refused as checked too late. Never a read of freed memory.
+                    let status = unsafe { gp_group_check(shared.0, shared.1) };
+                    seen.push(if status == 0 { String::new() } else { last_error() });
+                }
+                seen
+            });
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            assert_eq!(unsafe { gp_group_decode_held(shared.0, shared.1, bucket.as_mut_ptr(), n as u64) }, 0, "{}", last_error());
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            reader.join().unwrap()
+        });
+        assert!(checks.iter().all(|e| e.is_empty() || e.contains("a bucket already decoded")), "{:?}", checks.iter().find(|e| !e.is_empty()));
+        assert_eq!(unsafe { gp_group_commit(g, p) }, 0, "{}", last_error());
+    }
+    unsafe { gp_group_free(g) };
+}

@@ -263,7 +263,8 @@ int gp_kvstore_local_pulls(const gp_kvstore_t* store, uint64_t* out);
  * caller commits a step's buckets together, or none of them. A rank whose
  * caller refused its input calls gp_group_refuse instead of encoding, so
  * that every rank fails alike. Handles may be used from
- * several threads (memory safe), but every rank must issue its encodes and
+ * several threads (memory safe; the calls on one pending bucket run one at
+ * a time), but every rank must issue its encodes and
  * their SUMs in one order, which encodes overlapping on one group from two
  * threads cannot keep (gradpack.torch refuses a second concurrent call); a
  * key's bucket must be decoded (or freed) before the key is encoded again.
@@ -296,9 +297,13 @@ int gp_group_new(const char* const* keys, const char* const* vals, int num, uint
                  uint64_t world, uint64_t start_iter, double min_compression_rate,
                  const char* exchange, gp_group_t** out);
 void gp_group_free(gp_group_t* group);
-/* `num` tensors lie one after another in `bucket` (`bucket_len` float32,
- * read only): tensor i has key `keys[i]` and `ndims[i]` dimensions, taken in
- * turn from `dims`. `last` != 0 when the bucket ends a step (stats).
+/* `num` tensors (1 to 16,777,214) lie one after another in `bucket`
+ * (`bucket_len` float32, read only): tensor i has key `keys[i]` (non-empty
+ * UTF-8) and `ndims[i]` dimensions, taken in turn from `dims`. Arguments
+ * that do not name a bucket so (a NULL, an empty key, sizes that do not
+ * hold the tensors) are an error before any collective: a caller whose
+ * input may be refused checks it first and calls gp_group_refuse instead,
+ * as gradpack.torch does, so that no other rank waits. `last` != 0 when the bucket ends a step (stats).
  * `tag`: what else every rank must hold alike for this bucket (0: nothing;
  * gradpack.torch.fsdp: FSDP2's reduce op and divide factor), compared as
  * the settings are. `reduce` is called on this thread only. `*out` owns
@@ -332,8 +337,8 @@ int gp_group_decode_held(const gp_group_t* group, gp_pending_t* pending, float* 
 int gp_group_commit(const gp_group_t* group, gp_pending_t* pending);
 /* This rank's part in a bucket its caller refused before encoding it
  * (`refusal`: 1 its dtype, 2 its device, 3 elements that share memory, 4 a
- * key, 5 sizes that do not hold the tensors named; `index`: the tensor),
- * named by `num`, `keys`, `ndims` and `dims` as gp_group_encode's: the
+ * key, 5 sizes that do not hold the tensors named; `index`: the tensor,
+ * below `num`), named by `num`, `keys`, `ndims` and `dims` as gp_group_encode's: the
  * bucket's agreement, or stand-ins of the bucket every rank expects,
  * through `reduce`. Always -1, with the error every rank of the bucket
  * gets (the others from gp_group_encode or gp_group_decode); nothing

@@ -2,11 +2,13 @@
 //! caller performs (gradpack.torch over torch.distributed).
 
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::{Mutex, MutexGuard};
 
 use super::{cstr, guard, params};
 use crate::boundary::{slice, slice_mut, Raw};
 use crate::quant::compression::Compression;
 use crate::error::{Error, Result};
+use crate::store::checks::elements;
 use crate::store::group::{Buffer, Engine, Exchange, Group, Own, Pending, ReduceOp, Tensor};
 use crate::key::Key;
 
@@ -14,9 +16,35 @@ use crate::key::Key;
 #[allow(non_camel_case_types)]
 pub struct gp_group_t(Group);
 
-/// A bucket between `gp_group_encode` and `gp_group_decode`.
+/// A bucket between `gp_group_encode` and `gp_group_decode`: one call at
+/// a time reads or changes it (calls from several threads wait in turn:
+/// gp_group_check beside gp_group_decode_held reads what the decode frees).
 #[allow(non_camel_case_types)]
-pub struct gp_pending_t(Pending);
+pub struct gp_pending_t(Mutex<Pending>);
+
+/// The pending bucket behind `p`, locked for this call.
+///
+/// # Safety
+/// `p` is NULL or a live pending bucket (gp_group_encode's, not freed).
+unsafe fn pending<'a>(p: *const gp_pending_t) -> Result<MutexGuard<'a, Pending>> {
+    // SAFETY: the caller's precondition: `p` is NULL (refused here) or live.
+    let p = unsafe { p.as_ref() }.ok_or(Error::NullPointer { what: "pending" })?;
+    Ok(p.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+}
+
+/// The pending bucket behind `p`, taken back from the caller.
+///
+/// # Safety
+/// `p` is NULL or a live pending bucket, which the caller no longer uses.
+unsafe fn take_pending(p: *mut gp_pending_t) -> Result<Pending> {
+    if p.is_null() {
+        return Err(Error::NullPointer { what: "pending" });
+    }
+    // SAFETY: the caller's precondition: `p` came from Box::into_raw in
+    // gp_group_encode and is handed back once.
+    let b = unsafe { Box::from_raw(p) };
+    Ok(b.0.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner))
+}
 
 /// The caller's blocking collective over the group: `op` 0 SUM, 1 MAX, 2
 /// bitwise OR, all-reduced in place; `dtype` 0 float32, 1 64-bit words
@@ -94,8 +122,13 @@ impl Callback {
     }
 }
 
+/// The group behind `g`.
+///
+/// # Safety
+/// `g` is NULL or from gp_group_new and not freed, for `'a`.
 unsafe fn group<'a>(g: *const gp_group_t) -> Result<&'a Group> {
-    g.as_ref().map(|g| &g.0).ok_or(Error::NullPointer { what: "group" })
+    // SAFETY: the caller's precondition: `g` is NULL (refused here) or live.
+    unsafe { g.as_ref() }.map(|g| &g.0).ok_or(Error::NullPointer { what: "group" })
 }
 
 /// Creates the compression of rank `rank` of `world` from `compress_params`
@@ -182,12 +215,12 @@ pub unsafe extern "C" fn gp_group_encode(
         Raw::new("bucket", bucket, bucket_len)?;
         let tensors = read_tensors(num, keys, ndims, dims, Some(slice(bucket, bucket_len)))?;
         let rank = group.rank();
-        let mut pending = Box::new(gp_pending_t(group.encode(&tensors, bucket_len as usize, last != 0, tag, &mut Callback { f, user, rank })?));
-        let p = &mut pending.0;
+        let mut p = group.encode(&tensors, bucket_len as usize, last != 0, tag, &mut Callback { f, user, rank })?;
         (*words, *num_words) = (p.words.as_mut_ptr(), p.words_to_sum().len() as u64);
         (*floats, *num_floats) = (p.floats.as_mut_ptr(), p.floats.len() as u64);
         *plain = p.plain as c_int;
-        *out = Box::into_raw(pending);
+        // (The buffers are the Vecs' own heap memory: moving `p` keeps them where they are.)
+        *out = Box::into_raw(Box::new(gp_pending_t(Mutex::new(p))));
         Ok(())
     })
 }
@@ -210,13 +243,17 @@ unsafe fn read_tensors<'a>(num: u64, keys: *const *const c_char, ndims: *const u
     let dims = slice(dims, total_dims);
     let (mut tensors, mut d, mut at) = (Vec::with_capacity(num as usize), 0usize, 0usize);
     for (i, &nd) in ndims.iter().enumerate() {
-        let key = Key::Str(cstr(*keys.add(i), "key")?.to_string());
+        let key = cstr(*keys.add(i), "key")?;
+        if key.is_empty() {
+            return Err(Error::InvalidParam { key: "keys".into(), problem: format!("tensor {i}'s key is empty (a key names a tensor's state)") });
+        }
+        let key = Key::Str(key.to_string());
         key.check()?;
         let shape: Vec<usize> = dims[d..d + nd as usize].iter().map(|&x| usize::try_from(x).unwrap_or(usize::MAX)).collect();
         d += nd as usize;
         let grad = match bucket {
             Some(bucket) => {
-                let n = shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).filter(|&n| at.checked_add(n).is_some_and(|end| end <= bucket.len()));
+                let n = elements(&shape).ok().filter(|&n| at.checked_add(n).is_some_and(|end| end <= bucket.len()));
                 let n = n.ok_or_else(|| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} of shape {shape:?} does not fit a bucket of {} elements after {at}", bucket.len()) })?;
                 at += n;
                 &bucket[at - n..at]
@@ -247,7 +284,8 @@ pub unsafe extern "C" fn gp_group_refuse(g: *const gp_group_t, num: u64, keys: *
         let f = reduce.ok_or(Error::NullPointer { what: "reduce" })?;
         let own = u32::try_from(refusal).ok().and_then(Own::refusal).ok_or_else(|| Error::InvalidParam { key: "refusal".into(), problem: format!("{refusal} (1 to 5)") })?;
         let tensors = read_tensors(num, keys, ndims, dims, None)?;
-        let index = usize::try_from(index).unwrap_or(usize::MAX).min(u32::MAX as usize - 1);
+        // (Group::refuse refuses an index past the bucket's tensors.)
+        let index = usize::try_from(index).unwrap_or(usize::MAX);
         let rank = group.rank();
         Err(group.refuse(&tensors, own, index, &mut Callback { f, user, rank }))
     })
@@ -263,7 +301,7 @@ pub unsafe extern "C" fn gp_group_refuse(g: *const gp_group_t, num: u64, keys: *
 #[no_mangle]
 pub unsafe extern "C" fn gp_pending_buffers(p: *mut gp_pending_t, words: *mut *mut u64, num_words: *mut u64, floats: *mut *mut f32, num_floats: *mut u64, plain: *mut c_int) -> c_int {
     guard(|| {
-        let p = &mut p.as_mut().ok_or(Error::NullPointer { what: "pending" })?.0;
+        let mut p = pending(p)?;
         if words.is_null() || num_words.is_null() || floats.is_null() || num_floats.is_null() || plain.is_null() {
             return Err(Error::NullPointer { what: "an output" });
         }
@@ -301,10 +339,7 @@ unsafe fn decode_into(g: *const gp_group_t, pending: &mut Pending, bucket: *mut 
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_decode(g: *const gp_group_t, p: *mut gp_pending_t, bucket: *mut f32, bucket_len: u64) -> c_int {
     guard(|| {
-        if p.is_null() {
-            return Err(Error::NullPointer { what: "pending" });
-        }
-        let mut pending = Box::from_raw(p).0;
+        let mut pending = take_pending(p)?;
         decode_into(g, &mut pending, bucket, bucket_len)?;
         group(g)?.commit(pending)
     })
@@ -320,7 +355,7 @@ pub unsafe extern "C" fn gp_group_decode(g: *const gp_group_t, p: *mut gp_pendin
 /// As gp_group_decode's, except that `p` stays the caller's.
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_decode_held(g: *const gp_group_t, p: *mut gp_pending_t, bucket: *mut f32, bucket_len: u64) -> c_int {
-    guard(|| decode_into(g, &mut p.as_mut().ok_or(Error::NullPointer { what: "pending" })?.0, bucket, bucket_len))
+    guard(|| decode_into(g, &mut *pending(p)?, bucket, bucket_len))
 }
 
 /// Advances the states of a bucket gp_group_decode_held wrote (its
@@ -331,13 +366,7 @@ pub unsafe extern "C" fn gp_group_decode_held(g: *const gp_group_t, p: *mut gp_p
 /// `p` is a live pending bucket of `g`, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_commit(g: *const gp_group_t, p: *mut gp_pending_t) -> c_int {
-    guard(|| {
-        if p.is_null() {
-            return Err(Error::NullPointer { what: "pending" });
-        }
-        let pending = Box::from_raw(p).0;
-        group(g)?.commit(pending)
-    })
+    guard(|| group(g)?.commit(take_pending(p)?))
 }
 
 /// Drops a pending bucket without decoding it (its keys' states return to
@@ -408,10 +437,5 @@ pub unsafe extern "C" fn gp_group_load(g: *const gp_group_t, data: *const u8, le
 /// `p` is a live pending bucket of `g`.
 #[no_mangle]
 pub unsafe extern "C" fn gp_group_check(g: *const gp_group_t, p: *const gp_pending_t) -> c_int {
-    guard(|| {
-        if p.is_null() {
-            return Err(Error::NullPointer { what: "pending" });
-        }
-        group(g)?.check(&(*p).0)
-    })
+    guard(|| group(g)?.check(&*pending(p)?))
 }

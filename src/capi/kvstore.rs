@@ -7,7 +7,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 
-use super::{cstr, dtype_of, guard, params};
+use super::{count, cstr, dtype_of, guard, params};
 use crate::boundary::{slice, slice_mut, Inputs, Outputs, Raw, RawGrad};
 use crate::quant::compression::Compression;
 use crate::store::param_server::{self, Config};
@@ -73,10 +73,11 @@ unsafe fn shape_of(ndim: c_int, shape: *const u64) -> Result<Vec<usize>> {
 /// `arrays` points to `num` arrays whose data are valid for their shapes for
 /// `'a`. `outputs` are the outputs of the same call (none exists as a slice yet).
 unsafe fn arrays_in<'a>(arrays: *const gp_array_t, num: c_int, outputs: &[Raw]) -> Result<Inputs<'a>> {
-    Raw::new("values", arrays, num.max(0) as u64)?;
+    let num = count(num, "num")?;
+    Raw::new("values", arrays, num)?;
     let mut inputs = Inputs::new();
     // SAFETY: Raw::new checked the descriptors' span; the caller's contract covers the rest.
-    for a in unsafe { slice(arrays, num.max(0) as u64) } {
+    for a in unsafe { slice(arrays, num) } {
         let shape = unsafe { shape_of(a.ndim, a.shape)? };
         let n = elements(&shape)? as u64;
         let data = match dtype_of(a.dtype)? {
@@ -96,10 +97,11 @@ unsafe fn arrays_in<'a>(arrays: *const gp_array_t, num: c_int, outputs: &[Raw]) 
 /// # Safety
 /// `arrays` points to `num` arrays (their data are checked when sliced).
 unsafe fn arrays_out<'a>(arrays: *const gp_array_mut_t, num: c_int) -> Result<Outputs<'a>> {
-    Raw::new("outputs", arrays, num.max(0) as u64)?;
+    let num = count(num, "num")?;
+    Raw::new("outputs", arrays, num)?;
     let mut outputs = Outputs::new();
     // SAFETY: Raw::new checked the descriptors' span; the caller's contract covers the rest.
-    for a in unsafe { slice(arrays, num.max(0) as u64) } {
+    for a in unsafe { slice(arrays, num) } {
         let shape = unsafe { shape_of(a.ndim, a.shape)? };
         let n = elements(&shape)? as u64;
         outputs.push(shape, a.data, n)?;

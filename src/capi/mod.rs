@@ -104,8 +104,13 @@ pub(crate) unsafe fn cstr<'a>(p: *const c_char, what: &'static str) -> Result<&'
 
 /// # Safety
 /// `keys` and `vals` are NULL (with `num` 0) or point to `num` NUL-terminated strings each.
+/// A count the caller gives as a C int: negative is refused, naming it.
+pub(crate) fn count(num: c_int, what: &str) -> Result<u64> {
+    u64::try_from(num).map_err(|_| Error::InvalidParam { key: what.into(), problem: format!("a count of {num} (it must be 0 or more)") })
+}
+
 pub(crate) unsafe fn params<'a>(keys: *const *const c_char, vals: *const *const c_char, num: c_int) -> Result<Vec<(&'a str, &'a str)>> {
-    let n = num.max(0) as u64;
+    let n = count(num, "num")?;
     Raw::new("param keys", keys, n)?;
     Raw::new("param values", vals, n)?;
     slice(keys, n).iter().zip(slice(vals, n)).map(|(&k, &v)| Ok((cstr(k, "param key")?, cstr(v, "param value")?))).collect()

@@ -32,6 +32,10 @@ pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
 /// product that overflows, or more float32 bytes than a slice may span, is an
 /// error (never a wrapped count such as [2^32, 2^32] -> 0).
 pub fn elements(shape: &[usize]) -> Result<usize> {
+    // (A zero anywhere is zero elements, whatever the other dimensions' product.)
+    if shape.contains(&0) {
+        return Ok(0);
+    }
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))

@@ -45,8 +45,8 @@ pub fn encode(c: &Compression, jobs: Vec<Job>, coll: &mut dyn Collective) -> Vec
                 }
             }
             Err(e) => {
-                let why = e.to_string();
-                round.into_iter().for_each(|(slot, _)| results[slot] = Some(Err(Error::Transport(why.clone()))));
+                // (already the transport's own error: wrapped once, where it arose)
+                round.into_iter().for_each(|(slot, _)| results[slot] = Some(Err(e.clone())));
             }
         }
     }

@@ -118,9 +118,10 @@ impl Verdict {
             return Some(Error::Store(match self.own.1 {
                 Some((rank, code)) => {
                     let (kind, i) = (Own::from_code(code >> 32), (code & 0xFFFF_FFFF) as usize);
-                    // (a key refused as a key is named by its place: each rank holds its own name for it)
+                    // (a key refused as a key, or pushed twice in one bucket, is
+                    // named by its place: at that place each rank holds its own key)
                     let key = match kind {
-                        Some(Own::KeyText) => format!("at tensor {} of its bucket", i.saturating_sub(1)),
+                        Some(Own::KeyText | Own::Twice) => format!("at tensor {} of its bucket", i.saturating_sub(1)),
                         _ => i.checked_sub(1).and_then(&key).unwrap_or_else(|| "?".into()),
                     };
                     format!("gradpack: rank {rank}'s key {key} was {}; nothing was applied on any rank", kind.map_or("refused", Own::text))

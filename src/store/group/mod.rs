@@ -49,6 +49,7 @@ use crate::quant::collective;
 use crate::quant::compression::Compression;
 use crate::quant::{qsgd, scheme};
 use crate::store::checkpoint::{self, KeyState, Saved};
+use crate::store::checks::elements;
 
 use check::{Mine, Verdict, TAIL_WORDS};
 pub use check::Own;
@@ -453,10 +454,20 @@ impl Group {
         scheme::Ctx { shape, step, key_hash, member: self.rank as u64, workers: self.world }
     }
 
-    /// The error of a verdict, named with this bucket's keys and counts.
-    fn verdict_error(&self, v: &Verdict, tensors: &[Tensor], steps: &[u64]) -> Error {
-        v.error(|i| tensors.get(i).map(|t| t.key.to_string()), |i| steps.get(i).copied().unwrap_or(0), self.fault_what())
-            .unwrap_or_else(|| Error::Store("gradpack: another rank sent stand-ins for this bucket; nothing was applied on any rank".into()))
+    /// The error of a verdict, named with this bucket's keys and counts;
+    /// on a rank that failed its own bucket (`own`) with a key named by its
+    /// place, that key's own name after it.
+    fn verdict_error(&self, v: &Verdict, tensors: &[Tensor], steps: &[u64], own: Option<(Own, usize)>) -> Error {
+        let err = v
+            .error(|i| tensors.get(i).map(|t| t.key.to_string()), |i| steps.get(i).copied().unwrap_or(0), self.fault_what())
+            .unwrap_or_else(|| Error::Store("gradpack: another rank sent stand-ins for this bucket; nothing was applied on any rank".into()));
+        match (own, err) {
+            (Some((Own::Twice, i)), Error::Store(text)) if v.own.1.is_some_and(|(r, _)| r == self.rank as u64) => {
+                let key = tensors.get(i).map_or_else(|| "?".into(), |t| t.key.to_string());
+                Error::Store(format!("{text} (on this rank: key {key})"))
+            }
+            (_, err) => err,
+        }
     }
 
     /// Checks the bucket with every rank and runs its exchanges through
@@ -467,16 +478,14 @@ impl Group {
     /// nothing), compared with the settings (FSDP2's reduce op and divide
     /// factor, which scale each rank's own rows).
     pub fn encode(&self, tensors: &[Tensor], bucket_len: usize, last: bool, tag: u64, engine: &mut dyn Engine) -> Result<Pending> {
-        let total = tensors.iter().try_fold(0usize, |acc, t| {
-            let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-            match n {
-                Some(n) if n == t.grad.len() => acc.checked_add(n),
-                _ => None,
-            }
+        check_count(tensors.len())?;
+        let total = tensors.iter().try_fold(0usize, |acc, t| match elements(&t.shape) {
+            Ok(n) if n == t.grad.len() => acc.checked_add(n),
+            _ => None,
         });
-        if total != Some(bucket_len) || tensors.is_empty() {
+        if total != Some(bucket_len) {
             let shapes: Vec<_> = tensors.iter().map(|t| (t.key.to_string(), t.shape.clone(), t.grad.len())).collect();
-            return Err(Error::Internal(format!("a bucket of {bucket_len} elements holds tensors (key, shape, elements) {shapes:?}")));
+            return Err(Error::InvalidParam { key: "bucket_len".into(), problem: format!("a bucket of {bucket_len} elements does not hold its tensors (key, shape, elements) {shapes:?}") });
         }
         let (mut entries, origins, own) = match self.take(tensors) {
             Ok((e, o)) => (e, o, None),
@@ -520,6 +529,12 @@ impl Group {
     /// could read it (their gradients are not read). Returns that error;
     /// nothing changed.
     pub fn refuse(&self, tensors: &[Tensor], own: Own, index: usize, engine: &mut dyn Engine) -> Error {
+        if let Err(e) = check_count(tensors.len()) {
+            return e;
+        }
+        if index >= tensors.len() {
+            return Error::InvalidParam { key: "index".into(), problem: format!("tensor {index} of a bucket of {} tensors", tensors.len()) };
+        }
         let steps = vec![0; tensors.len()];
         let mine = self.mine(tensors, &steps, 0, Some((own, index)));
         let mut coll = self.lanes(engine);
@@ -550,7 +565,7 @@ impl Group {
             lock(&self.keys).stats.agreements += 1;
             let v = check::agree(coll, &mine, self.rank)?;
             if !v.clean() {
-                return Err(self.verdict_error(&v, tensors, steps));
+                return Err(self.verdict_error(&v, tensors, steps, mine.own));
             }
             return self.run(tensors, entries, steps, mine, coll);
         };
@@ -566,9 +581,9 @@ impl Group {
             Ok(v) => {
                 // The ranks that ran the planned bucket recorded it.
                 lock(&self.plans).record(&plan);
-                Ok(Built::doomed(self.verdict_error(&v, tensors, steps), tensors.len()))
+                Ok(Built::doomed(self.verdict_error(&v, tensors, steps, mine.own), tensors.len()))
             }
-            Err(v) => Err(self.verdict_error(&v, tensors, steps)),
+            Err(v) => Err(self.verdict_error(&v, tensors, steps, mine.own)),
         }
     }
 
@@ -707,7 +722,7 @@ impl Group {
             }
             lock(&self.keys).stats.agreements += 1;
             let v = check::agree(coll, &mine, self.rank)?;
-            return Err(if v.clean() { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) } else { self.verdict_error(&v, tensors, steps) });
+            return Err(if v.clean() { encoded.into_iter().find_map(Result::err).unwrap_or_else(|| Error::Internal("lost error".into())) } else { self.verdict_error(&v, tensors, steps, mine.own) });
         }
         let plain = !compresses.iter().any(|&c| c);
         let tail_in_floats = self.tail_in_floats(plain, tensors.len(), tensors.iter().map(|t| t.grad.len()).sum());
@@ -790,7 +805,7 @@ impl Group {
     /// changes (the hierarchical exchange's node) checks first, then decodes.
     pub fn check(&self, pending: &Pending) -> Result<()> {
         if !Arc::ptr_eq(&pending.keys, &self.keys) {
-            return Err(Error::Internal("a pending bucket checked by another State".into()));
+            return Err(Error::InvalidParam { key: "pending".into(), problem: "a bucket encoded by another State".into() });
         }
         match &pending.doomed {
             Some(err) => Err(err.clone()),
@@ -799,6 +814,9 @@ impl Group {
     }
 
     fn read_check(&self, pending: &Pending) -> Result<()> {
+        if pending.decoded {
+            return Err(Error::InvalidParam { key: "pending".into(), problem: "a bucket already decoded (check it before decoding it)".into() });
+        }
         let v = if pending.tail_in_floats {
             let Some(at) = pending.floats.len().checked_sub(check::TAIL_FLOATS) else {
                 return Err(Error::Internal("a pending bucket without its tail".into()));
@@ -852,10 +870,10 @@ impl Group {
             return Err(Error::SizeMismatch { what: "bucket", expected: pending.len, got: bucket.len() });
         }
         if !Arc::ptr_eq(&pending.keys, &self.keys) {
-            return Err(Error::Internal("a pending bucket decoded by another State".into()));
+            return Err(Error::InvalidParam { key: "pending".into(), problem: "a bucket encoded by another State".into() });
         }
         if pending.decoded {
-            return Err(Error::Internal("a pending bucket decoded twice".into()));
+            return Err(Error::InvalidParam { key: "pending".into(), problem: "a bucket decoded twice".into() });
         }
         if let Some(err) = &pending.doomed {
             return Err(err.clone());
@@ -903,8 +921,11 @@ impl Group {
     /// wrote advances its state (residuals, Q, push count) and returns
     /// to the group.
     pub fn commit(&self, mut pending: Pending) -> Result<()> {
-        if !Arc::ptr_eq(&pending.keys, &self.keys) || !pending.decoded {
-            return Err(Error::Internal("a pending bucket committed before it was decoded, or by another State".into()));
+        if !Arc::ptr_eq(&pending.keys, &self.keys) {
+            return Err(Error::InvalidParam { key: "pending".into(), problem: "a bucket encoded by another State".into() });
+        }
+        if !pending.decoded {
+            return Err(Error::InvalidParam { key: "pending".into(), problem: "a bucket committed before it was decoded".into() });
         }
         let mut compressed = false;
         for t in pending.tensors.iter_mut() {
@@ -986,6 +1007,17 @@ impl Group {
         keys.loaded = loaded;
         Ok(())
     }
+}
+
+/// The most tensors a bucket holds: its check names a tensor by its index
+/// plus one, exactly, in float32 too (below 2^24).
+pub const MAX_TENSORS: usize = (1 << 24) - 2;
+
+fn check_count(tensors: usize) -> Result<()> {
+    if tensors == 0 || tensors > MAX_TENSORS {
+        return Err(Error::InvalidParam { key: "num".into(), problem: format!("a bucket of {tensors} tensors (1 to {MAX_TENSORS})") });
+    }
+    Ok(())
 }
 
 /// The largest world size for which `fits` holds (it holds for 1 and, once
