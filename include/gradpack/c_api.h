@@ -337,7 +337,8 @@ int gp_group_decode_held(const gp_group_t* group, gp_pending_t* pending, float* 
 int gp_group_commit(const gp_group_t* group, gp_pending_t* pending);
 /* This rank's part in a bucket its caller refused before encoding it
  * (`refusal`: 1 its dtype, 2 its device, 3 elements that share memory, 4 a
- * key, 5 sizes that do not hold the tensors named; `index`: the tensor,
+ * key, 5 sizes that do not hold the tensors named, 6 ranks of its node
+ * that disagree on the bucket or the settings; `index`: the tensor,
  * below `num`), named by `num`, `keys`, `ndims` and `dims` as gp_group_encode's: the
  * bucket's agreement, or stand-ins of the bucket every rank expects,
  * through `reduce`. Always -1, with the error every rank of the bucket

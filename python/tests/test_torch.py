@@ -331,9 +331,17 @@ def test_the_hierarchical_exchange_matches_its_parts_and_fails_alike(world, tmp_
         assert "layout" not in h["load flat"] and "saved by the hierarchical exchange over %d nodes of 2 ranks; this State runs the flat exchange over %d ranks" % (world // 2, world) in h["load flat"], h
         assert "local_size %d does not divide the world of %d ranks" % (world - 1, world) in h["not dividing"], h
         assert "needs the default process group" in h["subgroup"], h
-    for what in ("nan", "other sizes", "not dividing", "load flat"):
-        errors = {rep["hierarchical"][what] for rep in reports}
+        assert h["then"] is None, h["then"]
+        assert "this state_dict was saved by rank %d; this is rank %d" % (rep["rank"] ^ 1, rep["rank"]) in h["load peer"], h
+        assert len(set(h["timeouts"])) == 1 and h["timeouts"][0] != "0:30:00", h["timeouts"]
+    for what in ("nan", "other sizes", "not dividing", "load flat", "key by local", "shape by local", "settings by local",
+                 "start_iter by local", "dims one rank"):
+        errors = {rep["hierarchical"][what].split(" (on this rank:")[0] for rep in reports}
         assert len(errors) == 1 and errors.pop().startswith("gradpack.Error"), (what, errors)
+    for what in ("key by local", "shape by local", "settings by local", "start_iter by local"):
+        assert "the ranks of its node disagree" in reports[0]["hierarchical"][what], reports[0]["hierarchical"][what]
+    dims = reports[-1]["hierarchical"]["dims one rank"]
+    assert "was refused there: its buffer does not hold" in dims and "33 dimensions" in dims, dims
     nan = reports[0]["hierarchical"]["nan"]
     assert "non-finite" in nan and "nothing was applied" in nan, nan
     assert "different local_size values" in reports[0]["hierarchical"]["other sizes"]

@@ -267,7 +267,8 @@ unsafe fn read_tensors<'a>(num: u64, keys: *const *const c_char, ndims: *const u
 
 /// This rank's part in a bucket its caller refused before encoding it
 /// (`refusal`: 1 its dtype, 2 its device, 3 memory its elements share, 4
-/// a key, 5 sizes that do not hold the tensors named; `index`: the
+/// a key, 5 sizes that do not hold the tensors named, 6 ranks of its node
+/// that disagree (gradpack.torch's hierarchical exchange); `index`: the
 /// tensor), so that no other rank waits: runs the bucket's agreement, or
 /// stand-ins of the bucket every rank expects, through `reduce` as
 /// gp_group_encode would, and always returns -1 with the error every
@@ -282,7 +283,7 @@ pub unsafe extern "C" fn gp_group_refuse(g: *const gp_group_t, num: u64, keys: *
     guard(|| {
         let group = group(g)?;
         let f = reduce.ok_or(Error::NullPointer { what: "reduce" })?;
-        let own = u32::try_from(refusal).ok().and_then(Own::refusal).ok_or_else(|| Error::InvalidParam { key: "refusal".into(), problem: format!("{refusal} (1 to 5)") })?;
+        let own = u32::try_from(refusal).ok().and_then(Own::refusal).ok_or_else(|| Error::InvalidParam { key: "refusal".into(), problem: format!("{refusal} (1 to 6)") })?;
         let tensors = read_tensors(num, keys, ndims, dims, None)?;
         // (Group::refuse refuses an index past the bucket's tensors.)
         let index = usize::try_from(index).unwrap_or(usize::MAX);

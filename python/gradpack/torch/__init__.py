@@ -26,6 +26,7 @@ rank that dies ends the job with torch's own timeout error (the
 ``timeout=`` of ``init_process_group``).
 """
 import ctypes
+import hashlib
 import math
 import threading
 
@@ -279,12 +280,23 @@ class State(NativeHandle):
         inner_rank, inner_world = self.rank, self.world_size
         if self.local_size > 1:
             nodes, (node, local) = self.world_size // self.local_size, divmod(self.rank, self.local_size)
-            # Every rank creates every group, in one order (new_group is collective).
-            intra = [dist.new_group(list(range(n * self.local_size, (n + 1) * self.local_size))) for n in range(nodes)]
-            inter = [dist.new_group(list(range(j, self.world_size, self.local_size))) for j in range(self.local_size)]
+            # Every rank creates every group, in one order (new_group is
+            # collective), with the default group's timeout (a dead or late
+            # rank ends a bucket within init_process_group's timeout, not
+            # torch's default of 30 minutes).
+            timeout = _timeout_of(dist.distributed_c10d._get_default_group())
+            intra = [dist.new_group(list(range(n * self.local_size, (n + 1) * self.local_size)), timeout=timeout)
+                     for n in range(nodes)]
+            inter = [dist.new_group(list(range(j, self.world_size, self.local_size)), timeout=timeout)
+                     for j in range(self.local_size)]
             self._intra, self._comm = intra[node], inter[local]
             inner_rank, inner_world = node, nodes
         self._comm_rank = inner_rank
+        # What the ranks of a node must hold alike beside each bucket (the
+        # hierarchical exchange compares it before the node's reduce-scatter).
+        self._node_settings = repr((sorted((str(k), str(v)) for k, v in dict(compress_params).items()), start_iter,
+                                    min_compression_rate, exchange))
+        self._digests = {}
         self._scatter = exchange == "scatter"
         self._handle = _new_group(args, inner_rank, inner_world)
         self.compress_params = dict(compress_params)
@@ -486,7 +498,8 @@ class State(NativeHandle):
         finally:
             LIB.gp_buffer_free(data, n)
         # The blob names its compression, rank and world size; load_state_dict checks them there.
-        return {"format": _STATE_FORMAT, "states": blob, "local_size": self.local_size, "world_size": self.world_size}
+        return {"format": _STATE_FORMAT, "states": blob, "local_size": self.local_size, "world_size": self.world_size,
+                "rank": self.rank}
 
     def load_state_dict(self, state_dict):
         """Resumes from ``state_dict()``: another compression, rank, world
@@ -503,6 +516,12 @@ class State(NativeHandle):
             raise Error("this state_dict was saved by %s; this State runs %s: its states (one per row block of a "
                         "parameter under the hierarchical exchange, one per parameter under the flat one) do not carry over"
                         % (_layout_text(*saved), _layout_text(self.local_size, self.world_size)))
+        saved_rank = state_dict.get("rank", self.rank)
+        if self.local_size > 1 and saved_rank != self.rank:
+            # (The blob names the node, which two local ranks share: the rank is checked here.)
+            raise Error("this state_dict was saved by rank %s; this is rank %d: under the hierarchical exchange each "
+                        "rank holds the states of its own row blocks, so each rank loads its own"
+                        % (saved_rank, self.rank))
         self._settle()
         check_call(LIB.gp_group_load(self._handle, bytes(blob), len(blob)))
 
@@ -602,6 +621,44 @@ def _slices(shapes, size):
     return blocks, lengths, totals
 
 
+def _timeout_of(group):
+    """The timeout `group` was made with (init_process_group's), or None
+    (torch's default) where its backend does not say."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def _node_verdict(state, keys, shapes, refusal):
+    """The refusal every local rank of the node takes its part as, or None:
+    one small MAX all-reduce inside the node, before its reduce-scatter
+    (whose sizes come from each rank's own bucket), of a digest of the
+    bucket and the State's settings and of any local rank's refusal. A
+    rank's refusal wins (its code); else ranks whose digests differ refuse
+    as a node that disagrees."""
+    layout = (tuple(keys), tuple(tuple(s) for s in shapes))
+    digest = state._digests.get(layout)
+    if digest is None:
+        text = repr((state._node_settings, layout)).encode()
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
+        if len(state._digests) > 4096:
+            state._digests.clear()
+        state._digests[layout] = digest
+    local = state.rank % state.local_size
+    mine = (refusal << 32 | local + 1) if refusal is not None else 0
+    told = torch.tensor([digest, -digest, mine], dtype=torch.int64)
+    dist.all_reduce(told, op=dist.ReduceOp.MAX, group=state._intra)
+    state._intra_bytes += 8 * told.numel()
+    if told[2] > 0:
+        return int(told[2]) >> 32
+    if int(told[0]) != -int(told[1]):
+        return _REFUSE_NODE
+    return None
+
+
 def _gather_texts(text, group, size):
     """Every rank's `text` (cut to _TEXT_BYTES - 1 bytes of UTF-8), on every
     rank of `group`, through a uint8 all-gather (torch's object collectives
@@ -626,6 +683,21 @@ def _hierarchical(state, flat, keys, shapes, last, refusal=None):
     the lowest local rank that met it, before any state changes."""
     size = state.local_size
     blocks, lengths, totals = _slices(shapes, size)
+    local = state.rank % size
+    block_keys = ["%s@%d/%d" % (k, local, size) for k in keys]
+    # The node agrees first: a rank whose bucket or settings differ, or
+    # that refused its input, makes every local rank refuse across the
+    # nodes (no reduce-scatter of sizes that differ).
+    refusal = _node_verdict(state, keys, shapes, refusal)
+    if refusal is not None:
+        failure = "?"
+        try:
+            state._refused(block_keys, blocks, refusal)  # (raises the error every rank meets)
+        except Error as e:
+            failure = str(e) or "?"
+        told = _gather_texts(failure, state._intra, size)
+        state._intra_bytes += _TEXT_BYTES
+        _raise_node(state, told)
     parts, at = [], 0
     for length, total in zip(lengths, totals):
         t = flat[at:at + total]
@@ -639,12 +711,8 @@ def _hierarchical(state, flat, keys, shapes, last, refusal=None):
     # The node's mean: each node pushes as one worker would (2-bit's and
     # 1-bit's thresholds, start_iter's plain sums keep their meaning).
     share.div_(size)
-    local = state.rank % size
     pending, failure = None, ""
     try:
-        block_keys = ["%s@%d/%d" % (k, local, size) for k in keys]
-        if refusal is not None:
-            state._refused(block_keys, blocks, refusal)  # (raises the error every rank meets)
         pending = state._encode(share, block_keys, blocks, last)
         for f in pending.futures:
             f.wait()
@@ -653,14 +721,10 @@ def _hierarchical(state, flat, keys, shapes, last, refusal=None):
         failure = str(e) or "?"
     told = _gather_texts(failure, state._intra, size)
     state._intra_bytes += 4 * (whole.numel() + share.numel()) + _TEXT_BYTES
-    for j, text in enumerate(told):
-        if text:
-            if pending is not None:
-                pending.abandon()
-            nodes = state.world_size // size
-            raise Error("%s (the hierarchical exchange across %d nodes of %d ranks: a rank named above is a node, "
-                        "node i being ranks i*%d to i*%d+%d; met by local rank %d)"
-                        % (text, nodes, size, size, size, size - 1, j))
+    if any(told):
+        if pending is not None:
+            pending.abandon()
+        _raise_node(state, told)
     pending.decode()  # the nodes' sum of means, divided by the node count (committed with the step)
     dist.all_gather_into_tensor(whole.view(-1), share, group=state._intra)
     at = col = 0
@@ -668,6 +732,16 @@ def _hierarchical(state, flat, keys, shapes, last, refusal=None):
         flat[at:at + total].copy_(whole[:, col:col + length].reshape(-1)[:total])
         at += total
         col += length
+
+
+def _raise_node(state, told):
+    """Raises the node's failure: the text of the lowest local rank that
+    met one (`told`, every local rank's text or '')."""
+    size, nodes = state.local_size, state.world_size // state.local_size
+    j, text = next((j, t) for j, t in enumerate(told) if t)
+    raise Error("%s (the hierarchical exchange across %d nodes of %d ranks: a rank named above is a node, "
+                "node i being ranks i*%d to i*%d+%d; met by local rank %d)"
+                % (text, nodes, size, size, size, size - 1, j))
 
 
 def hook(state, bucket):
@@ -743,7 +817,7 @@ def allreduce_(tensor, state, key):
 
 
 # Why a front refuses a rank's input (gp_group_refuse's codes).
-_REFUSE_DTYPE, _REFUSE_DEVICE, _REFUSE_OVERLAP, _REFUSE_KEY, _REFUSE_SIZES = 1, 2, 3, 4, 5
+_REFUSE_DTYPE, _REFUSE_DEVICE, _REFUSE_OVERLAP, _REFUSE_KEY, _REFUSE_SIZES, _REFUSE_NODE = 1, 2, 3, 4, 5, 6
 
 
 def _refusal_of(tensor, key):

@@ -577,6 +577,27 @@ def scenario_hierarchical():
     out["other sizes"] = error_of(lambda: gpt.State(SCHEMES[2], local_size=LOCAL if RANK else WORLD))
     out["not dividing"] = error_of(lambda: gpt.State(SCHEMES[2], local_size=WORLD - 1))
     out["subgroup"] = error_of(lambda: gpt.State(SCHEMES[2], process_group=inter[RANK % LOCAL], local_size=LOCAL))
+    # The ranks of a node differ where the exchange across nodes cannot see
+    # it (by local rank alike on every node): the node compares its bucket
+    # and settings before its reduce-scatter, so every rank fails alike
+    # (no silent mix, no reduce-scatter of sizes that differ), and the job goes on.
+    odd = RANK % LOCAL == 1
+    x = torch.randn(9, 43, generator=torch.Generator().manual_seed(RANK))
+    st = gpt.State(SCHEMES[2], min_compression_rate=0, local_size=LOCAL)
+    out["key by local"] = error_of(lambda: gpt.allreduce_(x.clone(), st, key="b" if odd else "a"))
+    out["shape by local"] = error_of(lambda: gpt.allreduce_(torch.randn(12 if odd else 9, 43), st, key="a"))
+    out["then"] = error_of(lambda: gpt.allreduce_(x.clone(), st, key="a"))
+    mixed = gpt.State(SCHEMES[1] if odd else SCHEMES[2], min_compression_rate=0, local_size=LOCAL)
+    out["settings by local"] = error_of(lambda: gpt.allreduce_(x.clone(), mixed, key="a"))
+    late = gpt.State(SCHEMES[2], min_compression_rate=0, local_size=LOCAL, start_iter=5 if odd else 0)
+    out["start_iter by local"] = error_of(lambda: gpt.allreduce_(x.clone(), late, key="a"))
+    # A tensor refused on the last rank with more dimensions than any bucket holds.
+    out["dims one rank"] = error_of(lambda: gpt.allreduce_(torch.ones([1] * 33) if RANK == WORLD - 1 else x.clone(), st, key="a"))
+    # A checkpoint of the node's other rank (the blob names only the node).
+    peer = dict(st.state_dict(), rank=RANK ^ 1)
+    out["load peer"] = error_of(lambda: st.load_state_dict(peer))
+    # The node's groups wait as long as the default group does.
+    out["timeouts"] = [str(gpt._timeout_of(g)) for g in (st._intra, st._comm, dist.distributed_c10d._get_default_group())]
     return out
 
 

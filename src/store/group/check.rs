@@ -34,8 +34,11 @@ pub enum Own {
     Overlap = 6,
     /// a key that is not one (empty, not a str, holding a NUL),
     KeyText = 7,
-    /// a buffer that does not hold the tensors it names.
+    /// a buffer that does not hold the tensors it names,
     Sizes = 8,
+    /// ranks of its node that disagree on the bucket or the settings
+    /// (the hierarchical exchange's node, before its reduce-scatter).
+    Node = 9,
 }
 
 impl Own {
@@ -43,10 +46,11 @@ impl Own {
         Own::ALL.into_iter().find(|o| *o as u64 == code)
     }
 
-    const ALL: [Own; 8] = [Own::Twice, Own::Reshaped, Own::Resaved, Own::Dtype, Own::Device, Own::Overlap, Own::KeyText, Own::Sizes];
+    const ALL: [Own; 9] = [Own::Twice, Own::Reshaped, Own::Resaved, Own::Dtype, Own::Device, Own::Overlap, Own::KeyText, Own::Sizes, Own::Node];
 
     /// A front's refusal by its number in the C ABI (`gp_group_refuse`: 1
-    /// dtype, 2 device, 3 overlapping memory, 4 key, 5 sizes).
+    /// dtype, 2 device, 3 overlapping memory, 4 key, 5 sizes, 6 a node
+    /// that disagrees).
     pub fn refusal(code: u32) -> Option<Own> {
         match code {
             1 => Some(Own::Dtype),
@@ -54,6 +58,7 @@ impl Own {
             3 => Some(Own::Overlap),
             4 => Some(Own::KeyText),
             5 => Some(Own::Sizes),
+            6 => Some(Own::Node),
             _ => None,
         }
     }
@@ -68,6 +73,7 @@ impl Own {
             Own::Overlap => "refused there: its elements share memory (an expanded view), so it cannot hold the result",
             Own::KeyText => "refused there: not a key gradpack takes (a non-empty str without NUL)",
             Own::Sizes => "refused there: its buffer does not hold the tensors it names (their sizes, order or dimensions)",
+            Own::Node => "refused there: the ranks of its node disagree on this bucket (its keys, their order or shapes, a rank's refusal) or on the State's settings (compress_params, start_iter, min_compression_rate, exchange)",
         }
     }
 }

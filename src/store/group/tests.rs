@@ -733,7 +733,8 @@ fn a_bucket_its_front_refused_on_one_rank_fails_every_rank_alike_with_or_without
     }
     assert_eq!(Own::refusal(1), Some(Own::Dtype));
     assert_eq!(Own::refusal(5), Some(Own::Sizes));
-    assert!(Own::refusal(0).is_none() && Own::refusal(6).is_none());
+    assert_eq!(Own::refusal(6), Some(Own::Node));
+    assert!(Own::refusal(0).is_none() && Own::refusal(7).is_none());
 }
 
 #[test]
