@@ -32,14 +32,14 @@ pub(crate) fn key_error(key: &Key, problem: impl Into<String>) -> Error {
 /// product that overflows, or more float32 bytes than a slice may span, is an
 /// error (never a wrapped count such as [2^32, 2^32] -> 0).
 pub fn elements(shape: &[usize]) -> Result<usize> {
-    // (A zero anywhere is zero elements, whatever the other dimensions' product.)
-    if shape.contains(&0) {
-        return Ok(0);
-    }
+    // The other dimensions must fit beside a zero too, whatever their order:
+    // code that walks a shape multiplies its dimensions in any order.
     shape
         .iter()
+        .filter(|&&d| d != 0)
         .try_fold(1usize, |n, &d| n.checked_mul(d))
         .filter(|&n| n.checked_mul(std::mem::size_of::<f32>()).is_some_and(|b| b <= isize::MAX as usize))
+        .map(|n| if shape.contains(&0) { 0 } else { n })
         .ok_or_else(|| Error::InvalidParam { key: "shape".into(), problem: format!("{shape:?} has more elements than memory can hold") })
 }
 

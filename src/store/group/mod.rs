@@ -479,6 +479,9 @@ impl Group {
     /// factor, which scale each rank's own rows).
     pub fn encode(&self, tensors: &[Tensor], bucket_len: usize, last: bool, tag: u64, engine: &mut dyn Engine) -> Result<Pending> {
         check_count(tensors.len())?;
+        for (i, t) in tensors.iter().enumerate() {
+            elements(&t.shape).map_err(|e| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} (key {}): {e}", t.key) })?;
+        }
         let total = tensors.iter().try_fold(0usize, |acc, t| match elements(&t.shape) {
             Ok(n) if n == t.grad.len() => acc.checked_add(n),
             _ => None,

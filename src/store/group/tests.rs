@@ -856,8 +856,12 @@ fn a_callers_mistakes_are_named_as_its_own_not_as_gradpacks() {
     assert!(text(group.encode(&[], 0, true, 0, engine).err().unwrap()).contains("invalid parameter 'num': a bucket of 0 tensors"));
     assert!(text(group.refuse(&tensors, Own::Dtype, 1, engine)).contains("invalid parameter 'index': tensor 1 of a bucket of 1 tensors"));
     assert!(text(group.refuse(&tensors, Own::Dtype, usize::MAX, engine)).contains("invalid parameter 'index'"));
-    // A zero-element tensor whatever the order of its dimensions.
-    let empty = [Tensor { key: Key::Str("z".into()), shape: vec![1 << 32, 1 << 32, 0], grad: &[] }];
+    // A zero-element tensor: taken, unless its other dimensions overflow, whatever their order.
+    for shape in [vec![1 << 32, 1 << 32, 0], vec![0, 1 << 32, 1 << 32]] {
+        let empty = [Tensor { key: Key::Str("z".into()), shape, grad: &[] }];
+        assert!(text(group.encode(&empty, 0, true, 0, engine).err().unwrap()).contains("invalid parameter 'dims': tensor 0 (key 'z')"));
+    }
+    let empty = [Tensor { key: Key::Str("z".into()), shape: vec![3, 0, 5], grad: &[] }];
     let mut p = group.encode(&empty, 0, true, 0, engine).unwrap();
     group.decode_held(&mut p, &mut []).unwrap();
     group.commit(p).unwrap();
