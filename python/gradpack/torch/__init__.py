@@ -424,17 +424,12 @@ class State(NativeHandle):
 
     def _layout(self, keys, shapes):
         """The C arrays naming a bucket's tensors, made once per layout."""
-        layout = (tuple(keys), tuple(shapes))
-        arrays = self._layouts.get(layout)
-        if arrays is None:
+        def arrays():
             n = len(keys)
             dims = [d for s in shapes for d in s]
-            arrays = ((ctypes.c_char_p * n)(*[_c_text(k, "key") for k in keys]), (_u64 * n)(*[len(s) for s in shapes]),
-                      (_u64 * max(1, len(dims)))(*dims))
-            if len(self._layouts) > 4096:
-                self._layouts.clear()
-            self._layouts[layout] = arrays
-        return arrays
+            return ((ctypes.c_char_p * n)(*[_c_text(k, "key") for k in keys]), (_u64 * n)(*[len(s) for s in shapes]),
+                    (_u64 * max(1, len(dims)))(*dims))
+        return _memo(self._layouts, (tuple(keys), tuple(shapes)), arrays)
 
     def _settle(self, keys=None):
         """Drops the buckets still open (all of them, or those holding one
@@ -621,6 +616,17 @@ def _slices(shapes, size):
     return blocks, lengths, totals
 
 
+def _memo(cache, key, make):
+    """`cache[key]`, made by `make()` the first time; a cache past 4,096
+    entries starts again (layouts are few, but keys may come from users)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) > 4096:
+            cache.clear()
+        value = cache[key] = make()
+    return value
+
+
 def _timeout_of(group):
     """The timeout `group` was made with (init_process_group's), or None
     (torch's default) where its backend does not say."""
@@ -640,13 +646,8 @@ def _node_verdict(state, keys, shapes, refusal):
     rank's refusal wins (its code); else ranks whose digests differ refuse
     as a node that disagrees."""
     layout = (tuple(keys), tuple(tuple(s) for s in shapes))
-    digest = state._digests.get(layout)
-    if digest is None:
-        text = repr((state._node_settings, layout)).encode()
-        digest = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
-        if len(state._digests) > 4096:
-            state._digests.clear()
-        state._digests[layout] = digest
+    digest = _memo(state._digests, layout, lambda: int.from_bytes(
+        hashlib.blake2b(repr((state._node_settings, layout)).encode(), digest_size=7).digest(), "little"))
     local = state.rank % state.local_size
     mine = (refusal << 32 | local + 1) if refusal is not None else 0
     told = torch.tensor([digest, -digest, mine], dtype=torch.int64)

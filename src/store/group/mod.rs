@@ -479,13 +479,12 @@ impl Group {
     /// factor, which scale each rank's own rows).
     pub fn encode(&self, tensors: &[Tensor], bucket_len: usize, last: bool, tag: u64, engine: &mut dyn Engine) -> Result<Pending> {
         check_count(tensors.len())?;
+        // (None once a tensor's gradient is not its shape's)
+        let mut total = Some(0usize);
         for (i, t) in tensors.iter().enumerate() {
-            elements(&t.shape).map_err(|e| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} (key {}): {e}", t.key) })?;
+            let n = elements(&t.shape).map_err(|e| Error::InvalidParam { key: "dims".into(), problem: format!("tensor {i} (key {}): {e}", t.key) })?;
+            total = total.filter(|_| n == t.grad.len()).and_then(|a| a.checked_add(n));
         }
-        let total = tensors.iter().try_fold(0usize, |acc, t| match elements(&t.shape) {
-            Ok(n) if n == t.grad.len() => acc.checked_add(n),
-            _ => None,
-        });
         if total != Some(bucket_len) {
             let shapes: Vec<_> = tensors.iter().map(|t| (t.key.to_string(), t.shape.clone(), t.grad.len())).collect();
             return Err(Error::InvalidParam { key: "bucket_len".into(), problem: format!("a bucket of {bucket_len} elements does not hold its tensors (key, shape, elements) {shapes:?}") });
