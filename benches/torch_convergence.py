@@ -2,15 +2,18 @@
 reduce-scatter), training the digits CNN of examples/torch_ddp.py, beside
 uncompressed training in the same processes:
 
-    torchrun --nproc_per_node 4 benches/torch_convergence.py [--epochs E] [--check 1.0] [--fsdp]
+    torchrun --nproc_per_node 4 benches/torch_convergence.py [--epochs E] [--seeds S] [--check 2.0] [--fsdp]
 
 Plain SGD (no momentum: 2-bit's capped steps and momentum do not mix),
 0.5 per batch of 32 (0.3 for 1bit, whose codes are +-1), and 5 epochs per
 rank: 220 steps at 2 and 4 ranks (fewer past that, as each
 rank's shard drops its partial batch). Prints each scheme's test accuracy, its difference from uncompressed
 ('none' through the same hook), bytes sent per step and ms per step. With
+--seeds S, each scheme trains from S seeds (initial weights, data order,
+the scheme's own seed) and the mean of their accuracies is compared. With
 --check P, exits 1 when a scheme ends more than P points below
-uncompressed (the test command runs it at 2 and 4 ranks, under DDP and FSDP2).
+uncompressed (the test command runs it with 3 seeds at 2 and 4 ranks, under
+DDP and FSDP2).
 """
 import argparse
 import os
@@ -43,6 +46,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=None, help="default: 5 per rank")
     parser.add_argument("--check", type=float, default=None)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="trains each scheme from this many seeds (initial weights, data order, the scheme's "
+                             "seed) and compares the mean of their accuracies")
     parser.add_argument("--only", default=None, help="schemes whose names contain this, beside 'none'")
     parser.add_argument("--exchange", default="lanes", choices=["auto", "lanes", "owners"],
                         help="State(exchange=) for the integer schemes (PowerSGD and 'none' take lanes)")
@@ -55,22 +61,28 @@ def main():
     epochs = args.epochs or 5 * dist.get_world_size()
     schemes = [(p, lr) for p, lr in SCHEMES if p["compress"] == "none" or args.only is None or args.only in p["compress"]]
     float_final = ("none", "powersgd")
-    rows = [(p, torch_ddp.train(p, epochs=epochs, lr=lr, momentum=0.0, data=data, min_compression_rate=1.0,
-                                exchange="lanes" if p["compress"] in float_final else args.exchange, fsdp=args.fsdp))
+    rows = [(p, [torch_ddp.train(dict(p, seed=p["seed"] + seed) if "seed" in p else p, epochs=epochs, lr=lr,
+                                 momentum=0.0, data=data, min_compression_rate=1.0, seed=seed, fsdp=args.fsdp,
+                                 exchange="lanes" if p["compress"] in float_final else args.exchange)
+                 for seed in range(args.seeds)])
             for p, lr in schemes]
     failed = []
     if dist.get_rank() == 0:
-        base = rows[0][1]["accuracy"]
-        print("digits CNN, %d ranks, %d epochs, %d steps, %s; bytes and ms per step of rank 0" % (
-            dist.get_world_size(), epochs, rows[0][1]["steps"],
-            "FSDP2 (fully_shard), gradpack in its reduce-scatter" if args.fsdp else "DDP, exchange " + args.exchange))
-        print("%-40s %9s %8s %12s %9s" % ("compress_params", "accuracy", "vs none", "bytes/step", "ms/step"))
-        for p, r in rows:
-            diff = 100 * (r["accuracy"] - base)
+        mean = [sum(r["accuracy"] for r in runs) / len(runs) for _, runs in rows]
+        print("digits CNN, %d ranks, %d epochs, %d steps, %s; %s; bytes and ms per step of rank 0" % (
+            dist.get_world_size(), epochs, rows[0][1][0]["steps"],
+            "FSDP2 (fully_shard), gradpack in its reduce-scatter" if args.fsdp else "DDP, exchange " + args.exchange,
+            "the mean accuracy of %d seeds" % args.seeds if args.seeds > 1 else "seed 0"))
+        print("%-40s %9s %8s %12s %9s%s" % ("compress_params", "accuracy", "vs none", "bytes/step", "ms/step",
+                                            "  per seed" if args.seeds > 1 else ""))
+        for (p, runs), accuracy in zip(rows, mean):
+            diff = 100 * (accuracy - mean[0])
+            r = runs[0]
             own = r["stats"].get("exchange") == "fsdp"  # FSDP2's own reduce-scatter: nothing of gradpack's to count
-            print("%-40s %8.2f%% %+8.2f %12s %9.2f" % (
-                ", ".join("%s" % v for v in p.values()), 100 * r["accuracy"], diff,
-                "FSDP's" if own else r["stats"]["bytes_sent"] // r["steps"], r["ms_per_step"]))
+            print("%-40s %8.2f%% %+8.2f %12s %9.2f%s" % (
+                ", ".join("%s" % v for v in p.values()), 100 * accuracy, diff,
+                "FSDP's" if own else r["stats"]["bytes_sent"] // r["steps"], r["ms_per_step"],
+                "  " + " ".join("%.2f" % (100 * r["accuracy"]) for r in runs) if args.seeds > 1 else ""))
             if args.check is not None and diff < -args.check:
                 failed.append(p["compress"])
         if failed:

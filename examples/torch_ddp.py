@@ -53,17 +53,18 @@ def digits():
 
 
 def train(compress_params, epochs=10, batch=32, lr=0.05, momentum=0.9, start_iter=0, min_compression_rate=2.0,
-          data=None, group=None, exchange="lanes", fsdp=False):
+          data=None, group=None, exchange="lanes", fsdp=False, seed=0):
     """Trains on this rank's shard; returns accuracy, bytes, time per step.
     The loss is summed over the batch and the learning rate given per
     sample (lr / batch), as Gluon's Trainer.step(batch) does: the hook
     sees the summed gradients, the scale 2bit's and 1bit's thresholds and
     codes (+-1) are on. With fsdp, the model is under FSDP2's fully_shard
     (a unit per layer with parameters, then the root) and gradpack in its
-    reduce-scatter (gradpack.torch.fsdp.compress) instead of DDP."""
+    reduce-scatter (gradpack.torch.fsdp.compress) instead of DDP. `seed`
+    draws the initial weights and each epoch's order."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     xtr, ytr, xte, yte = data or digits()
-    torch.manual_seed(0)  # the same initial weights on every rank
+    torch.manual_seed(seed)  # the same initial weights on every rank
     model = DigitsCNN()
     state = None
     if fsdp:
@@ -86,7 +87,7 @@ def train(compress_params, epochs=10, batch=32, lr=0.05, momentum=0.9, start_ite
     mine = torch.arange(rank, len(ytr), world)
     steps, elapsed = 0, 0.0
     for epoch in range(epochs):
-        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
+        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(1000 * seed + epoch))]
         for i in range(0, len(order) - batch + 1, batch):
             idx = order[i:i + batch]
             begin = time.perf_counter()

@@ -145,10 +145,10 @@ def test_the_example_trains_under_torchrun():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_scheme_trains_within_three_points_of_uncompressed(world):
-    # (A run's final accuracy on 360 test images moves by up to 2.5 points between
-    # machines, whose CPU kernels round differently: docs/torch.md, Convergence.)
-    out = torchrun(world, "benches/torch_convergence.py", ["--check", "3.0"])
+def test_every_scheme_trains_within_two_points_of_uncompressed(world):
+    # The mean of 3 seeds' final accuracies: one run's, on 360 test images,
+    # moves by up to 4 points with the seed (docs/torch.md, Convergence).
+    out = torchrun(world, "benches/torch_convergence.py", ["--check", "2.0", "--seeds", "3"], timeout=1800)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     rows = [l for l in out.stdout.splitlines() if "%" in l]
     assert len(rows) == len(SCHEMES), out.stdout

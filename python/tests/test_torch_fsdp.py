@@ -4,7 +4,7 @@ CNN with one FSDP unit per layer and the root; each rank's gradient shard
 against its rows of gradpack.torch.allreduce_ on the same gradients under
 the same keys; bf16 reduce_dtype, accumulation, resume (torch.save and
 torch.distributed.checkpoint), a NaN on one rank, refusals; the digits CNN
-under FSDP2 with every scheme within three points of uncompressed; HSDP (2
+under FSDP2 with every scheme within two points of uncompressed (the mean of 3 seeds); HSDP (2
 replicas x 2 shards, gradpack across the replicas). The ranks are
 dist_scripts/torch_fsdp.py."""
 import pytest
@@ -82,8 +82,8 @@ def test_options_resume_faults_and_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_scheme_trains_within_three_points_of_uncompressed_under_fsdp2(world):
-    out = torchrun(world, "benches/torch_convergence.py", ["--check", "3.0", "--fsdp"])
+def test_every_scheme_trains_within_two_points_of_uncompressed_under_fsdp2(world):
+    out = torchrun(world, "benches/torch_convergence.py", ["--check", "2.0", "--seeds", "3", "--fsdp"], timeout=1800)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     rows = [l for l in out.stdout.splitlines() if "%" in l]
     assert len(rows) == len(SCHEMES) and "FSDP2" in out.stdout, out.stdout
