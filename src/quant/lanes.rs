@@ -368,9 +368,31 @@ pub fn exact_plus(v: u64, base: f64) -> f64 {
 }
 
 /// Code sums from lanes that hold `sum - base` (`base`: the lowest code
-/// times the members summed): `out.len()` of them. Errors on a wrong word count.
+/// times the members summed): `out.len()` of them. Errors on a wrong word
+/// count, and (`check_sums`) on a lane whose sum is not an `i32`.
 pub fn unpack_codes(words: &[u64], width: u32, base: i64, out: &mut [i32]) -> Result<()> {
+    check_sums(words, width, base, out.len())?;
     unpack_into(words, width, out, |v| (v as i64 + base) as i32)
+}
+
+/// Errors unless each of the `n` lanes (`width` bits) plus `base` is an
+/// `i32`, as every code sum is: `base` itself, then the lanes' largest
+/// value, read only when the width could hold one too large (at most 31
+/// bits and a negative base, the usual case, cannot). Errors on a wrong
+/// word count.
+pub fn check_sums(words: &[u64], width: u32, base: i64, n: usize) -> Result<()> {
+    let (lo, hi) = (i32::MIN as i128, i32::MAX as i128);
+    if !(lo..=hi).contains(&(base as i128)) {
+        return Err(Error::InvalidParam { key: "base".into(), problem: format!("{base} is outside the code sums' range (an i32)") });
+    }
+    let widest = if width >= 64 { u64::MAX } else { (1u64 << width.max(1)) - 1 };
+    if base as i128 + widest as i128 > hi {
+        let max = max_value(words, width, n)?;
+        if base as i128 + max as i128 > hi {
+            return Err(Error::InvalidParam { key: "lanes".into(), problem: format!("a lane holds {max}, whose sum with the base {base} is outside an i32") });
+        }
+    }
+    Ok(())
 }
 
 /// As `unpack_into`, reading the words' little-endian bytes (the wire form).

@@ -72,13 +72,18 @@ pub fn quantize(grad: &[f32], scale: f32, bits: u32, seed: u64, codes: &mut [i32
     quantize_at(grad, scale, &[levels(bits)?], None, seed, codes)
 }
 
-/// The per-element factor `s_j / M` of level `j` (0 for an all-zero scale).
+/// The per-element factor `s_j / M` of level `j`: 0 for an all-zero scale,
+/// and 0 for a scale so small that `s_j / M` overflows float32 (every
+/// `|g|` below `s_j / f32::MAX`, about 3e-39 `s_j`): those gradients get
+/// code 0, as float32 cannot scale them. (An infinite factor gave every
+/// element, zeros included, the code `+-s_j`: a zero decoded to `M`.)
 #[inline(always)]
 pub(crate) fn factor(s: u32, scale: f32) -> f32 {
-    if scale == 0.0 {
-        0.0
+    let f = s as f32 / scale;
+    if f.is_finite() {
+        f
     } else {
-        s as f32 / scale
+        0.0
     }
 }
 
@@ -213,6 +218,7 @@ pub fn decode_at(sum: &[i32], scale: f32, levels: &[u32], level_of: Option<&[u8]
     if levels.is_empty() || levels.len() > MAX_LEVELS {
         return Err(bad("levels", format!("give 1 to {MAX_LEVELS} scales, got {}", levels.len())));
     }
+    check_scale(scale)?;
     if let Some(l) = level_of {
         check_levels(l, sum.len(), levels)?;
     }
@@ -233,15 +239,15 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
     if !(1..=32).contains(&width) || words.len() != super::lanes::words_for(n, width) {
         return Err(Error::SizeMismatch { what: "packed codes (words)", expected: super::lanes::words_for(n, width.clamp(1, 32)), got: words.len() });
     }
+    check_scale(scale)?;
+    // Every lane + base an i32 (a code sum): |base| < 2^52 for the exact
+    // conversions below, and `as i32` exact.
+    super::lanes::check_sums(words, width, base, n)?;
     let Some(l) = level_of else {
         if levels.len() != 1 {
             return Err(bad("levels", format!("{} scales without scale indices", levels.len())));
         }
-        let step = steps(levels, scale)[0];
-        if base.unsigned_abs() >= 1 << 52 {
-            return super::lanes::unpack_into(words, width, out, |v| ((v as i64 + base) as f64 * step) as f32);
-        }
-        return decode_lanes(words, width, base as f64, step, false, out);
+        return decode_lanes(words, width, base as f64, steps(levels, scale)[0], false, out);
     };
     check_levels(l, n, levels)?;
     let steps = steps(levels, scale);
@@ -250,7 +256,7 @@ pub fn decode_packed(words: &[u64], width: u32, base: i64, scale: f32, levels: &
     let failed = std::sync::atomic::AtomicBool::new(false);
     par::chunks_of(out, PACKED_TASK_WORDS * per, |start, o| {
         let (pw, pl) = (&words[start / per..start / per + super::lanes::words_for(o.len(), width)], &l[start..start + o.len()]);
-        if base.unsigned_abs() < 1 << 52 && decode_levels_packed(isa, pw, width, base as f64, pl, o, &steps, stream) {
+        if decode_levels_packed(isa, pw, width, base as f64, pl, o, &steps, stream) {
             return; // 2 to 4 scales: one pass from the lanes
         }
         let mut buf = [0i32; portable::BLOCK];

@@ -124,6 +124,55 @@ fn bad_parameters_are_errors_and_touch_nothing() {
 }
 
 #[test]
+fn a_scale_whose_factor_overflows_float32_quantizes_zeros_to_zero() {
+    // 15 / 2e-38 (4 bits) overflows float32: the factor was infinite, and
+    // every element, zeros included, took the code +-15 (a zero decoded to M).
+    let scale = 2e-38f32;
+    let g = [scale, 0.0, -0.0, 1e-41, -1e-41];
+    let mut codes = [9i32; 5];
+    quantize(&g, scale, 4, 7, &mut codes).unwrap();
+    assert_eq!(codes, [0; 5]);
+    let mut out = [1f32; 5];
+    decode(&codes, scale, 4, &mut out).unwrap();
+    assert_eq!(out, [0.0; 5]);
+    // At 2 bits 3 / 2e-38 fits: the same scale still codes.
+    quantize(&g[..2], scale, 2, 7, &mut codes[..2]).unwrap();
+    assert_eq!(codes[..2], [3, 0]);
+}
+
+#[test]
+fn a_decode_refuses_a_bad_scale_and_lanes_whose_sums_are_not_an_i32() {
+    let mut out = [7f32; 2];
+    for scale in [f32::NAN, f32::INFINITY, -1.0] {
+        let err = decode(&[1, -1], scale, 2, &mut out).unwrap_err().to_string();
+        assert!(err.contains("'scale'"), "{err}");
+        let words = crate::quant::lanes::pack_slice(&[1u64, 2], 4, |v| v);
+        let err = decode_packed(&words, 4, -3, scale, &[3], None, &mut out).unwrap_err().to_string();
+        assert!(err.contains("'scale'"), "{err}");
+    }
+    // A base past an i32, or lanes whose sum with it leaves an i32: the
+    // sums wrapped (base i64::MAX decoded to -6e17).
+    let words = crate::quant::lanes::pack_slice(&[1u64, 2], 4, |v| v);
+    for base in [i64::MAX, i64::MIN, i32::MAX as i64 + 1] {
+        let err = decode_packed(&words, 4, base, 1.0, &[3], None, &mut out).unwrap_err().to_string();
+        assert!(err.contains("'base'"), "{err}");
+        let err = crate::quant::lanes::unpack_codes(&words, 4, base, &mut [0; 2]).unwrap_err().to_string();
+        assert!(err.contains("'base'"), "{err}");
+    }
+    let wide = crate::quant::lanes::pack_slice(&[5u64, u32::MAX as u64], 32, |v| v);
+    let mut sums = [0i32; 2];
+    let err = crate::quant::lanes::unpack_codes(&wide, 32, 1, &mut sums).unwrap_err().to_string();
+    assert!(err.contains("'lanes'") && err.contains("4294967295"), "{err}");
+    assert_eq!(sums, [0, 0]);
+    let err = decode_packed(&wide, 32, 1, 1.0, &[3, 7], Some(&[0, 1]), &mut out).unwrap_err().to_string();
+    assert!(err.contains("'lanes'"), "{err}");
+    assert_eq!(out, [7.0; 2]);
+    // The widest lanes whose sums fit are taken.
+    crate::quant::lanes::unpack_codes(&wide, 32, i32::MIN as i64, &mut sums).unwrap();
+    assert_eq!(sums, [i32::MIN + 5, i32::MAX]);
+}
+
+#[test]
 fn a_scale_index_out_of_range_is_named_and_nothing_is_written() {
     let n = 3 * crate::par::CHUNK + 5; // several parallel pieces
     let g: Vec<f32> = (0..n).map(|i| noise::uniform(3, i as u64) - 0.5).collect();
@@ -379,9 +428,10 @@ mod kernels {
     }
 
     #[test]
-    fn an_all_zero_scale_and_infinite_factors_agree_with_the_reference() {
-        // scale 0 gives factors 0; a tiny scale gives infinite factors.
-        for scale in [0.0f32, 1e-45] {
+    fn an_all_zero_scale_and_a_scale_whose_factors_overflow_give_zero_codes() {
+        // scale 0, and scales so tiny that s / scale overflows float32,
+        // give factors 0: every code 0 (they gave +-s, zeros included).
+        for scale in [0.0f32, 1e-45, 2e-38] {
             let g = vec![0.0f32, -0.0, 1e-45, -1e-45, 0.0];
             let scales = [1u32, 7];
             let (ft, st) = tables(&scales, scale);
@@ -394,6 +444,7 @@ mod kernels {
                 levels::<false>(isa, &g, &l, &mut c, 0, 3, &ft, &st);
                 assert_eq!((&l, &c), (&want_l, &want), "{isa:?} scale={scale}");
             }
+            assert!(want.iter().all(|&c| c == 0), "scale={scale}: {want:?}");
         }
     }
 }
