@@ -179,6 +179,16 @@ impl Optimizer {
         self.rule
     }
 
+    /// What every worker of an all-reduce job must hold alike for `key`'s
+    /// next update (the MPI store agrees on its fingerprint before each
+    /// push): the rule, the hyper-parameters, the key's rates and
+    /// multi_precision. (The rule alone let replicas with another learning
+    /// rate, wd, scaling or per-key rate drift apart silently.)
+    pub fn settings(&self, key: &Key) -> String {
+        let rates = self.rates.lock().unwrap().get(key).copied();
+        format!("{:?} {:?} {:?} {}", self.rule, *self.hyper.lock().unwrap(), rates, self.multi_precision)
+    }
+
     /// The learning rate and weight decay of one key's next updates, as MXNet's
     /// optimizer computes them per parameter (in Python doubles). Both must be
     /// finite and not negative; the store checks that the key exists.

@@ -225,7 +225,7 @@ fn every_mismatch_between_ranks_is_an_error_on_every_rank() {
     if rank == 1 {
         assert!(err.contains("key 99: not initialized"), "{err}");
     } else {
-        assert!(err.contains("workers disagree on the push of key 0") && err.contains("key, size differ") && err.contains("worker rank 1: key 99: not initialized"), "{err}");
+        assert!(err.contains("workers disagree on the push of key 0") && err.contains("key, shape differ") && err.contains("worker rank 1: key 99: not initialized"), "{err}");
     }
     // An init on rank 0 only, while the others push: the operations differ.
     let err = if rank == 0 { kv.init(&Key::Int(50), f32s(&shape, &g)) } else { kv.push(&Key::Int(0), &[f32s(&shape, &g)]) }.unwrap_err().to_string();
@@ -315,6 +315,137 @@ fn a_checkpoint_resumes_every_scheme_bit_for_bit() {
         for kv in [straight, first, resumed] {
             kv.close().unwrap();
         }
+    }
+    println!("rank done");
+}
+
+/// What an attacker's audit found the agreement let through, each now an
+/// error on every rank with nothing applied anywhere: optimizer settings
+/// that differ (learning rate, wd, scaling, a key's rates), shapes of one
+/// size, an int key and a str key of the same bytes, a caller's updater
+/// that fails on one rank, and calls refused before the agreement
+/// (pushpull's and broadcast's outputs, a front's own checks); and a
+/// barrier that meets another rank's close (the job hung at exit).
+#[test]
+fn settings_shapes_updates_and_refusals_that_differ_fail_every_rank_alike() {
+    if !under_mpi() {
+        return mpirun("settings_shapes_updates_and_refusals_that_differ_fail_every_rank_alike");
+    }
+    use gradpack::optimizer::Optimizer;
+    use gradpack::store::Updater;
+    let shape = [8usize];
+    let g = [0.5f32; 8];
+    let kv = MpiStore::join().unwrap();
+    let rank = kv.rank();
+    kv.init(&Key::Int(0), f32s(&shape, &[1.0; 8])).unwrap();
+    let sgd = |lr: &str, wd: &str| Optimizer::from_params("sgd", [("learning_rate", lr), ("wd", wd)]).unwrap();
+
+    // Another learning rate, wd, gradient scaling or key rate on rank 1.
+    for case in ["lr", "wd", "scaling", "rates"] {
+        kv.local().set_optimizer(if rank == 1 && case == "lr" { sgd("0.5", "0") } else if rank == 1 && case == "wd" { sgd("0.1", "0.01") } else { sgd("0.1", "0") });
+        if case == "scaling" {
+            kv.set_grad_scaling(if rank == 1 { 0.5 } else { 1.0 }, -1.0).unwrap();
+        }
+        if case == "rates" {
+            kv.set_rates(&Key::Int(0), if rank == 1 { 0.2 } else { 0.1 }, 0.0).unwrap();
+        }
+        let err = kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string();
+        assert!(err.contains("the workers' optimizer differ"), "{case} rank {rank}: {err}");
+        assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.0; 8], "{case}");
+    }
+    kv.local().set_optimizer(sgd("0.1", "0"));
+    kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap(); // alike: 1 - 0.1 * 1.5
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), vec![1.0 - 0.1 * 1.5; 8]);
+
+    // A caller's updater that fails on rank 2 alone, after the sum: every
+    // rank's push fails and is put back; then a push of every rank works.
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(rank == 2));
+    let failing = fail.clone();
+    kv.set_updater(Updater::Custom(Box::new(move |_key, merged, stored| {
+        if failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(gradpack::error::Error::Store("the caller's updater failed".into()));
+        }
+        stored.iter_mut().zip(merged).for_each(|(s, m)| *s += m);
+        Ok(())
+    })))
+    .unwrap();
+    let before = pull(&kv, &Key::Int(0), &shape);
+    let err = kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string();
+    if rank == 2 {
+        assert!(err.contains("the caller's updater failed"), "{err}");
+    } else {
+        assert!(err.contains("workers disagree on the update of key 0") && err.contains("worker rank 2: ") && err.contains("the caller's updater failed"), "rank {rank}: {err}");
+    }
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), before);
+    fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    kv.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap();
+    assert_eq!(pull(&kv, &Key::Int(0), &shape), before.iter().map(|b| b + 1.5).collect::<Vec<_>>());
+
+    // pushpull into an output of another shape on rank 1: every rank's call
+    // fails, and the next pushpull pairs with the next (it took rank 1's next gradient).
+    let plain = MpiStore::join().unwrap();
+    plain.init(&Key::Int(0), f32s(&shape, &[0.0; 8])).unwrap();
+    let (mut out, mut wrong) = (vec![0f32; 8], vec![0f32; 5]);
+    let bad = if rank == 1 { ArrayMut { shape: &[5], data: &mut wrong } } else { ArrayMut { shape: &shape, data: &mut out } };
+    let err = plain.pushpull(&Key::Int(0), &[f32s(&shape, &[1.0; 8])], &mut [bad]).unwrap_err().to_string();
+    if rank != 1 {
+        // (The refusal carries the key's own shape and count: nothing else differs.)
+        assert!(err.contains("workers disagree on the push of key 0") && err.contains("worker rank 1: ") && !err.contains("differ"), "rank {rank}: {err}");
+    }
+    plain.pushpull(&Key::Int(0), &[f32s(&shape, &[10.0; 8])], &mut [ArrayMut { shape: &shape, data: &mut out }]).unwrap();
+    assert_eq!(out, vec![30.0; 8]);
+    // A front's own refusal (Store::refuse), of a push and of an init.
+    let err = if rank == 0 {
+        plain.refuse(Some(&Key::Int(0)), false, None, gradpack::error::Error::Store("float64 is not a dtype gradpack takes".into())).to_string()
+    } else {
+        plain.push(&Key::Int(0), &[f32s(&shape, &g)]).unwrap_err().to_string()
+    };
+    assert!(err.contains("float64 is not a dtype gradpack takes") && (rank == 0 || err.contains("worker rank 0: ")), "rank {rank}: {err}");
+    let err = if rank == 0 {
+        plain.refuse(Some(&Key::Int(5)), true, Some(&shape), gradpack::error::Error::Store("a list where an array goes".into())).to_string()
+    } else {
+        plain.init(&Key::Int(5), f32s(&shape, &g)).unwrap_err().to_string()
+    };
+    assert!(err.contains("a list where an array goes") && (rank == 0 || err.contains("workers disagree on the init of key 5")), "rank {rank}: {err}");
+    assert!(plain.shape(&Key::Int(5)).is_err()); // no rank holds it
+    // broadcast into an output of another shape on rank 2.
+    let (mut out, mut wrong) = (vec![0f32; 8], vec![0f32; 3]);
+    let bad = if rank == 2 { ArrayMut { shape: &[3], data: &mut wrong } } else { ArrayMut { shape: &shape, data: &mut out } };
+    let err = plain.broadcast(&Key::Int(6), f32s(&shape, &g), &mut [bad]).unwrap_err().to_string();
+    assert!(rank == 2 || err.contains("workers disagree on the init of key 6") && err.contains("worker rank 2: "), "rank {rank}: {err}");
+    assert!(plain.shape(&Key::Int(6)).is_err());
+
+    // Shapes of one size ((2, 4) on rank 1, (8,) elsewhere), under PowerSGD
+    // (whose factors differ: the job aborted) and with no compression.
+    for c in [params(&[("compress", "powersgd"), ("rank", "1")]), Compression::None] {
+        let s = MpiStore::join().unwrap();
+        s.local().set_compress(c).unwrap();
+        let mine: &[usize] = if rank == 1 { &[2, 4] } else { &shape };
+        let err = s.init(&Key::Int(0), f32s(mine, &g)).unwrap_err().to_string();
+        assert!(err.contains("the workers' shape differ"), "rank {rank}: {err}");
+        s.close().unwrap();
+    }
+
+    // The int key whose 8 bytes spell "weight00", and the str key "weight00".
+    let s = MpiStore::join().unwrap();
+    let key = if rank == 1 { Key::Int(i64::from_le_bytes(*b"weight00")) } else { Key::from("weight00") };
+    assert_eq!(key.stable_hash(), Key::from("weight00").stable_hash());
+    let err = s.init(&key, f32s(&shape, &g)).unwrap_err().to_string();
+    assert!(err.contains("the workers' key differ"), "rank {rank}: {err}");
+    s.close().unwrap();
+
+    // Rank 0 closes while the others wait in a barrier: they learn that it
+    // closed (it used to read as "another operation", and their close hung).
+    let s = MpiStore::join().unwrap();
+    if rank == 0 {
+        assert!(s.close().is_err());
+    } else {
+        let err = s.barrier().unwrap_err().to_string();
+        assert!(err.contains("another worker closed its store"), "rank {rank}: {err}");
+        s.close().unwrap(); // closed already: no collective, no wait
+    }
+    for s in [kv, plain] {
+        s.close().unwrap();
     }
     println!("rank done");
 }

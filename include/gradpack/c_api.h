@@ -185,6 +185,16 @@ int gp_kvstore_pushpull(gp_kvstore_t* store, gp_key_t key, const gp_array_t* val
                         int num_values, const gp_array_mut_t* outs, int num_outs);
 int gp_kvstore_broadcast(gp_kvstore_t* store, gp_key_t key, gp_array_t value,
                          const gp_array_mut_t* outs, int num_outs);
+/* A front refused an init (`init` != 0) or a push of `key` (NULL: no key it
+ * could read) with `message` before calling the store. On a
+ * "dist_sync_allreduce" store this worker still takes part in that call's
+ * agreement, so that every other worker's call fails too, naming `message`
+ * as the cause, instead of pairing with this worker's next call (the
+ * functions above do the same for the arguments they refuse); other stores
+ * do nothing. `shape` (`ndim` values, or NULL) is the value's. Returns -1
+ * with `message` as the last error. */
+int gp_kvstore_refuse(gp_kvstore_t* store, const gp_key_t* key, int init, const uint64_t* shape,
+                      int ndim, const char* message);
 
 /* compress_params as `num` key/value strings, e.g. {"compress","2bit"},
  * {"pos_threshold","0.5"}, {"neg_threshold","-0.5"}. A "local" store

@@ -9,6 +9,7 @@ bfloat16 gradients are accepted when compressing. Arrays are passed to the
 Rust core without copies; outputs are written in place.
 """
 import atexit
+import contextlib
 import ctypes
 import os
 import sys
@@ -53,6 +54,8 @@ LIB.gp_kvstore_pull.argtypes = [_p, _Key, ctypes.POINTER(_ArrayMut), _int]
 LIB.gp_kvstore_pushpull.argtypes = [_p, _Key, ctypes.POINTER(_Array), _int,
                                     ctypes.POINTER(_ArrayMut), _int]
 LIB.gp_kvstore_broadcast.argtypes = [_p, _Key, _Array, ctypes.POINTER(_ArrayMut), _int]
+LIB.gp_kvstore_refuse.argtypes = [_p, ctypes.POINTER(_Key), _int, ctypes.POINTER(ctypes.c_uint64), _int,
+                                  ctypes.c_char_p]
 _strs = ctypes.POINTER(ctypes.c_char_p)
 LIB.gp_kvstore_set_compress.argtypes = [_p, _strs, _strs, _int]
 LIB.gp_kvstore_set_optimizer.argtypes = [_p, ctypes.c_char_p, _strs, _strs, _int]
@@ -187,6 +190,11 @@ def _array_out(key, a, what):
     return _ArrayMut(a.ctypes.data, a.ndim, shape), (shape, a, target)
 
 
+def _shape_of(vals):
+    """The shape of an init's value, when it is an array."""
+    return tuple(vals[0].shape) if vals and isinstance(vals[0], np.ndarray) else None
+
+
 def _finish_outputs(made):
     for _, (_, written, target) in made:
         if written is not target:
@@ -297,20 +305,42 @@ class KVStore(NativeHandle):
             raise err
         check_call(status)
 
+    @contextlib.contextmanager
+    def _refusing(self, k, init, shape=None):
+        """This front's own checks of one key's init or push: a refusal still
+        takes part in the call on an all-reduce store (gp_kvstore_refuse),
+        so that every other worker's call fails alike, naming it, instead of
+        pairing with this worker's next call."""
+        try:
+            yield
+        except Error as e:
+            try:
+                key = ctypes.byref(_key(k))
+            except Error:
+                key = None
+            dims = (ctypes.c_uint64 * max(len(shape), 1))(*shape) if shape is not None else None
+            LIB.gp_kvstore_refuse(self.handle, key, int(init), dims, len(shape or ()),
+                                  str(e).replace("\0", "\\0").encode("utf-8", "replace"))
+            raise
+
     def init(self, key, value):
         """Initialise one key (or a list) with float32 or float16 values; lossless."""
         for k, vals in _grouped(key, value, "values"):
-            if len(vals) != 1:
-                raise Error("key %r: init takes one value, got %d" % (k, len(vals)))
-            arr, keep = _array_in(k, vals[0], "init value")
-            self._call(LIB.gp_kvstore_init(self.handle, _key(k), arr))
+            with self._refusing(k, True, _shape_of(vals)):
+                if len(vals) != 1:
+                    raise Error("key %r: init takes one value, got %d" % (k, len(vals)))
+                arr, keep = _array_in(k, vals[0], "init value")
+                c_key = _key(k)
+            self._call(LIB.gp_kvstore_init(self.handle, c_key, arr))
             self._shapes[k] = np.shape(vals[0])
 
     def push(self, key, value, priority=0):
         """Push values (one per device) for one key or a list of keys."""
         for k, vals in _grouped(key, value, "values"):
-            arrs, keep = self._arrays_in(k, vals, "pushed value")
-            self._call(LIB.gp_kvstore_push(self.handle, _key(k), arrs, len(vals)))
+            with self._refusing(k, False):
+                arrs, keep = self._arrays_in(k, vals, "pushed value")
+                c_key = _key(k)
+            self._call(LIB.gp_kvstore_push(self.handle, c_key, arrs, len(vals)))
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copy the stored value(s) into ``out`` (an array or a list per key)."""
@@ -327,9 +357,13 @@ class KVStore(NativeHandle):
         pairs_in = _grouped(key, value, "values")
         pairs_out = dict(_grouped(key, out, "outputs"))
         for k, vals in pairs_in:
-            arrs, keep_in = self._arrays_in(k, vals, "pushed value")
-            outs, keep_out = self._arrays_out(k, pairs_out[k], "pushpull output")
-            self._call(LIB.gp_kvstore_pushpull(self.handle, _key(k), arrs, len(vals), outs,
+            with self._refusing(k, False):
+                arrs, keep_in = self._arrays_in(k, vals, "pushed value")
+                if k not in pairs_out:
+                    raise Error("key %r: pushpull has no output for it" % (k,))
+                outs, keep_out = self._arrays_out(k, pairs_out[k], "pushpull output")
+                c_key = _key(k)
+            self._call(LIB.gp_kvstore_pushpull(self.handle, c_key, arrs, len(vals), outs,
                                                len(pairs_out[k])))
             _finish_outputs(keep_out)
 
@@ -337,11 +371,15 @@ class KVStore(NativeHandle):
         """Initialise with ``value``, then pull into ``out``."""
         pairs_out = dict(_grouped(key, out, "outputs"))
         for k, vals in _grouped(key, value, "values"):
-            if len(vals) != 1:
-                raise Error("key %r: broadcast takes one value, got %d" % (k, len(vals)))
-            arr, keep = _array_in(k, vals[0], "broadcast value")
-            outs, keep_out = self._arrays_out(k, pairs_out[k], "broadcast output")
-            self._call(LIB.gp_kvstore_broadcast(self.handle, _key(k), arr, outs, len(pairs_out[k])))
+            with self._refusing(k, True, _shape_of(vals)):
+                if len(vals) != 1:
+                    raise Error("key %r: broadcast takes one value, got %d" % (k, len(vals)))
+                arr, keep = _array_in(k, vals[0], "broadcast value")
+                if k not in pairs_out:
+                    raise Error("key %r: broadcast has no output for it" % (k,))
+                outs, keep_out = self._arrays_out(k, pairs_out[k], "broadcast output")
+                c_key = _key(k)
+            self._call(LIB.gp_kvstore_broadcast(self.handle, c_key, arr, outs, len(pairs_out[k])))
             _finish_outputs(keep_out)
             self._shapes[k] = np.shape(vals[0])
 

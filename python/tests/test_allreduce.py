@@ -103,6 +103,25 @@ def test_a_worker_that_ends_without_close_does_not_leave_another_waiting(tmp_pat
     assert "another worker closed its store" in results[0]["extra"], results[0]
 
 
+def test_a_call_one_rank_refuses_before_its_store_fails_on_every_rank(tmp_path):
+    """Rank 1's front (gradpack.kv, the MXNet plugin) or store refuses a call
+    before the agreement: both ranks' call fails, naming rank 1's cause, and
+    the next call pairs with the next (it took rank 1's next gradient)."""
+    from mxnet_required import mxnet
+    mxnet()
+    results = mpirun(2, "allreduce_refusals.py", [], tmp_path, timeout=120)
+    causes = {"float64": "dtype float64", "output shape": "has shape [5]", "strided output": "C-contiguous",
+              "init list": "init takes one value, got 2", "mxnet numpy": "must be an NDArray"}
+    for res in results:
+        for name, cause in causes.items():
+            err = res[name]
+            assert err is not None and cause in err, (res["rank"], name, err)
+            if res["rank"] == 0:
+                assert "workers disagree" in err and "worker rank 1: " in err, (name, err)
+            assert res[name + " then"] == [21.0] * 4, (res["rank"], name, res[name + " then"])
+        assert "not initialized" in res["key 7"], res["key 7"]
+
+
 def open_store(**env):
     code = ("import gradpack, gradpack.kv\n"
             "try:\n    gradpack.kv.create('dist_sync_allreduce')\n    print('opened')\n"

@@ -297,9 +297,19 @@ pub extern "C" fn gp_dist_serve() -> c_int {
 pub unsafe extern "C" fn gp_kvstore_init(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let inputs = arrays_in(&value, 1, &[])?;
-        kv.0.init(&key_of(key)?, inputs.views()[0])
+        let (key, inputs) = read(kv, true, key_of(key), || arrays_in(&value, 1, &[]))?;
+        kv.0.init(&key, inputs.views()[0])
     })
+}
+
+/// A call's key, then its arguments (`args`), read; a failure is also the
+/// store's refusal of the call (`Store::refuse`: the other workers of an
+/// all-reduce store fail their call alike instead of pairing with this
+/// worker's next one).
+fn read<T>(kv: &gp_kvstore_t, init: bool, key: Result<Key>, args: impl FnOnce() -> Result<T>) -> Result<(Key, T)> {
+    let key = key.map_err(|err| kv.0.refuse(None, init, None, err))?;
+    let args = args().map_err(|err| kv.0.refuse(Some(&key), init, None, err))?;
+    Ok((key, args))
 }
 
 /// Pushes `num` arrays (one per device) to `key`: they are summed (compressed
@@ -311,8 +321,8 @@ pub unsafe extern "C" fn gp_kvstore_init(store: *mut gp_kvstore_t, key: gp_key_t
 pub unsafe extern "C" fn gp_kvstore_push(store: *mut gp_kvstore_t, key: gp_key_t, values: *const gp_array_t, num: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let inputs = arrays_in(values, num, &[])?;
-        kv.0.push(&key_of(key)?, &inputs.views())
+        let (key, inputs) = read(kv, false, key_of(key), || arrays_in(values, num, &[]))?;
+        kv.0.push(&key, &inputs.views())
     })
 }
 
@@ -344,9 +354,11 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
 ) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let mut outputs = arrays_out(outs, num_outs)?;
-        let inputs = arrays_in(values, num_values, &outputs.raws())?;
-        kv.0.pushpull(&key_of(key)?, &inputs.views(), &mut outputs.slices())
+        let (key, (inputs, mut outputs)) = read(kv, false, key_of(key), || {
+            let outputs = arrays_out(outs, num_outs)?;
+            Ok((arrays_in(values, num_values, &outputs.raws())?, outputs))
+        })?;
+        kv.0.pushpull(&key, &inputs.views(), &mut outputs.slices())
     })
 }
 
@@ -358,9 +370,37 @@ pub unsafe extern "C" fn gp_kvstore_pushpull(
 pub unsafe extern "C" fn gp_kvstore_broadcast(store: *mut gp_kvstore_t, key: gp_key_t, value: gp_array_t, outs: *const gp_array_mut_t, num_outs: c_int) -> c_int {
     guard(|| {
         let kv = self::store(store)?;
-        let mut outputs = arrays_out(outs, num_outs)?;
-        let inputs = arrays_in(&value, 1, &outputs.raws())?;
-        kv.0.broadcast(&key_of(key)?, inputs.views()[0], &mut outputs.slices())
+        let (key, (inputs, mut outputs)) = read(kv, true, key_of(key), || {
+            let outputs = arrays_out(outs, num_outs)?;
+            Ok((arrays_in(&value, 1, &outputs.raws())?, outputs))
+        })?;
+        kv.0.broadcast(&key, inputs.views()[0], &mut outputs.slices())
+    })
+}
+
+/// A front (gradpack.kv, the MXNet plugin) refused an init (`init` != 0)
+/// or a push of `key` (NULL: no key it could read) with `message` before
+/// calling the store. On a "dist_sync_allreduce" store this worker still
+/// takes part in that call's agreement, so that every other worker's call
+/// fails too, naming `message` as the cause, instead of pairing with this
+/// worker's next call; other stores do nothing. `shape` (`ndim` values,
+/// NULL when unknown) is the value's. Returns -1 with `message` as the
+/// last error, or the error reading the arguments.
+///
+/// # Safety
+/// `store` is live; `key` is NULL or a valid key; `shape` is NULL or holds
+/// `ndim` values; `message` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn gp_kvstore_refuse(store: *mut gp_kvstore_t, key: *const gp_key_t, init: c_int, shape: *const u64, ndim: c_int, message: *const c_char) -> c_int {
+    guard(|| {
+        let kv = self::store(store)?;
+        let message = cstr(message, "message")?.to_string();
+        let key = match key.as_ref() {
+            Some(k) => Some(key_of(*k)?),
+            None => None,
+        };
+        let shape = if shape.is_null() { None } else { Some(shape_of(ndim, shape)?) };
+        Err(kv.0.refuse(key.as_ref(), init != 0, shape.as_deref(), Error::Store(message)))
     })
 }
 

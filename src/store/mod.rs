@@ -167,6 +167,16 @@ pub trait Store: Send + Sync {
         self.pull(key, outs)
     }
 
+    /// A front refused an init (`init`) or a push of `key` (None: no key it
+    /// could read; `shape`: the value's, when known) before calling the
+    /// store, with `err`. An all-reduce store still takes part in that
+    /// call's agreement, so that the other workers' call fails alike
+    /// instead of pairing with this worker's next one; other stores have
+    /// nothing to do. Returns `err`.
+    fn refuse(&self, _key: Option<&Key>, _init: bool, _shape: Option<&[usize]>, err: Error) -> Error {
+        err
+    }
+
     /// init, then pull into `outs`; outputs of the wrong shape fail before the init.
     fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
         check_outputs(key, "broadcast", outs, value.shape)?;

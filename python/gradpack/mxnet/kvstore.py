@@ -296,8 +296,18 @@ class GradpackStore(NativeHandle, mx.kv.KVStoreBase):
                 raise Error("key %r: not initialized (call init first)" % (k,))
 
     # ------------------------------------------------------------ data
+    def _refusing(self, key, value, init):
+        """This front's own checks of a call: on an all-reduce store a
+        refusal still takes part in the call's first key (gradpack.kv's
+        _refusing), which every other worker starts with."""
+        k = key[0] if isinstance(key, (list, tuple)) and key else key
+        v = _as_list(value[0] if isinstance(key, (list, tuple)) and value else value)
+        shape = tuple(v[0].shape) if init and v and hasattr(v[0], "shape") else None
+        return self._store._refusing(k, init, shape)
+
     def _init_dense(self, key, value):
-        views = _views(key, value, "init value", False)
+        with self._refusing(key, value, True):
+            views = _views(key, value, "init value", False)
         self._store.init(key, views)
         for k, v in _pairs(key, views):
             first = _as_list(v)[0]
@@ -306,8 +316,9 @@ class GradpackStore(NativeHandle, mx.kv.KVStoreBase):
                 self._weights[k] = mx.nd.array(first, dtype=first.dtype)
 
     def _broadcast_dense(self, key, value, out):
-        values = _views(key, value, "broadcast value", False)
-        outs = _views(key, out, "broadcast output", True)
+        with self._refusing(key, value, True):
+            values = _views(key, value, "broadcast value", False)
+            outs = _views(key, out, "broadcast output", True)
         self._store.broadcast(key, values, out=outs)
         for k, v in _pairs(key, values):
             first = _as_list(v)[0]
@@ -316,7 +327,8 @@ class GradpackStore(NativeHandle, mx.kv.KVStoreBase):
                 self._weights[k] = mx.nd.array(first, dtype=first.dtype)
 
     def _push_dense(self, key, value):
-        values = _views(key, value, "pushed value", False)
+        with self._refusing(key, value, False):
+            values = _views(key, value, "pushed value", False)
         self._before_update(key)
         self._store.push(key, values)
         if self._worker_updater is not None:
@@ -329,8 +341,9 @@ class GradpackStore(NativeHandle, mx.kv.KVStoreBase):
         self._store.pull(key, out=outs)
 
     def _pushpull_dense(self, key, value, out=None):
-        values = _views(key, value, "pushed value", out is None)
-        outs = values if out is None else _views(key, out, "pushpull output", True)
+        with self._refusing(key, value, False):
+            values = _views(key, value, "pushed value", out is None)
+            outs = values if out is None else _views(key, out, "pushpull output", True)
         self._before_update(key)
         if self._worker_updater is not None:
             self._store.push(key, values)

@@ -54,6 +54,7 @@ struct Entry {
 
 /// What a push changes besides the value, kept while a caller's updater runs.
 struct Undo {
+    value: Vec<f32>,
     residuals: Vec<Vec<f32>>,
     states: Vec<scheme::State>,
     pushes: u64,
@@ -61,11 +62,11 @@ struct Undo {
 
 impl Undo {
     fn save(e: &Entry) -> Undo {
-        Undo { residuals: e.residuals.clone(), states: e.states.clone(), pushes: e.pushes }
+        Undo { value: e.value.clone(), residuals: e.residuals.clone(), states: e.states.clone(), pushes: e.pushes }
     }
 
     fn restore(self, e: &mut Entry) {
-        (e.residuals, e.states, e.pushes) = (self.residuals, self.states, self.pushes);
+        (e.value, e.residuals, e.states, e.pushes) = (self.value, self.residuals, self.states, self.pushes);
     }
 }
 
@@ -172,15 +173,13 @@ fn apply_update(key: &Key, e: &mut Entry, updater: Option<&Updater>) -> Result<(
         // The merged sum becomes the value; the old value's buffer is reused next push.
         None => std::mem::swap(&mut e.value, &mut e.merge_buf),
         Some(Updater::Optimizer(o)) => o.update(key, &e.merge_buf, &mut e.value)?,
-        Some(Updater::Custom(f)) => {
-            // On a copy: a function that fails half-way leaves the stored value as it was.
-            let mut updated = e.value.clone();
-            crate::error::catch_panic(|| f(key, &e.merge_buf, &mut updated)).map_err(|err| match err {
-                Error::Updater { .. } => err,
-                other => Error::Updater { key: key.to_string(), message: other.to_string() },
-            })?;
-            e.value = updated;
-        }
+        // In place: a push under a caller's function runs `undoable`, which
+        // puts the value back when the function fails (half-way, or after
+        // it succeeded on this worker and failed on another).
+        Some(Updater::Custom(f)) => crate::error::catch_panic(|| f(key, &e.merge_buf, &mut e.value)).map_err(|err| match err {
+            Error::Updater { .. } => err,
+            other => Error::Updater { key: key.to_string(), message: other.to_string() },
+        })?,
     }
     settle(&mut e.value, e.half, optimizer);
     Ok(())
@@ -433,7 +432,9 @@ impl KVStore {
     }
 
     /// Runs a push: a caller's updater may fail after the residuals moved
-    /// on, so what it could undo is kept, and put back if the push fails.
+    /// on (or, in an MPI job, on another worker after this one's update), so
+    /// what it could undo is kept, the value included, and put back if the
+    /// push fails.
     fn undoable(&self, e: &mut Entry, updater: Option<&Updater>, push: impl FnOnce(&mut Entry) -> Result<()>) -> Result<()> {
         let undo = matches!(updater, Some(Updater::Custom(_))).then(|| Undo::save(e));
         let pushed = push(e);
@@ -586,14 +587,22 @@ impl KVStore {
         Ok(Replica { store: self, key, entry: self.entry(key)? })
     }
 
-    /// The updater as every worker must hold it: 0 for none, 1 for a
-    /// caller's function, else the optimizer's fingerprint.
-    pub(in crate::store) fn updater_fingerprint(&self) -> u64 {
+    /// The updater as every worker must hold it for `key`'s next update:
+    /// 0 for none, 1 for a caller's function, else the fingerprint of the
+    /// optimizer's settings for the key (`Optimizer::settings`).
+    pub(in crate::store) fn updater_fingerprint(&self, key: &Key) -> u64 {
         match self.updater.read().unwrap().as_deref() {
             None => 0,
-            Some(Updater::Optimizer(o)) => crate::hash::fingerprint(&format!("{:?}", o.rule())),
+            Some(Updater::Optimizer(o)) => crate::hash::fingerprint(&o.settings(key)),
             Some(Updater::Custom(_)) => 1,
         }
+    }
+
+    /// Pushes of `key` so far.
+    pub(in crate::store) fn pushes(&self, key: &Key) -> Result<u64> {
+        let entry = self.entry(key)?;
+        let pushes = lock(key, &entry)?.pushes;
+        Ok(pushes)
     }
 }
 
@@ -630,9 +639,15 @@ pub(in crate::store) struct Round<'a> {
 }
 
 impl Round<'_> {
-    /// The key's element count.
-    pub fn len(&self) -> usize {
-        self.e.value.len()
+    /// The key's shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.e.shape
+    }
+
+    /// Whether the update is a caller's function (which may fail after the
+    /// sum, on one worker alone).
+    pub fn custom_update(&self) -> bool {
+        matches!(self.updater, Some(Updater::Custom(_)))
     }
 
     /// Compressed pushes of the key so far.

@@ -54,7 +54,7 @@ impl MpiStore {
         let _order = self.ordered();
         let checked = self.local.check_init(key, value);
         self.check_open()?;
-        let mine = self.agreement(world::Op::Init, key, value.data.len() as u64, 0, checked.is_ok());
+        let mine = self.agreement(world::Op::Init, key, value.shape, 0, checked.is_ok());
         let agreed = self.agree(&format!("the init of key {key}"), &mine, checked.as_ref().err());
         let mut data = checked?; // a worker's own error first, then the others'
         agreed?;
@@ -68,39 +68,81 @@ impl MpiStore {
         let _order = self.ordered();
         let replica = match self.local.replica_of(key) {
             Ok(r) => r,
-            Err(err) => {
-                // Every worker takes part in the agreement, even one that failed here.
-                self.check_open()?;
-                let _ = self.agree(&format!("the push of key {key}"), &self.agreement(world::Op::Push, key, 0, 0, false), Some(&err));
-                return Err(err);
-            }
+            // Every worker takes part in the agreement, even one that failed here.
+            Err(err) => return Err(self.refusal(world::Op::Push, Some(key), None, err)),
         };
         replica.push(values, |mut round, checked| {
             // The merge and its finiteness check come before the agreement,
             // so that a worker's non-finite gradient fails every worker's push.
             let checked = checked.and_then(|()| round.merge(values));
             self.check_open()?;
-            let mine = self.agreement(world::Op::Push, key, round.len() as u64, round.step(), checked.is_ok());
+            let mine = self.agreement(world::Op::Push, key, round.shape(), round.step(), checked.is_ok());
             let agreed = self.agree(&format!("the push of key {key}"), &mine, checked.as_ref().err());
             checked?; // a worker's own error first, then the others'
             agreed?;
-            self.reduce(round)
+            self.reduce(key, round, mine)
         })
     }
 
     /// The all-reduce of the local sum that the round merged (checks done,
-    /// agreed by every worker), then the update.
-    fn reduce(&self, mut round: Round<'_>) -> Result<()> {
+    /// agreed by every worker as `agreed`), then the update. A caller's
+    /// updater may fail on one worker alone: its result is agreed too, and
+    /// on a failure anywhere every worker's push fails, and is put back
+    /// (`Replica::push`), so that the replicas stay alike.
+    fn reduce(&self, key: &Key, mut round: Round<'_>, agreed: world::Agreement) -> Result<()> {
         let sent = self.world.bytes_sent();
         round.reduce(&mut self.world.lanes(), self.world.rank() as u64, self.world.size())?;
-        round.update(self.world.bytes_sent() - sent)
+        let custom = round.custom_update();
+        let updated = round.update(self.world.bytes_sent() - sent);
+        if !custom {
+            return updated;
+        }
+        let mine = world::Agreement { op: world::Op::Update, ok: updated.is_ok(), ..agreed };
+        let agreed = self.agree(&format!("the update of key {key}"), &mine, updated.as_ref().err());
+        updated?;
+        agreed
     }
 
-    /// This worker's side of an agreement: the operation and key, and
-    /// fingerprints of its compression and optimizer.
-    fn agreement(&self, op: world::Op, key: &Key, size: u64, step: u64, ok: bool) -> world::Agreement {
+    /// This worker's side of an agreement: the operation, key and shape,
+    /// and fingerprints of its compression and its updater for the key.
+    fn agreement(&self, op: world::Op, key: &Key, shape: &[usize], step: u64, ok: bool) -> world::Agreement {
         let compression = crate::hash::fingerprint(&format!("{:?}", self.local.compression()));
-        world::Agreement { op, key_hash: key.stable_hash(), size, step, ok, compression, optimizer: self.local.updater_fingerprint() }
+        let (key_hash, shape) = (world::key_hash(key), world::shape_hash(shape));
+        world::Agreement { op, key_hash, shape, step, ok, compression, optimizer: self.local.updater_fingerprint(key) }
+    }
+
+    /// A call this worker refused before its agreement (`err`: a bad
+    /// argument, an output of another shape, a key it does not hold, or a
+    /// front's own check): it still takes part, as a worker whose checks
+    /// failed, so that the other workers' call fails too, with `err` as its
+    /// cause, instead of pairing with this worker's next call. `key` and
+    /// `shape` are what the caller knows of the call (else the key's own).
+    /// Returns `err`.
+    pub fn refused(&self, op: world::Op, key: Option<&Key>, shape: Option<&[usize]>, err: Error) -> Error {
+        let _order = self.ordered();
+        self.refusal(op, key, shape, err)
+    }
+
+    /// `refused`, for a caller that holds `order`.
+    fn refusal(&self, op: world::Op, key: Option<&Key>, shape: Option<&[usize]>, err: Error) -> Error {
+        if self.check_open().is_err() || !matches!(op, world::Op::Init | world::Op::Push) {
+            return err;
+        }
+        let known = key.and_then(|k| self.local.shape(k).ok());
+        let shape = shape.or(known.as_deref()).unwrap_or(&[]);
+        let step = key.and_then(|k| self.local.pushes(k).ok()).unwrap_or(0);
+        let mine = match key {
+            Some(k) => self.agreement(op, k, shape, step, false),
+            None => world::Agreement { ok: false, ..world::Agreement::plain(op) },
+        };
+        let what = match (op, key) {
+            (world::Op::Init, Some(k)) => format!("the init of key {k}"),
+            (_, Some(k)) => format!("the push of key {k}"),
+            (world::Op::Init, None) => "an init".to_string(),
+            _ => "a push".to_string(),
+        };
+        let _ = self.agree(&what, &mine, Some(&err));
+        err
     }
 
     /// An agreement, with this worker's own error when its checks failed
@@ -129,8 +171,7 @@ impl MpiStore {
     pub fn barrier(&self) -> Result<()> {
         let _order = self.ordered();
         self.check_open()?;
-        let mine = world::Agreement { op: world::Op::Barrier, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
-        self.agree("a barrier", &mine, None)
+        self.agree("a barrier", &world::Agreement::plain(world::Op::Barrier), None)
     }
 
     /// Closes the store together with every other worker: a worker still
@@ -142,8 +183,7 @@ impl MpiStore {
         if self.closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let mine = world::Agreement { op: world::Op::Close, key_hash: 0, size: 0, step: 0, ok: true, compression: 0, optimizer: 0 };
-        world::check_agree(&self.world, "closing the store", &mine, None)
+        world::check_agree(&self.world, "closing the store", &world::Agreement::plain(world::Op::Close), None)
     }
 }
 
@@ -177,6 +217,20 @@ impl Store for MpiStore {
     }
     fn push(&self, key: &Key, values: &[Array]) -> Result<()> {
         MpiStore::push(self, key, values)
+    }
+    fn pushpull(&self, key: &Key, values: &[Array], outs: &mut [ArrayMut]) -> Result<()> {
+        let shape = self.local.shape(key).map_err(|err| self.refused(world::Op::Push, Some(key), None, err))?;
+        super::check_outputs(key, "pushpull", outs, &shape).map_err(|err| self.refused(world::Op::Push, Some(key), None, err))?;
+        self.push(key, values)?;
+        self.pull(key, outs)
+    }
+    fn broadcast(&self, key: &Key, value: Array, outs: &mut [ArrayMut]) -> Result<()> {
+        super::check_outputs(key, "broadcast", outs, value.shape).map_err(|err| self.refused(world::Op::Init, Some(key), Some(value.shape), err))?;
+        self.init(key, value)?;
+        self.pull(key, outs)
+    }
+    fn refuse(&self, key: Option<&Key>, init: bool, shape: Option<&[usize]>, err: Error) -> Error {
+        self.refused(if init { world::Op::Init } else { world::Op::Push }, key, shape, err)
     }
     fn pull(&self, key: &Key, outs: &mut [ArrayMut]) -> Result<()> {
         self.local.pull(key, outs)

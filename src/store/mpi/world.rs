@@ -15,6 +15,7 @@
 //! cores). MPI is initialised on the first join and finalised at exit.
 
 use crate::error::{Error, Result};
+use crate::key::Key;
 use crate::quant::collective::Collective;
 use crate::quant::engine::Lanes;
 
@@ -278,12 +279,18 @@ impl World {
 
 /// The operations whose agreement `check_agree` checks; each has its own
 /// tag, so that one worker's init can never pair with another's push.
+/// Close is the largest: the agreement's MAX shows a closing worker to
+/// every other, whatever operation they are in (a barrier hid it, and the
+/// job hung at exit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     Init = 1,
     Push = 2,
-    Close = 3,
+    /// The caller's updater, applied after a push's sum: agreed again, as
+    /// it may fail on one worker alone.
+    Update = 3,
     Barrier = 4,
+    Close = 5,
 }
 
 /// What every worker must agree on before a collective: one record of fixed
@@ -291,8 +298,10 @@ pub enum Op {
 #[derive(Clone, Copy, Debug)]
 pub struct Agreement {
     pub op: Op,
+    /// `key_hash`: the key, its kind (int or str) included.
     pub key_hash: u64,
-    pub size: u64,
+    /// `shape_hash` of the key's shape (dimensions, not only their product).
+    pub shape: u64,
     /// Pushes of the key so far.
     pub step: u64,
     /// This worker's own checks passed.
@@ -304,13 +313,32 @@ pub struct Agreement {
 }
 
 impl Agreement {
-    const FIELDS: [&'static str; 7] = ["operation", "key", "size", "push count", "", "compression", "optimizer"];
+    const FIELDS: [&'static str; 7] = ["operation", "key", "shape", "push count", "", "compression", "optimizer"];
     /// The index of `ok` in `FIELDS`: a worker's own checks, named by its error.
     const OK: usize = 4;
 
     fn values(&self) -> [u64; 7] {
-        [self.op as u64, self.key_hash, self.size, self.step, self.ok as u64, self.compression, self.optimizer]
+        [self.op as u64, self.key_hash, self.shape, self.step, self.ok as u64, self.compression, self.optimizer]
     }
+
+    /// An agreement that names no key (a barrier, a close).
+    pub fn plain(op: Op) -> Agreement {
+        Agreement { op, key_hash: 0, shape: 0, step: 0, ok: true, compression: 0, optimizer: 0 }
+    }
+}
+
+/// The key as the agreement compares it: its kind and its bytes (the
+/// int key whose 8 bytes spell "weight00" and the str key "weight00" have
+/// one `stable_hash`, and were reduced together).
+pub fn key_hash(key: &Key) -> u64 {
+    crate::hash::fingerprint(&format!("{key:?}"))
+}
+
+/// The shape as the agreement compares it: (4, 6) and (24,) hold as many
+/// values, but not the same tensor (PowerSGD's factors differ, and the job
+/// aborted).
+pub fn shape_hash(shape: &[usize]) -> u64 {
+    crate::hash::fingerprint(&format!("{shape:?}"))
 }
 
 /// Checks that every worker holds the same `Agreement` before the
