@@ -20,6 +20,30 @@ pub enum Compression {
     OneBit { threshold: f32 },
 }
 
+/// Random-K's coordinates per push: at least one.
+fn check_k(k: Option<u64>) -> Result<()> {
+    match k {
+        Some(0) => Err(param_error("k", "must be a whole number >= 1, got 0")),
+        _ => Ok(()),
+    }
+}
+
+impl Compression {
+    /// Refuses the fields `from_params` refuses, for a compression built or
+    /// changed directly (the enum's and `Qsgd`'s public fields): PowerSGD's
+    /// rank 0 panicked in its round, random-K's k = 0 and a non-finite
+    /// 1-bit threshold were taken. Every scheme push checks it
+    /// (`scheme::check_input`).
+    pub fn check(&self) -> Result<()> {
+        match self {
+            Compression::PowerSgd { rank, .. } if !(1..=1024).contains(rank) => Err(param_error("rank", &format!("must be a whole number from 1 to 1024, got {rank}"))),
+            Compression::OneBit { threshold } => super::onebit::check_threshold(*threshold).map(|_| ()),
+            Compression::Qsgd(q) => check_k(q.k),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The most scales a multi-scale QSGD takes.
 pub const MAX_SCALES: usize = 8;
 
@@ -51,6 +75,7 @@ impl Qsgd {
         if bits.windows(2).any(|w| w[0] >= w[1]) {
             return Err(param_error("bits", &format!("scales must be ascending and distinct, got {bits:?}")));
         }
+        check_k(k)?;
         let mut arr = [0u8; MAX_SCALES];
         bits.iter().enumerate().for_each(|(i, &b)| arr[i] = b as u8);
         Ok(Qsgd { name, bits: arr, count: bits.len() as u8, seed, k, keep_local })

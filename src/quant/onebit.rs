@@ -19,10 +19,12 @@ fn bit(g: f32, r: f32, threshold: f32) -> (bool, f32) {
 }
 
 /// Quantizes one worker's gradient into bits (0 or 1, decoding to -1 or +1),
-/// updating its residual in place. Lengths are the caller's to check.
+/// updating its residual in place. Lengths must be equal (the scheme's
+/// rounds check them; a caller's mistake panics, naming them).
 /// With `ADD`, each bit is added to `bits` (a count over members) instead
 /// of written.
 pub fn quantize<const ADD: bool>(grad: &[f32], residual: &mut [f32], threshold: f32, bits: &mut [i32]) {
+    assert!(grad.len() == residual.len() && bits.len() == residual.len(), "1-bit quantize of {} values with {} residuals and {} bits", grad.len(), residual.len(), bits.len());
     crate::par::chunks2(residual, bits, |start, r, b| {
         for ((g, r), b) in grad[start..start + r.len()].iter().zip(r.iter_mut()).zip(b.iter_mut()) {
             let (set, next) = bit(*g, *r, threshold);

@@ -161,7 +161,7 @@ pub(crate) fn check(
         if shape != k.shape {
             return Err(Error::OptimizerStates(format!("key {}: saved with shape {:?}, initialized here with {shape:?}", k.key, k.shape)));
         }
-        if k.pushes == u64::MAX {
+        if k.pushes == u64::MAX || k.states.iter().any(|s| s.step == u64::MAX) {
             return Err(Error::OptimizerStates(format!("key {}: saved after 2^64 - 1 pushes, which no further push can count", k.key)));
         }
         let n = elements(&k.shape).map_err(|_| Error::OptimizerStates(format!("key {}: saved with shape {:?}, more elements than any array can hold", k.key, k.shape)))?;

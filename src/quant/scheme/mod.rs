@@ -257,15 +257,17 @@ pub fn check_state(c: &Compression, shape: &[usize], state: &State) -> std::resu
 /// Checks what `encode` will be given, before anything changes: at most
 /// one state per gradient (a member past `states` starts from a fresh
 /// one), equal lengths, QSGD's worker bound, and finite values for the
-/// schemes with a residual (PowerSGD the gradient; 1-bit the gradient,
-/// then residual + gradient, whose sum is what it quantizes and keeps;
-/// 2-bit's codec checks residual + gradient itself), so that no NaN or inf
-/// enters a residual. The error names the member and element.
+/// schemes with a residual (PowerSGD the gradient; 1-bit and 2-bit the
+/// gradient, then residual + gradient, whose sum is what they quantize and
+/// keep), so that no NaN or inf enters a residual. The error names the
+/// member and element. The compression's own fields are checked first
+/// (`Compression::check`).
 pub fn check_input(c: &Compression, states: &[State], grads: &[&[f32]], workers: usize) -> Result<()> {
     let n = grads.first().map_or(0, |g| g.len());
     if grads.is_empty() || states.len() > grads.len() || grads.iter().any(|g| g.len() != n) {
         return Err(Error::Internal(format!("a scheme push of {} gradients of lengths {:?} with {} states", grads.len(), grads.iter().map(|g| g.len()).collect::<Vec<_>>(), states.len())));
     }
+    c.check()?;
     if let Compression::Qsgd(q) = c {
         if workers as u64 > qsgd::max_workers(q.bits()[0])? {
             return Err(bad("bits", format!("{workers} workers could overflow the code sum at {} bits", q.bits()[0])));
@@ -273,11 +275,13 @@ pub fn check_input(c: &Compression, states: &[State], grads: &[&[f32]], workers:
     }
     // QSGD changes no state before its shared scale, which is not finite
     // when any member's value is not (`encode_qsgd` names it): no scan here.
-    if matches!(c, Compression::None | Compression::TwoBit(_) | Compression::Qsgd(_)) {
+    if matches!(c, Compression::None | Compression::Qsgd(_)) {
         return Ok(());
     }
     check_finite(grads)?;
-    if let Compression::OneBit { .. } = c {
+    // (The stores' 2-bit runs the codec, which checks this itself; a
+    // 2-bit push through `push_round` took a NaN into its residual.)
+    if let Compression::OneBit { .. } | Compression::TwoBit(_) = c {
         for (m, (g, s)) in grads.iter().zip(states).enumerate() {
             if s.residual.len() == g.len() {
                 crate::codec::check_finite(&format!("pushed value {m}"), g, &s.residual)?;
@@ -410,10 +414,24 @@ pub fn decode(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, out: &
 /// the scale and of PowerSGD's float32 parts.
 pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, offset: usize, out: &mut [f32]) -> Result<()> {
     let n = out.len();
-    let total: usize = ctx.shape.iter().product();
     let malformed = |what: &str| Error::Transport(format!("malformed {} exchange: {what}", c.name()));
+    let total = ctx.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| malformed(&format!("shape {:?} holds more elements than memory", ctx.shape)))?;
     if offset.checked_add(n).is_none_or(|end| end > total) {
         return Err(malformed(&format!("elements {offset}..+{n} of a key of {total}")));
+    }
+    // The codes a sum declares must be sums of `workers` members' final
+    // codes: a frame that declared codes of +-100 at 2 bits decoded to 33
+    // times the scale.
+    if let (Compression::Qsgd(_) | Compression::OneBit { .. }, Part::Codes { lo, hi, .. } | Part::Packed { lo, hi, .. }) = (c, sum) {
+        let (f_lo, f_hi) = final_codes(c, ctx.workers).expect("QSGD and 1-bit have final codes");
+        let times = match sum {
+            Part::Packed { count, .. } => *count as i64,
+            _ => ctx.workers as i64, // each member's range, summed over the workers
+        };
+        let w = ctx.workers as i64;
+        if (*lo as i64) * times < f_lo as i64 * w || (*hi as i64) * times > f_hi as i64 * w {
+            return Err(malformed(&format!("codes {lo}..={hi} summed over {times} are not sums of {w} members' codes in {f_lo}..={f_hi}")));
+        }
     }
     match (c, sum) {
         (Compression::Qsgd(q), Part::Codes { .. } | Part::Packed { .. }) => {
@@ -473,8 +491,8 @@ pub fn decode_slice(c: &Compression, exchanged: &[Part], sum: &Part, ctx: &Ctx, 
             qsgd::decode_lanes(words, *width, -(ctx.workers as f64), 1.0, true, out)
         }
         (Compression::OneBit { .. }, Part::Codes { codes, .. }) if codes.len() == n => {
-            let w = ctx.workers as i32;
-            out.par_chunks_mut(1 << 16).zip(codes.par_chunks(1 << 16)).for_each(|(o, c)| o.iter_mut().zip(c).for_each(|(o, &c)| *o = (2 * c - w) as f32));
+            let w = ctx.workers as i64;
+            out.par_chunks_mut(1 << 16).zip(codes.par_chunks(1 << 16)).for_each(|(o, c)| o.iter_mut().zip(c).for_each(|(o, &c)| *o = (2 * c as i64 - w) as f32));
             Ok(())
         }
         (Compression::TwoBit(th), Part::Packed { words, n: len, lo: 0, hi, width, .. }) if *len == n => twobit::decode_packed(words, *width, *hi, *th, out),

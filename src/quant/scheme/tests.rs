@@ -409,6 +409,55 @@ fn one_and_two_bit_commit_the_codecs_residuals_in_finish_and_an_unfinished_push_
 }
 
 #[test]
+fn a_compression_built_directly_is_checked_as_its_parameters_are() {
+    // Public fields bypass from_params: PowerSGD's rank 0 panicked in its
+    // round ("chunk size must be non-zero"); k = 0 and a NaN threshold were taken.
+    let g = [1.0f32, 2.0, 3.0, 4.0];
+    let mut grandk = match params(&[("compress", "grandk_mn"), ("bits", "4"), ("k", "2")]) {
+        Compression::Qsgd(q) => q,
+        _ => unreachable!(),
+    };
+    grandk.k = Some(0);
+    assert!(crate::quant::compression::Qsgd::new("grandk_mn", &[4], 0, Some(0), false).unwrap_err().to_string().contains("'k'"));
+    for (c, want) in [
+        (Compression::PowerSgd { rank: 0, seed: 0 }, "'rank'"),
+        (Compression::PowerSgd { rank: 1025, seed: 0 }, "'rank'"),
+        (Compression::OneBit { threshold: f32::NAN }, "'threshold'"),
+        (Compression::Qsgd(grandk), "'k'"),
+    ] {
+        let err = check_input(&c, &[], &[&g], 1).unwrap_err().to_string();
+        assert!(err.contains(want), "{c:?}: {err}");
+    }
+}
+
+#[test]
+fn a_final_sum_whose_codes_no_members_could_send_is_malformed() {
+    // from_wire checks codes only against the frame's own range: codes of
+    // +-100 at 2 bits (s = 3) decoded to 33 times the scale, and 1-bit
+    // lanes from -1000 to 3998.
+    let shape = [2usize];
+    let ctx = |workers| Ctx { shape: &shape, step: 0, key_hash: 1, member: 0, workers };
+    let q = params(&[("compress", "qsgd_mn"), ("bits", "2")]);
+    let hostile = from_wire(&to_wire(&Part::Codes { codes: vec![100, -100], lo: -100, hi: 100 })).unwrap();
+    let mut out = [7f32; 2];
+    let err = decode(&q, &[Part::F32(vec![1.0])], &hostile, &ctx(1), &mut out).unwrap_err().to_string();
+    assert!(err.contains("malformed") && err.contains("codes -100..=100"), "{err}");
+    let one = params(&[("compress", "1bit")]);
+    let hostile = from_wire(&to_wire(&Part::Codes { codes: vec![1000, -1000], lo: -1000, hi: 1000 })).unwrap();
+    assert!(decode(&one, &[], &hostile, &ctx(2), &mut out).unwrap_err().to_string().contains("malformed"));
+    assert_eq!(out, [7.0; 2]);
+    // The sums of 2 members' codes, sent as one frame (a server's pull), decode.
+    let sum = from_wire(&to_wire(&Part::Codes { codes: vec![6, -6], lo: -6, hi: 6 })).unwrap();
+    decode(&q, &[Part::F32(vec![1.0])], &sum, &ctx(2), &mut out).unwrap();
+    assert_eq!(out, [2.0, -2.0]);
+    assert!(decode(&q, &[Part::F32(vec![1.0])], &sum, &ctx(1), &mut out).is_err());
+    // A shape whose product overflows is malformed, not a wrapped count.
+    let huge = [1usize << 40, 1 << 40, 0];
+    let ctx = Ctx { shape: &huge, step: 0, key_hash: 1, member: 0, workers: 1 };
+    assert!(decode(&Compression::None, &[], &Part::F32(vec![]), &ctx, &mut []).unwrap_err().to_string().contains("more elements"));
+}
+
+#[test]
 fn one_bit_sums_plus_minus_one() {
     let c = params(&[("compress", "1bit"), ("threshold", "0")]);
     let grads = vec![vec![0.5f32, -0.5, 0.1], vec![0.5, 0.5, -0.1], vec![-0.5, -0.5, 0.2]];
@@ -420,7 +469,9 @@ fn one_bit_sums_plus_minus_one() {
 fn check_input_names_the_member_and_element_of_a_non_finite_value() {
     let g0 = [1.0f32, 2.0, 3.0];
     let g1 = [1.0f32, f32::NEG_INFINITY, 3.0];
-    for c in [params(&[("compress", "1bit")]), params(&[("compress", "powersgd"), ("rank", "1")])] {
+    // (2-bit through push_round took the -inf into its residual: the
+    // stores' codec checks it, push_round did not.)
+    for c in [params(&[("compress", "1bit")]), params(&[("compress", "powersgd"), ("rank", "1")]), params(&[("compress", "2bit"), ("threshold", "0.5")])] {
         let err = check_input(&c, &[], &[&g0, &g1], 2).unwrap_err().to_string();
         assert!(err.contains("pushed value 1 holds -inf at element 1"), "{}: {err}", c.name());
         check_input(&c, &[], &[&g0, &g0], 2).unwrap();
@@ -432,8 +483,12 @@ fn check_input_names_the_member_and_element_of_a_non_finite_value() {
     let ctx = Ctx { shape: &[3], step: 0, key_hash: 1, member: 0, workers: 2 };
     let err = push_round(&q, &mut states, &[&g0, &g1], &ctx, &mut InProcess::new(2), &mut [0.0; 3]).unwrap_err().to_string();
     assert!(err.contains("pushed value 1 holds -inf at element 1"), "{err}");
-    // 2-bit's codec checks residual + gradient itself; lengths and counts are checked for all.
-    check_input(&params(&[("compress", "2bit"), ("threshold", "0.5")]), &[], &[&g0, &g1], 2).unwrap();
+    // 2-bit and 1-bit read residual + gradient.
+    let mut s = State::default();
+    s.residual = vec![0.0, f32::MAX, 0.0];
+    let err = check_input(&params(&[("compress", "2bit"), ("threshold", "0.5")]), &[s], &[&[1.0, f32::MAX, 1.0]], 1).unwrap_err().to_string();
+    assert!(err.contains("element 1"), "{err}");
+    // Lengths and counts are checked for all.
     assert!(check_input(&params(&[("compress", "1bit")]), &[State::default(), State::default()], &[&g0], 2).is_err());
     assert!(check_input(&params(&[("compress", "1bit")]), &[], &[&g0, &g0[..2]], 2).is_err());
     let err = check_input(&params(&[("compress", "qsgd_mn"), ("bits", "8")]), &[], &[&g0], 1 << 30).unwrap_err().to_string();

@@ -786,6 +786,10 @@ fn a_state_reloads_after_some_of_its_keys_were_pushed_and_refuses_what_it_cannot
     let mut saved = checkpoint::decode(&blob).unwrap();
     saved.keys[0].pushes = u64::MAX;
     assert!(second.load(&checkpoint::encode(&saved)).unwrap_err().to_string().contains("key 'x': saved after 2^64 - 1 pushes"));
+    // ... or a scheme state's (its step wrapped to 0 at the next push).
+    let mut saved = checkpoint::decode(&blob).unwrap();
+    saved.keys[0].states[0].step = u64::MAX;
+    assert!(second.load(&checkpoint::encode(&saved)).unwrap_err().to_string().contains("key 'x': saved after 2^64 - 1 pushes"));
     // A key saved twice (one of its states would be dropped).
     let mut saved = checkpoint::decode(&blob).unwrap();
     saved.keys[1] = saved.keys[0].clone();

@@ -664,7 +664,15 @@ impl Round<'_> {
         let grads: Vec<Grad> = values.iter().map(|v| v.data).collect();
         e.merge_buf.resize(n, 0.0);
         sum_into(&mut e.merge_buf, &grads, false);
-        scheme::check_pushed(&self.compression, &e.merge_buf, e.states.first(), "merged gradient").map_err(|err| key_error(key, err.to_string()))
+        scheme::check_pushed(&self.compression, &e.merge_buf, e.states.first(), "merged gradient").map_err(|err| key_error(key, err.to_string()))?;
+        // QSGD's shared scale would fail every worker together, but only
+        // inside the round, naming no worker: this one says which element,
+        // now, and the agreement names it to the others (as a parameter
+        // server's worker does).
+        if let Compression::Qsgd(_) = self.compression {
+            scheme::check_finite(&[&e.merge_buf]).map_err(|err| key_error(key, err.to_string()))?;
+        }
+        Ok(())
     }
 
     /// Reduces the merged sum with the other workers' through `group`
