@@ -71,6 +71,9 @@ pub enum Error {
 
     #[error("optimizer states: {0}")]
     OptimizerStates(String),
+    /// A compression-state blob that is malformed or does not fit the store.
+    #[error("compression states: {0}")]
+    CompressionStates(String),
 
     // --- distributed ---------------------------------------------------------
     #[error("transport: {0}")]

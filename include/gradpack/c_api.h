@@ -298,11 +298,13 @@ typedef int (*gp_reduce_fn)(void* user, int op, int dtype, void* data, uint64_t 
  * and compressed only when that makes them `min_compression_rate` times
  * smaller. 2bit and 1bit sum every rank's codes in 32-bit lanes: a world
  * of more ranks than that holds (2bit: 46340) is an error naming both.
- * `exchange`, "lanes", "owners" or "auto" (NULL: "lanes"), says how
- * compressed buckets travel: one all-reduce of lanes for every rank's sum
- * (exact), or the owners exchange (all-to-all, each rank rounding the mean
- * of its share of the codes, all-gather: bytes that do not grow with the
- * world), docs/torch.md. `*out` owns the handle: gp_group_free. */
+ * `exchange`, "lanes", "owners", "auto" or "scatter" (NULL: "lanes"),
+ * says how compressed buckets travel: one all-reduce of lanes for every
+ * rank's sum (exact), the owners exchange (all-to-all, each rank rounding
+ * the mean of its share of the codes, all-gather: bytes that do not grow
+ * with the world), or FSDP2's reduce-scatter (each rank decodes its own
+ * shard: gradpack.torch.fsdp), docs/torch.md. `*out` owns the handle:
+ * gp_group_free. */
 int gp_group_new(const char* const* keys, const char* const* vals, int num, uint64_t rank,
                  uint64_t world, uint64_t start_iter, double min_compression_rate,
                  const char* exchange, gp_group_t** out);

@@ -48,7 +48,7 @@ impl Saved {
 }
 
 fn fail(problem: &str) -> Error {
-    Error::OptimizerStates(format!("compression-state blob: {problem}"))
+    Error::CompressionStates(format!("malformed blob: {problem}"))
 }
 
 fn put_key(out: &mut Vec<u8>, key: &Key) {
@@ -148,23 +148,23 @@ pub(crate) fn check(
 ) -> Result<()> {
     let mine = format!("{compression:?}");
     if saved.compression != mine {
-        return Err(Error::OptimizerStates(format!("compression states were saved with {}, this store uses {mine}", saved.compression)));
+        return Err(Error::CompressionStates(format!("saved with {}, this store uses {mine}", saved.compression)));
     }
     if (saved.rank, saved.workers) != (rank, workers) {
-        return Err(Error::OptimizerStates(format!(
-            "compression states were saved by worker {} of {}, this is worker {rank} of {workers} (each worker loads its own)",
+        return Err(Error::CompressionStates(format!(
+            "saved by worker {} of {}, this is worker {rank} of {workers} (each worker loads its own)",
             saved.rank, saved.workers
         )));
     }
     for k in &saved.keys {
-        let shape = shape_of(&k.key).map_err(|_| Error::OptimizerStates(format!("key {}: in the compression states but not initialized in this store", k.key)))?;
+        let shape = shape_of(&k.key).map_err(|_| Error::CompressionStates(format!("key {}: in the compression states but not initialized in this store", k.key)))?;
         if shape != k.shape {
-            return Err(Error::OptimizerStates(format!("key {}: saved with shape {:?}, initialized here with {shape:?}", k.key, k.shape)));
+            return Err(Error::CompressionStates(format!("key {}: saved with shape {:?}, initialized here with {shape:?}", k.key, k.shape)));
         }
         if k.pushes == u64::MAX || k.states.iter().any(|s| s.step == u64::MAX) {
-            return Err(Error::OptimizerStates(format!("key {}: saved after 2^64 - 1 pushes, which no further push can count", k.key)));
+            return Err(Error::CompressionStates(format!("key {}: saved after 2^64 - 1 pushes, which no further push can count", k.key)));
         }
-        let n = elements(&k.shape).map_err(|_| Error::OptimizerStates(format!("key {}: saved with shape {:?}, more elements than any array can hold", k.key, k.shape)))?;
+        let n = elements(&k.shape).map_err(|_| Error::CompressionStates(format!("key {}: saved with shape {:?}, more elements than any array can hold", k.key, k.shape)))?;
         // 2-bit residuals: one per device of the whole value, or (dist) one per server slice.
         let fits = match &slices_of(&k.key) {
             None => k.residuals.iter().all(|r| r.is_empty() || r.len() == n),
@@ -173,16 +173,16 @@ pub(crate) fn check(
         };
         if !fits {
             let lens: Vec<usize> = k.residuals.iter().map(Vec::len).collect();
-            return Err(Error::OptimizerStates(format!("key {}: residuals of {lens:?} elements do not fit a value of {n} here (saved with another number of servers?)", k.key)));
+            return Err(Error::CompressionStates(format!("key {}: residuals of {lens:?} elements do not fit a value of {n} here (saved with another number of servers?)", k.key)));
         }
         for s in &k.states {
-            scheme::check_state(compression, &shape, s).map_err(|why| Error::OptimizerStates(format!("key {}: {why}", k.key)))?;
+            scheme::check_state(compression, &shape, s).map_err(|why| Error::CompressionStates(format!("key {}: {why}", k.key)))?;
         }
         // A non-finite residual or Q would enter every later push (and, summed, every rank's result).
         let held = k.residuals.iter().map(|r| ("2-bit residual", r)).chain(k.states.iter().flat_map(|s| [("residual", &s.residual), ("PowerSGD Q", &s.q)]));
         for (what, values) in held {
             if let Some(at) = values.iter().position(|x| !x.is_finite()) {
-                return Err(Error::OptimizerStates(format!("key {}: its saved {what} holds {} at element {at}, a non-finite value", k.key, values[at])));
+                return Err(Error::CompressionStates(format!("key {}: its saved {what} holds {} at element {at}, a non-finite value", k.key, values[at])));
             }
         }
     }

@@ -983,13 +983,13 @@ impl Group {
         let shape_here = |k: &Key| Ok(keys.idle.get(k).map_or_else(|| saved_shapes.get(k).map_or_else(Vec::new, |s| (*s).clone()), |e| e.shape.clone()));
         checkpoint::check(&saved, &self.compression, (self.rank as u64, self.world as u64), shape_here, |_| None)?;
         if let Some(k) = keys.idle.keys().find(|k| !saved_shapes.contains_key(k)) {
-            return Err(Error::OptimizerStates(format!("key {k}: pushed here but not in the compression states")));
+            return Err(Error::CompressionStates(format!("key {k}: pushed here but not in the compression states")));
         }
         // A rank keeps one scheme state a key: a blob of a store with
         // several devices (or 2-bit's per-device residuals) would lose all
         // but one of them.
         if let Some(k) = saved.keys.iter().find(|k| !k.residuals.is_empty() || k.states.len() > 1) {
-            return Err(Error::OptimizerStates(format!(
+            return Err(Error::CompressionStates(format!(
                 "key {}: saved with {} residuals and {} scheme states, as a store with several devices keeps them; a gradpack.torch State keeps one state a key",
                 k.key,
                 k.residuals.len(),

@@ -256,7 +256,7 @@ fn a_checkpoint_with_a_non_finite_state_or_an_overflowing_shape_is_refused_whole
             let values = if what == "PowerSGD Q" { &mut state.q } else { &mut state.residual };
             values[1] = bad;
             let err = group.load(&checkpoint::encode(&saved)).unwrap_err().to_string();
-            assert_eq!(err, format!("optimizer states: key 'm': its saved {what} holds {bad} at element 1, a non-finite value"));
+            assert_eq!(err, format!("compression states: key 'm': its saved {what} holds {bad} at element 1, a non-finite value"));
             assert_eq!(group.save().unwrap(), blob, "unchanged");
             // A fresh group refuses it too.
             assert!(Group::new(c, 0, 1, 0, 0.0).unwrap().load(&checkpoint::encode(&saved)).is_err());

@@ -875,7 +875,7 @@ fn compression_states_that_do_not_fit_are_refused_changing_nothing() {
     let other = store("0.7", 8);
     let before = other.save_compression_states().unwrap();
     let err = other.load_compression_states(&blob).unwrap_err().to_string();
-    assert!(err.contains("compression states were saved with") && err.contains("0.5") && err.contains("0.7"), "{err}");
+    assert!(err.contains("compression states: saved with") && err.contains("0.5") && err.contains("0.7"), "{err}");
     let err = store("0.5", 9).load_compression_states(&blob).unwrap_err().to_string();
     assert!(err.contains("key 3: saved with shape [8], initialized here with [9]"), "{err}");
     let fresh = KVStore::new("device").unwrap();

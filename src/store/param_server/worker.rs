@@ -618,7 +618,7 @@ impl DistWorker {
         let shape_of = |k: &Key| guards.get(k).map(|e| e.shape.clone()).ok_or_else(|| key_error(k, "not initialized"));
         checkpoint::check(&saved, &compression, (self.rank() as u64, self.num_workers() as u64), shape_of, slices_of)?;
         if let Some(k) = saved.keys.iter().find(|k| k.states.len() > 1) {
-            return Err(Error::OptimizerStates(format!("key {}: {} scheme states, a worker keeps one", k.key, k.states.len())));
+            return Err(Error::CompressionStates(format!("key {}: {} scheme states, a worker keeps one", k.key, k.states.len())));
         }
         let mut by_key = saved.by_key();
         for (key, e) in guards.iter_mut() {
