@@ -222,7 +222,7 @@ static void test_states_carry_residuals() {
   other.SetGradientCompression({{"compress", "2bit"}, {"threshold", "1"}});
   Buf init(0);
   other.Init(7, init.t());
-  CHECK(error_of([&] { other.LoadStates(blob); }).find("compression states were saved with") != std::string::npos);
+  CHECK(error_of([&] { other.LoadStates(blob); }).find("compression states: saved with") != std::string::npos);
 }
 
 // This program links the library built without the `cuda` feature: the CUDA
