@@ -52,7 +52,7 @@ struct Entry {
     pushes: u64,
 }
 
-/// What a push changes besides the value, kept while a caller's updater runs.
+/// What a push changes, the value included, kept while a caller's updater runs.
 struct Undo {
     value: Vec<f32>,
     residuals: Vec<Vec<f32>>,
